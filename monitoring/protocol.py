@@ -1,0 +1,115 @@
+"""The messages the trainer (rank 0) and the monitoring service exchange, as JSON objects.
+
+Trainer → service, once per optimizer step: a `StepMetrics`.
+Service → trainer, in the answer: an `Action`, which rank 0 broadcasts so every rank acts at the
+same step boundary. Both are plain JSON so either side can be replaced or inspected with curl.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol."""
+
+
+def _number(payload: dict, key: str, *, optional: bool = False) -> float | None:
+    value = payload.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _nonfinite_to_json(value: float | None) -> Any:
+    # JSON has no NaN/Inf; a NaN loss is exactly what the monitor must see, so spell it as a string.
+    if value is not None and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _json_to_float(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time: float  # seconds for this optimizer step
+    tokens: int  # tokens consumed so far, all ranks
+    layer_grad_norms: dict[str, float] = field(default_factory=dict)  # per layer group, when measured
+
+    def to_json(self) -> dict[str, Any]:
+        payload = asdict(self)
+        payload["loss"] = _nonfinite_to_json(self.loss)
+        payload["grad_norm"] = _nonfinite_to_json(self.grad_norm)
+        payload["layer_grad_norms"] = {k: _nonfinite_to_json(v) for k, v in self.layer_grad_norms.items()}
+        return payload
+
+    @classmethod
+    def from_json(cls, payload: Any) -> StepMetrics:
+        if not isinstance(payload, dict):
+            raise ProtocolError("metrics must be a JSON object")
+        payload = {k: _json_to_float(v) for k, v in payload.items()}
+        step, tokens = payload.get("step"), payload.get("tokens")
+        for key, value in (("step", step), ("tokens", tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ProtocolError(f"{key!r} must be a non-negative integer, got {value!r}")
+        layers = payload.get("layer_grad_norms") or {}
+        if not isinstance(layers, dict):
+            raise ProtocolError("'layer_grad_norms' must be an object of name → number")
+        layers = {str(k): _number({"v": _json_to_float(v)}, "v") for k, v in layers.items()}
+        return cls(
+            step=step,
+            loss=_number(payload, "loss"),
+            grad_norm=_number(payload, "grad_norm"),
+            lr=_number(payload, "lr"),
+            step_time=_number(payload, "step_time"),
+            tokens=tokens,
+            layer_grad_norms=layers,
+        )
+
+
+@dataclass(frozen=True)
+class Action:
+    """`continue`, or `rollback` to checkpoint `tag` with data seed `seed` and lr scaled by `lr_scale`."""
+
+    action: str = "continue"
+    tag: str | None = None
+    seed: int | None = None
+    lr_scale: float = 1.0
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in ("continue", "rollback", "stop"):
+            raise ProtocolError(f"unknown action {self.action!r}")
+        if self.action == "rollback" and (not self.tag or self.seed is None):
+            raise ProtocolError("a rollback needs a checkpoint 'tag' and a data 'seed'")
+        if not self.lr_scale > 0:
+            raise ProtocolError(f"'lr_scale' must be positive, got {self.lr_scale}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, payload: Any) -> Action:
+        if not isinstance(payload, dict):
+            raise ProtocolError("an action must be a JSON object")
+        unknown = set(payload) - {"action", "tag", "seed", "lr_scale", "reason"}
+        if unknown:
+            raise ProtocolError(f"unknown action fields {sorted(unknown)}")
+        return cls(**payload)
+
+
+CONTINUE = Action()

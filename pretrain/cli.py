@@ -1,0 +1,139 @@
+"""The `pretrain` command line (also `python -m pretrain`).
+
+Each subcommand parses its arguments here and calls into the library. Bad input raises
+`UserError`, which becomes one line on stderr and exit status 2; `--debug` (anywhere on the
+command line) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pretrain.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2) like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# --------------------------------------------------------------------------- subcommands
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from pretrain.config import load_any, to_yaml
+
+    print(to_yaml(load_any(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from pretrain.config import RunConfig, load_any
+    from pretrain.flops import PEAK_FLOPS, flops_report, mfu, peak_flops_for
+
+    cfg = load_any(args.config, args.overrides)
+    model_cfg = cfg.model if isinstance(cfg, RunConfig) else cfg
+    seq_len = args.seq_len or (cfg.data.seq_len if isinstance(cfg, RunConfig) else model_cfg.max_seq_len)
+    if seq_len <= 0:
+        raise UserError(f"--seq-len {seq_len} must be positive")
+    report = flops_report(model_cfg, seq_len)
+    report["model"] = model_cfg.preset
+    peak = args.peak_flops
+    if args.device is not None:
+        peak = peak_flops_for(args.device)
+        if peak is None:
+            raise UserError(
+                f"--device {args.device!r}: no known peak; use one of {', '.join(PEAK_FLOPS)} or --peak-flops"
+            )
+    if args.tokens_per_sec is not None:
+        if peak is None:
+            raise UserError("--tokens-per-sec needs --device NAME or --peak-flops F to compute MFU")
+        report["tokens_per_sec"] = args.tokens_per_sec
+        report["peak_flops"] = peak
+        report["mfu"] = mfu(args.tokens_per_sec, report["flops_per_token"], peak)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    total = report["flops_per_token"]
+    print(
+        f"model {report['model']}: {report['params'] / 1e6:.1f}M params "
+        f"({report['non_embedding_params'] / 1e6:.1f}M non-embedding), seq_len {seq_len}"
+    )
+    print(
+        f"training FLOPs per token: {total / 1e6:.1f}M  (6·N with N = {report['matmul_params'] / 1e6:.1f}M, plus attention)"
+    )
+    for part, value in report["breakdown"].items():
+        print(f"  {part:<24} {value / 1e6:>12.1f}M  {100 * value / total:5.1f}%")
+    if "mfu" in report:
+        print(
+            f"MFU at {args.tokens_per_sec:,.0f} tokens/s per device: {100 * report['mfu']:.1f}% of {peak / 1e12:.0f} TFLOP/s"
+        )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pretrain.demo import run_demo
+
+    run_demo(out_dir=args.out, steps=args.steps)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pretrain", description="Llama-style pretraining with DeepSpeed ZeRO.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    config = sub.add_parser("config", help="inspect run configs")
+    config_sub = config.add_subparsers(
+        dest="config_command", required=True, parser_class=_Parser, metavar="ACTION"
+    )
+    show = config_sub.add_parser(
+        "show", help="print the resolved config (defaults ← preset ← file ← overrides)"
+    )
+    show.add_argument(
+        "config", help="run config (configs/train/*.yaml) or model preset (configs/model/*.yaml)"
+    )
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
+    show.set_defaults(handler=cmd_config_show)
+
+    flops = sub.add_parser("flops", help="parameter counts, training FLOPs per token, and MFU")
+    flops.add_argument("config", help="run config or model preset")
+    flops.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
+    flops.add_argument(
+        "--seq-len", type=int, help="sequence length (default: data.seq_len, or the preset's max_seq_len)"
+    )
+    flops.add_argument("--json", action="store_true", help="print one JSON object")
+    flops.add_argument("--tokens-per-sec", type=float, help="measured tokens/s per device, to compute MFU")
+    flops.add_argument("--device", help="device name for the peak (H100, H200, A100)")
+    flops.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, overriding the table")
+    flops.set_defaults(handler=cmd_flops)
+
+    demo = sub.add_parser("demo", help="a short CPU training run of the tiny model on built-in text")
+    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    demo.set_defaults(handler=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UserError as exc:
+        if debug:
+            raise
+        print(f"pretrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("pretrain: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,443 @@
+"""Typed run configuration: one dataclass per concern, merged and validated in one place.
+
+Precedence, lowest first: dataclass defaults ← model preset (`configs/model/NAME.yaml`, named by
+`model.preset`) ← the run config file ← dotted CLI overrides (`model.n_layers=12`). Merging and
+type checking are OmegaConf's structured configs; the cross-field checks live in the
+`__post_init__` of the dataclass that owns the fields, and derived values (`n_kv_heads`, `d_ff`)
+are filled in there once. Any problem raises `ConfigError` with one line that names the key.
+
+This module must stay light: no torch, no deepspeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pretrain.errors import ConfigError
+
+# Windows shorter than this are allowed only in unit tests of the model itself.
+MIN_PRETRAIN_SEQ_LEN = 512
+
+REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: pick one of those")
+
+
+def _positive(key: str, value: float | int, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} must be {bound}")
+
+
+@dataclass
+class ModelConfig:
+    """The decoder's shape and its architecture switches (defaults are the Llama style)."""
+
+    # Filled in by __post_init__ when left None; the loader keeps them None in the merge schema so
+    # that a default derived for the default d_model never leaks into a preset with another one.
+    DERIVED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_ff")
+
+    preset: str | None = None  # name of the configs/model/ preset these values came from
+    vocab_size: int = 32000
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None  # None: = n_heads (plain multi-head attention)
+    d_ff: int | None = None  # None: SwiGLU ~8/3·d_model rounded up to ffn_multiple_of, else 4·d_model
+    ffn_multiple_of: int = 256
+    max_seq_len: int = 2048
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_placement: str = "pre"  # pre | post
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu | relu
+    positions: str = "rope"  # rope | sinusoidal | learned
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
+            _positive(f"model.{key}", getattr(self, key))
+        _positive("model.norm_eps", self.norm_eps)
+        _positive("model.init_std", self.init_std)
+        _positive("model.rope_theta", self.rope_theta)
+        _choice("model.norm", self.norm, ("rmsnorm", "layernorm"))
+        _choice("model.norm_placement", self.norm_placement, ("pre", "post"))
+        _choice("model.activation", self.activation, ("swiglu", "gelu", "relu"))
+        _choice("model.positions", self.positions, ("rope", "sinusoidal", "learned"))
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                "choose n_heads so that head_dim = d_model / n_heads is a whole number"
+            )
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _positive("model.n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}: "
+                "each key/value head must serve a whole group of query heads"
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd: rotary embeddings need an even head_dim")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is odd: sinusoidal positions need an even d_model"
+            )
+        if self.d_ff is None:
+            self.d_ff = default_ffn_dim(self.d_model, self.activation, self.ffn_multiple_of)
+        _positive("model.d_ff", self.d_ff)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def default_ffn_dim(d_model: int, activation: str, multiple_of: int) -> int:
+    """SwiGLU has three matrices, so ~8/3·d keeps its parameter count equal to a 4·d two-matrix MLP."""
+    if activation != "swiglu":
+        return 4 * d_model
+    return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
+
+
+@dataclass
+class RunSection:
+    dir: str = "runs/default"  # everything the run writes goes here
+    seed: int = 0
+    deterministic: bool = False  # deterministic kernels and settings for bitwise resume
+
+
+@dataclass
+class DataConfig:
+    dir: str | None = None  # prepared shards (`pretrain data prepare --out`)
+    seq_len: int = 2048  # tokens per training window (the stream yields seq_len + 1)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < MIN_PRETRAIN_SEQ_LEN:
+            raise ConfigError(
+                f"data.seq_len={self.seq_len} is below {MIN_PRETRAIN_SEQ_LEN}: "
+                f"pretraining streams windows of at least {MIN_PRETRAIN_SEQ_LEN} tokens"
+            )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    micro_batch_size: int = 8  # windows per rank per forward/backward
+    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+
+    def __post_init__(self) -> None:
+        _positive("train.steps", self.steps)
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        _positive("train.grad_accum", self.grad_accum)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate
+    weight_decay: float = 0.1  # not applied to norms, biases and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        for key in ("beta1", "beta2"):
+            value = getattr(self, key)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"optim.{key}={value} must be in [0, 1)")
+        _positive("optim.eps", self.eps)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"  # cosine | wsd | inverse_sqrt | constant
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # final lr / peak lr (cosine, wsd)
+    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final decay
+
+    def __post_init__(self) -> None:
+        _choice("schedule.name", self.name, ("cosine", "wsd", "inverse_sqrt", "constant"))
+        _positive("schedule.warmup_steps", self.warmup_steps, allow_zero=True)
+        if self.name == "inverse_sqrt" and self.warmup_steps == 0:
+            raise ConfigError("schedule.warmup_steps=0: inverse_sqrt needs a warm-up of at least 1 step")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"schedule.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must be in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    deepspeed_config: str = "configs/deepspeed/zero2.json"  # a standard DeepSpeed JSON file
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile the blocks
+    peak_flops: float | None = None  # per-device peak for MFU; None: looked up from the device name
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 1000  # steps between checkpoints
+    keep: int = 3  # newest complete checkpoints kept (pinned ones are never deleted)
+    resume: str | None = None  # None | "auto" | a checkpoint tag or directory
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every", self.every)
+        if self.keep < 2:
+            raise ConfigError(
+                f"checkpoint.keep={self.keep}: keep at least 2 checkpoints, "
+                "as the newest one may still be being written when an older one is needed"
+            )
+
+
+@dataclass
+class EvalConfig:
+    every: int = 500  # steps between held-out evaluations; 0 disables
+    batches: int = 20  # validation micro-batches per evaluation
+
+    def __post_init__(self) -> None:
+        _positive("eval.every", self.every, allow_zero=True)
+        _positive("eval.batches", self.batches)
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10  # steps between console/TensorBoard scalar writes
+    layer_grad_norms_every: int = 50  # steps between per-layer-group gradient norms; 0 disables
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("logging.every", self.every)
+        _positive("logging.layer_grad_norms_every", self.layer_grad_norms_every, allow_zero=True)
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = False  # post metrics to the monitoring service and act on its answers
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the service picks a free port and writes it to the run directory
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"monitor.port={self.port} must be in [0, 65535]")
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for tests and rehearsals; everything is off unless set. Each fault fires once."""
+
+    spike_steps: list[int] = field(default_factory=list)
+    spike_factor: float = 50.0  # multiplies the loss and gradients at spike_steps
+    nan_steps: list[int] = field(default_factory=list)
+    kill_step: int | None = None
+    kill_rank: int = 0
+    hang_step: int | None = None
+    hang_rank: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("faults.spike_factor", self.spike_factor)
+        for key in ("spike_steps", "nan_steps"):
+            for step in getattr(self, key):
+                _positive(f"faults.{key}", step)
+        for key in ("kill_rank", "hang_rank"):
+            _positive(f"faults.{key}", getattr(self, key), allow_zero=True)
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
+                "raise model.max_seq_len or shorten data.seq_len"
+            )
+
+
+RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: check the path")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def is_model_preset(data: dict[str, Any]) -> bool:
+    """A model preset file holds ModelConfig fields at top level; a run config holds sections."""
+    model_keys = {f.name for f in fields(ModelConfig)}
+    return bool(data) and set(data) <= model_keys and not set(data) & set(RUN_SECTIONS)
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in (REPO_CONFIG_DIR / "model").glob("*.yaml"))
+
+
+def find_preset(name: str, config_path: Path | None = None) -> Path:
+    """Resolve `model.preset`: a path to a YAML file, or a name under some `configs/model/`."""
+    candidates: list[Path] = []
+    if name.endswith((".yaml", ".yml")):
+        if config_path is not None:
+            candidates.append(config_path.parent / name)
+        candidates.append(Path(name))
+    else:
+        if config_path is not None:
+            candidates.append(config_path.resolve().parent.parent / "model" / f"{name}.yaml")
+        candidates.append(Path("configs/model") / f"{name}.yaml")
+        candidates.append(REPO_CONFIG_DIR / "model" / f"{name}.yaml")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        f"unknown model preset {name!r}: no configs/model/{name}.yaml; "
+        f"available presets: {', '.join(available_presets()) or 'none found'}"
+    )
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (for example model.n_layers=12)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"could not parse overrides {' '.join(overrides)!r}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _schema(cls: type) -> DictConfig:
+    """The typed, empty-of-derived-values config that YAML layers are merged onto."""
+    schema = OmegaConf.structured(cls)
+    model = schema if cls is ModelConfig else schema.model
+    for name in ModelConfig.DERIVED:
+        model[name] = None
+    return schema
+
+
+def _merge_layer(base: DictConfig, layer: Any, source: str) -> DictConfig:
+    """Merge one layer onto the typed config, naming the key and the source on failure."""
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        message = _first_line(exc)
+        if message.startswith("Key ") and "not in" in message:
+            section = key.rsplit(".", 1)[0] if "." in key else None
+            known = _known_keys(section)
+            raise ConfigError(
+                f"{source}: unknown key {key!r}: check the spelling; valid keys"
+                f"{' in ' + repr(section) if section else ''} are {', '.join(known)}"
+            ) from None
+        raise ConfigError(f"{source}: {key}: {message}: set it to a value of the field's type") from None
+
+
+def _known_keys(section: str | None) -> list[str]:
+    if section is None:
+        return list(RUN_SECTIONS)
+    owner = {f.name: f.default_factory for f in fields(RunConfig)}.get(section)
+    return [f.name for f in fields(owner())] if owner else []
+
+
+def _to_object(merged: DictConfig) -> Any:
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {_first_line(exc)}") from None
+
+
+def load_model_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
+    """Load a model preset file (flat ModelConfig fields) with `key=value` overrides."""
+    path = Path(path)
+    data = read_yaml(path)
+    merged = _merge_layer(_schema(ModelConfig), data, str(path))
+    merged = _merge_layer(merged, parse_overrides(overrides), "override")
+    model = _to_object(merged)
+    if model.preset is None:
+        model.preset = path.stem
+    return model
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a run config: defaults ← model preset ← file ← dotted overrides, then validate."""
+    path = Path(path)
+    data = read_yaml(path)
+    if is_model_preset(data):
+        raise ConfigError(
+            f"{path} is a model preset, not a run config: name it from a run config as "
+            f"`model: {{preset: {path.stem}}}` (see configs/train/)"
+        )
+    cli = parse_overrides(overrides)
+    preset = OmegaConf.select(cli, "model.preset") or (data.get("model") or {}).get("preset")
+    merged = _schema(RunConfig)
+    if preset is not None:
+        preset_path = find_preset(str(preset), path)
+        preset_data = read_yaml(preset_path)
+        merged = _merge_layer(merged, {"model": preset_data}, str(preset_path))
+    merged = _merge_layer(merged, data, str(path))
+    merged = _merge_layer(merged, cli, "override")
+    return _to_object(merged)
+
+
+def load_any(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig | ModelConfig:
+    """A run config, or a model preset file (as `pretrain flops configs/model/gpt3-125m.yaml` takes)."""
+    if is_model_preset(read_yaml(path)):
+        return load_model_config(path, overrides)
+    return load_config(path, overrides)
+
+
+def to_yaml(cfg: RunConfig | ModelConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_hash(cfg: RunConfig | ModelConfig) -> str:
+    """A stable digest of the resolved values (for checkpoints to say what produced them)."""
+    text = json.dumps(asdict(cfg), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

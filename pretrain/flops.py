@@ -1,0 +1,130 @@
+"""Parameter counts, training FLOPs per token, and model FLOPs utilization (MFU).
+
+FLOPs per token follow PaLM (appendix B) and torchtitan: 6·N + 12·L·nh·hd·T, where N counts the
+parameters that take part in matrix products: every parameter except the input embeddings
+(token, and learned positions), with the LM head counted once whether or not it is tied to the
+token embedding. 6 = 2 FLOPs per multiply-add × (forward + 2× backward). The attention term
+counts QK^T and AV over the full T×T (as PaLM does; causal kernels skip about half of it).
+
+MFU = achieved FLOPs/s ÷ the device's peak dense bf16 FLOPs/s. It never counts recomputation
+(activation checkpointing) as useful work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pretrain.config import ModelConfig
+
+# Dense bf16 tensor-core peaks in FLOP/s (no sparsity), from the vendors' datasheets.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # token embedding
+    positions: int  # learned position embedding (0 for rope / sinusoidal)
+    attention: int  # q, k, v and output projections, all layers
+    feed_forward: int  # all layers
+    norms: int  # every norm's weights (and biases for LayerNorm)
+    lm_head: int  # 0 when tied: the head is the embedding matrix
+    total: int  # unique parameters
+    non_embedding: int  # total - embedding - positions (Kaplan et al.'s N)
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    d, L = cfg.d_model, cfg.n_layers
+    attention = L * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * d)
+    feed_forward = L * (3 if cfg.activation == "swiglu" else 2) * d * cfg.d_ff
+    per_norm = d * (2 if cfg.norm == "layernorm" else 1)
+    norms = per_norm * (2 * L + (1 if cfg.norm_placement == "pre" else 0))
+    embedding = cfg.vocab_size * d
+    positions = cfg.max_seq_len * d if cfg.positions == "learned" else 0
+    lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    total = embedding + positions + attention + feed_forward + norms + lm_head
+    return ParamCounts(
+        embedding=embedding,
+        positions=positions,
+        attention=attention,
+        feed_forward=feed_forward,
+        norms=norms,
+        lm_head=lm_head,
+        total=total,
+        non_embedding=total - embedding - positions,
+    )
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """Training FLOPs per token by part; the parts add up to `total`."""
+
+    attention_projections: int
+    attention_scores: int  # QK^T
+    attention_weighted_sum: int  # AV
+    feed_forward: int
+    lm_head: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return sum(asdict(self).values())
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsBreakdown:
+    counts = param_counts(cfg)
+    attention_matmul = 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # each of QK^T and AV
+    return FlopsBreakdown(
+        attention_projections=6 * counts.attention,
+        attention_scores=attention_matmul,
+        attention_weighted_sum=attention_matmul,
+        feed_forward=6 * counts.feed_forward,
+        lm_head=6 * cfg.vocab_size * cfg.d_model,
+        norms=6 * counts.norms,
+    )
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """N in 6·N: non-embedding parameters, plus the LM head when it is tied (counted once)."""
+    counts = param_counts(cfg)
+    return counts.non_embedding + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilization in [0, 1] (per device: pass that device's tokens/s)."""
+    return tokens_per_sec * flops_per_token / peak_flops
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3'; None if unknown."""
+    upper = device_name.upper()
+    for key, value in PEAK_FLOPS.items():
+        if key in upper:
+            return value
+    return None
+
+
+def current_device_peak_flops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return peak_flops_for(torch.cuda.get_device_name())
+
+
+def flops_report(cfg: ModelConfig, seq_len: int) -> dict:
+    """Everything `pretrain flops --json` prints."""
+    counts = param_counts(cfg)
+    breakdown = flops_per_token(cfg, seq_len)
+    return {
+        "params": counts.total,
+        "non_embedding_params": counts.non_embedding,
+        "matmul_params": matmul_params(cfg),
+        "seq_len": seq_len,
+        "flops_per_token": breakdown.total,
+        "breakdown": asdict(breakdown),
+        "param_breakdown": asdict(counts),
+    }

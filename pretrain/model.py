@@ -1,0 +1,282 @@
+"""A Llama-style decoder in plain PyTorch, with switches for the classic Transformer recipe.
+
+Read top-down: norms → rotary/sinusoidal positions → attention → feed-forward → block → model.
+Defaults are Llama ("Transformer++"): pre-RMSNorm, RoPE, SwiGLU, no biases. The switches
+(`norm`, `norm_placement`, `activation`, `positions` in `ModelConfig`) give the original
+Vaswani et al. recipe on the same code, so the two can be compared at equal size and tokens.
+
+Nothing here knows about DeepSpeed, data or processes: the engine wraps this module as it is.
+Shapes: B batch, T sequence, d d_model, nh query heads, nkv key/value heads, hd head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config import ModelConfig
+
+IGNORE_INDEX = -100  # targets with this value are left out of the loss (padding, prompts)
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, V)
+    loss: torch.Tensor | None  # mean cross-entropy over non-ignored targets, when targets are given
+    attentions: tuple[torch.Tensor, ...] | None  # per layer (B, nh, T, T), when need_weights=True
+
+
+# --------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · g. Computed in fp32 and cast back, so bf16 activations keep their scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+# --------------------------------------------------------------------------- positions
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (T, hd), in the half-split layout Llama checkpoints use."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+hd/2}) pair by its position's angle: q·k then depends only on the offset."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def sinusoidal_table(seq_len: int, dim: int, device=None) -> torch.Tensor:
+    """Vaswani et al.'s fixed positional encoding, (T, d): sin on even channels, cos on odd ones."""
+    position = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None]  # (T, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(seq_len, dim, device=device)
+    table[:, 0::2] = torch.sin(position * freq)
+    table[:, 1::2] = torch.cos(position * freq)
+    return table
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_with_probs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention written out, returning the probabilities too (for visualization only).
+
+    q (B, nh, T, hd); k, v (B, nkv, T, hd). Query head h reads key/value head h // (nh / nkv).
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
+    v = v.repeat_interleave(groups, dim=1)
+    T = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    return probs @ v, probs
+
+
+class Attention(nn.Module):
+    """Causal self-attention with optional grouped-query heads (n_kv_heads < n_heads)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # One matmul for q, k and v: rows [q heads | k heads | v heads].
+        self.qkv_proj = nn.Linear(
+            cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False
+        )
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        probs = None
+        if need_weights:
+            y, probs = attention_with_probs(q, k, v)
+        else:
+            # Fused kernels (flash / memory-efficient on GPU); the T×T matrix never exists.
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            )
+        y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, nh·hd)
+        return self.o_proj(y), probs
+
+
+# --------------------------------------------------------------------------- feed-forward
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x)); or the classic down(act(up(x))) with GELU/ReLU."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.activation = cfg.activation
+        self.gated = cfg.activation == "swiglu"
+        # For SwiGLU, gate and up share one matmul: rows [gate | up].
+        self.in_proj = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=False)
+        self.out_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.in_proj(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        else:
+            h = F.relu(h)
+        return self.out_proj(h)
+
+
+# --------------------------------------------------------------------------- block and model
+
+
+class Block(nn.Module):
+    """pre: x + f(norm(x)) (Llama, GPT-2+); post: norm(x + f(x)) (Vaswani et al.)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = FeedForward(cfg)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.pre_norm:
+            a, probs = self.attn(self.attn_norm(x), rope, need_weights)
+            x = x + a
+            x = x + self.mlp(self.mlp_norm(x))
+        else:
+            a, probs = self.attn(x, rope, need_weights)
+            x = self.attn_norm(x + a)
+            x = self.mlp_norm(x + self.mlp(x))
+        return x, probs
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = (
+            nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        )
+        # Vaswani et al. scale token embeddings by sqrt(d) so they are not drowned by the unit-size sinusoids.
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.positions == "sinusoidal" else 1.0
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # Post-norm blocks already end in a norm; pre-norm needs one before the head.
+        self.norm = make_norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        # Position tables are derived, not learned: kept out of the state dict.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.register_buffer("pos_table", torch.empty(0), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) everywhere; the projections that write into the residual stream
+        (o_proj, out_proj) get init_std/sqrt(2·n_layers) so the residual's variance stays O(1)
+        with depth (GPT-2). Rebuilds the position tables on the parameters' device, so it can be
+        re-run after creating the model on the meta device and moving it."""
+        cfg = self.cfg
+        std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.pos_embeddings is not None:
+            nn.init.normal_(self.pos_embeddings.weight, std=std)
+        for layer in self.layers:
+            nn.init.normal_(layer.attn.qkv_proj.weight, std=std)
+            nn.init.normal_(layer.attn.o_proj.weight, std=residual_std)
+            nn.init.normal_(layer.mlp.in_proj.weight, std=std)
+            nn.init.normal_(layer.mlp.out_proj.weight, std=residual_std)
+            layer.attn_norm.reset_parameters()
+            layer.mlp_norm.reset_parameters()
+        if not isinstance(self.norm, nn.Identity):
+            self.norm.reset_parameters()
+        if not cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        cfg, device = self.cfg, self.tok_embeddings.weight.device
+        if cfg.positions == "rope":
+            self.rope_cos, self.rope_sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device)
+        if cfg.positions == "sinusoidal":
+            self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model, device)
+
+    def hidden_states(
+        self, tokens: torch.Tensor, need_weights: bool = False
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """tokens (B, T) → final-norm hidden states (B, T, d), and per-layer attention if asked."""
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        h = self.tok_embeddings(tokens)  # (B, T, d)
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
+        rope = None
+        if self.cfg.positions == "rope":
+            rope = (self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype))  # (T, hd) each
+        elif self.cfg.positions == "sinusoidal":
+            h = h + self.pos_table[:T].to(h.dtype)
+        else:
+            h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
+        attentions = []
+        for layer in self.layers:
+            h, probs = layer(h, rope, need_weights)
+            attentions.append(probs)
+        return self.norm(h), (tuple(attentions) if need_weights else None)
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, need_weights: bool = False
+    ) -> ModelOutput:
+        """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), also the mean cross-entropy
+        over positions whose target is not IGNORE_INDEX (computed in fp32)."""
+        h, attentions = self.hidden_states(tokens, need_weights)
+        logits = self.lm_head(h)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return ModelOutput(logits, loss, attentions)

@@ -1,0 +1,98 @@
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pretrain.config import REPO_CONFIG_DIR
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert result.stdout == ""
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("pretrain")
+    assert exe, "pip install -e . should put a `pretrain` console script on PATH"
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "flops" in result.stdout and "config" in result.stdout
+
+
+def test_flops_json():
+    result = run("flops", str(REPO_CONFIG_DIR / "model" / "gpt3-125m.yaml"), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["params"] == 134_105_856 and report["flops_per_token"] == 883_671_552
+    assert {"non_embedding_params", "breakdown"} <= set(report)
+
+
+def test_flops_text_with_mfu():
+    result = run(
+        "flops", str(REPO_CONFIG_DIR / "train" / "tiny.yaml"), "--tokens-per-sec", "1e6", "--device", "H100"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "seq_len 512" in result.stdout and "MFU at 1,000,000 tokens/s" in result.stdout
+
+
+def test_config_show_resolves_overrides():
+    result = run(
+        "config", "show", str(REPO_CONFIG_DIR / "train" / "tiny.yaml"), "model.n_layers=3", "train.steps=9"
+    )
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["model"]["n_layers"] == 3 and shown["train"]["steps"] == 9
+    assert shown["model"]["preset"] == "tiny" and shown["model"]["d_ff"] == 512
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: tiny\n  n_heads: 4\n  n_kv_heads: 3\n")
+    assert_one_line_error(run("config", "show", str(bad)), "pretrain: error:", "model.n_kv_heads=3")
+    assert_one_line_error(run("flops", str(bad)), "model.n_kv_heads=3")
+    assert_one_line_error(run("config", "show", "missing.yaml"), "missing.yaml does not exist")
+    assert_one_line_error(
+        run("config", "show", str(REPO_CONFIG_DIR / "train" / "tiny.yaml"), "model.wat=1"),
+        "unknown key 'model.wat'",
+    )
+    unknown_preset = tmp_path / "preset.yaml"
+    unknown_preset.write_text("model:\n  preset: gpt3-13b\n")
+    assert_one_line_error(run("flops", str(unknown_preset)), "unknown model preset 'gpt3-13b'")
+    assert_one_line_error(
+        run("flops", str(REPO_CONFIG_DIR / "model" / "tiny.yaml"), "--tokens-per-sec", "5"), "--device"
+    )
+    assert_one_line_error(run("no-such-command"), "invalid choice")
+    assert_one_line_error(run("flops"), "required")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: tiny\n  d_model: 100\n  n_heads: 3\n")
+    result = run("--debug", "config", "show", str(bad))
+    assert result.returncode != 0 and "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+def test_demo_trains_and_exports(tmp_path):
+    result = run("demo", "--out", str(tmp_path / "demo"), "--steps", "12")
+    assert result.returncode == 0, result.stderr
+    losses = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("held-out loss"):
+            losses[line.split()[2].rstrip(":")] = float(line.split()[3])
+    assert losses["after"] < losses["before"] - 1.0, result.stdout
+    assert (tmp_path / "demo" / "hf" / "model.safetensors").is_file()
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaForCausalLM.from_pretrained(tmp_path / "demo" / "hf")

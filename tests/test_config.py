@@ -1,0 +1,144 @@
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import (
+    REPO_CONFIG_DIR,
+    ModelConfig,
+    RunConfig,
+    available_presets,
+    config_hash,
+    load_any,
+    load_config,
+    load_model_config,
+    to_yaml,
+)
+from pretrain.errors import ConfigError
+
+GPT3_TABLE = {  # preset: (n_layers, d_model, n_heads, d_ff = 8/3·d rounded up to 256)
+    "gpt3-125m": (12, 768, 12, 2048),
+    "gpt3-350m": (24, 1024, 16, 2816),
+    "gpt3-760m": (24, 1536, 16, 4096),
+    "gpt3-1.3b": (24, 2048, 16, 5632),
+    "gpt3-2.7b": (32, 2560, 32, 6912),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPT3_TABLE))
+def test_gpt3_presets(name):
+    cfg = load_model_config(REPO_CONFIG_DIR / "model" / f"{name}.yaml")
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff) == GPT3_TABLE[name]
+    assert cfg.max_seq_len == 2048 and cfg.n_kv_heads == cfg.n_heads
+    assert (cfg.norm, cfg.norm_placement, cfg.activation, cfg.positions) == (
+        "rmsnorm",
+        "pre",
+        "swiglu",
+        "rope",
+    )
+
+
+def test_every_shipped_config_loads():
+    assert {"tiny", *GPT3_TABLE} <= set(available_presets())
+    for path in sorted(REPO_CONFIG_DIR.rglob("*.yaml")):
+        cfg = load_any(path)
+        if isinstance(cfg, RunConfig):
+            assert cfg.data.seq_len >= 512, f"{path}: pretraining windows must be at least 512 tokens"
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_precedence_defaults_preset_file_overrides(tmp_path):
+    path = write(tmp_path, "model:\n  preset: gpt3-350m\n  n_layers: 6\ndata:\n  seq_len: 1024\n")
+    cfg = load_config(path, ["model.d_model=512", "optim.lr=1e-4", "faults.spike_steps=[3,7]"])
+    assert cfg.model.preset == "gpt3-350m"
+    assert cfg.model.n_layers == 6  # file over preset
+    assert cfg.model.d_model == 512  # override over preset
+    assert cfg.model.n_heads == 16  # preset over default
+    assert cfg.model.d_ff == 1536  # derived from the final d_model, not the preset's or the default's
+    assert cfg.optim.lr == 1e-4 and cfg.faults.spike_steps == [3, 7]
+    assert cfg.train.steps == RunConfig().train.steps
+
+
+def test_override_can_switch_preset(tmp_path):
+    path = write(tmp_path, "model:\n  preset: tiny\ndata:\n  seq_len: 512\n")
+    cfg = load_config(path, ["model.preset=gpt3-125m"])
+    assert cfg.model.preset == "gpt3-125m" and cfg.model.d_model == 768
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(REPO_CONFIG_DIR / "train" / "tiny.yaml", ["train.steps=7"])
+    again = load_config(write(tmp_path, to_yaml(cfg)))
+    assert again == cfg and config_hash(again) == config_hash(cfg)
+    assert config_hash(load_config(REPO_CONFIG_DIR / "train" / "tiny.yaml")) != config_hash(cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        (
+            "model:\n  preset: tiny\n  n_layer: 3\n",
+            [],
+            r"unknown key 'model.n_layer'.*valid keys in 'model' are .*n_layers",
+        ),
+        ("modle:\n  n_layers: 3\n", [], r"unknown key 'modle'.*valid keys are run, model"),
+        ("model:\n  preset: tiny\n", ["train.stepz=3"], r"override: unknown key 'train.stepz'"),
+        ("model:\n  preset: tiny\n  n_layers: three\n", [], r"model.n_layers: Value 'three'.*Integer"),
+        (
+            "model:\n  preset: tiny\n",
+            ["run.deterministic=maybe"],
+            r"run.deterministic: .*not a valid bool.*value of the field's type",
+        ),
+        (
+            "model:\n  preset: tiny\n  d_model: 100\n  n_heads: 3\n",
+            [],
+            r"model.d_model=100 is not divisible by model.n_heads=3",
+        ),
+        (
+            "model:\n  preset: tiny\n  n_heads: 4\n  n_kv_heads: 3\n",
+            [],
+            r"model.n_heads=4 is not divisible by model.n_kv_heads=3",
+        ),
+        (
+            "model:\n  preset: tiny\n  norm: batchnorm\n",
+            [],
+            r"model.norm='batchnorm' is not one of rmsnorm, layernorm",
+        ),
+        ("model:\n  preset: tiny\ndata:\n  seq_len: 128\n", [], r"data.seq_len=128 is below 512"),
+        (
+            "model:\n  preset: tiny\ndata:\n  seq_len: 1024\n",
+            [],
+            r"data.seq_len=1024 exceeds model.max_seq_len=512",
+        ),
+        ("model:\n  preset: tiny\ncheckpoint:\n  keep: 1\n", [], r"checkpoint.keep=1: keep at least 2"),
+        ("model:\n  preset: nope\n", [], r"unknown model preset 'nope'.*available presets: .*gpt3-125m"),
+        ("model:\n  preset: tiny\n", ["model.n_layers"], r"override 'model.n_layers' is not KEY=VALUE"),
+        ("model: [1, 2\n", [], r"not valid YAML at line"),
+        ("- a\n- b\n", [], r"expected a mapping"),
+    ],
+)
+def test_bad_configs_name_the_key(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(write(tmp_path, text), overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/config.yaml")
+
+
+def test_model_preset_is_not_a_run_config():
+    with pytest.raises(ConfigError, match="is a model preset, not a run config"):
+        load_config(REPO_CONFIG_DIR / "model" / "tiny.yaml")
+
+
+def test_model_config_direct_construction_derives_values():
+    cfg = ModelConfig(d_model=1024, n_heads=16)
+    assert cfg.n_kv_heads == 16 and cfg.d_ff == 2816 and cfg.head_dim == 64
+    assert ModelConfig(d_model=64, n_heads=4, activation="relu").d_ff == 256
+    with pytest.raises(ConfigError, match="rotary embeddings need an even head_dim"):
+        ModelConfig(d_model=60, n_heads=4)
