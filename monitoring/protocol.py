@@ -1,14 +1,16 @@
 """The messages the trainer (rank 0) and the monitoring service exchange, as JSON objects.
 
 Trainer → service, once per optimizer step: a `StepMetrics`.
-Service → trainer, in the answer: an `Action`, which rank 0 broadcasts so every rank acts at the
-same step boundary. Both are plain JSON so either side can be replaced or inspected with curl.
+Service → trainer, in the answer: an `Action` (`continue`; `rollback` to a checkpoint with a new
+data seed and an lr scale; or `stop`, when the circuit breaker trips), which rank 0 broadcasts so
+every rank acts at the same step boundary. Both are plain JSON so either side can be replaced or
+inspected with curl. Unknown fields are refused, so a typo never passes silently.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -61,6 +63,9 @@ class StepMetrics:
     def from_json(cls, payload: Any) -> StepMetrics:
         if not isinstance(payload, dict):
             raise ProtocolError("metrics must be a JSON object")
+        unknown = set(payload) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ProtocolError(f"unknown metric fields {sorted(unknown)}")
         payload = {k: _json_to_float(v) for k, v in payload.items()}
         step, tokens = payload.get("step"), payload.get("tokens")
         for key, value in (("step", step), ("tokens", tokens)):
@@ -69,7 +74,10 @@ class StepMetrics:
         layers = payload.get("layer_grad_norms") or {}
         if not isinstance(layers, dict):
             raise ProtocolError("'layer_grad_norms' must be an object of name → number")
-        layers = {str(k): _number({"v": _json_to_float(v)}, "v") for k, v in layers.items()}
+        layers = {
+            str(k): _number({f"layer_grad_norms.{k}": _json_to_float(v)}, f"layer_grad_norms.{k}")
+            for k, v in layers.items()
+        }
         return cls(
             step=step,
             loss=_number(payload, "loss"),
@@ -92,6 +100,12 @@ class Action:
     reason: str | None = None
 
     def __post_init__(self) -> None:
+        for name, types in (("tag", str), ("seed", int), ("reason", str)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+                raise ProtocolError(f"{name!r} must be a {types.__name__}, got {value!r}")
+        if isinstance(self.lr_scale, bool) or not isinstance(self.lr_scale, int | float):
+            raise ProtocolError(f"'lr_scale' must be a number, got {self.lr_scale!r}")
         if self.action not in ("continue", "rollback", "stop"):
             raise ProtocolError(f"unknown action {self.action!r}")
         if self.action == "rollback" and (not self.tag or self.seed is None):

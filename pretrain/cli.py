@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from pretrain.errors import UserError
@@ -37,9 +38,16 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
     cfg = load_any(args.config, args.overrides)
     model_cfg = cfg.model if isinstance(cfg, RunConfig) else cfg
-    seq_len = args.seq_len or (cfg.data.seq_len if isinstance(cfg, RunConfig) else model_cfg.max_seq_len)
-    if seq_len <= 0:
-        raise UserError(f"--seq-len {seq_len} must be positive")
+    seq_len = args.seq_len
+    if seq_len is None:
+        seq_len = cfg.data.seq_len if isinstance(cfg, RunConfig) else model_cfg.max_seq_len
+    for flag, value in (
+        ("--seq-len", seq_len),
+        ("--tokens-per-sec", args.tokens_per_sec),
+        ("--peak-flops", args.peak_flops),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(f"{flag} {value} must be a positive number")
     report = flops_report(model_cfg, seq_len)
     report["model"] = model_cfg.preset
     peak = args.peak_flops
@@ -111,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flops.add_argument("--json", action="store_true", help="print one JSON object")
     flops.add_argument("--tokens-per-sec", type=float, help="measured tokens/s per device, to compute MFU")
-    flops.add_argument("--device", help="device name for the peak (H100, H200, A100)")
-    flops.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, overriding the table")
+    peak = flops.add_mutually_exclusive_group()
+    peak.add_argument("--device", help="device name for the peak (H100, H200, A100)")
+    peak.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, instead of the table")
     flops.set_defaults(handler=cmd_flops)
 
     demo = sub.add_parser("demo", help="a short CPU training run of the tiny model on built-in text")

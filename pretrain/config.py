@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+import sys
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,6 +37,8 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _positive(key: str, value: float | int, *, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value} must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{key}={value} must be {bound}")
@@ -189,6 +192,10 @@ class EngineConfig:
     compile: bool = False  # torch.compile the blocks
     peak_flops: float | None = None  # per-device peak for MFU; None: looked up from the device name
 
+    def __post_init__(self) -> None:
+        if self.peak_flops is not None:
+            _positive("engine.peak_flops", self.peak_flops)
+
 
 @dataclass
 class CheckpointConfig:
@@ -256,6 +263,9 @@ class FaultsConfig:
                 _positive(f"faults.{key}", step)
         for key in ("kill_rank", "hang_rank"):
             _positive(f"faults.{key}", getattr(self, key), allow_zero=True)
+        for key in ("kill_step", "hang_step"):
+            if getattr(self, key) is not None:
+                _positive(f"faults.{key}", getattr(self, key))
 
 
 @dataclass
@@ -289,10 +299,14 @@ RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a config file: pass a .yaml file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist: check the path")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text: pass a YAML config file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -305,13 +319,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def is_model_preset(data: dict[str, Any]) -> bool:
-    """A model preset file holds ModelConfig fields at top level; a run config holds sections."""
-    model_keys = {f.name for f in fields(ModelConfig)}
-    return bool(data) and set(data) <= model_keys and not set(data) & set(RUN_SECTIONS)
+    """A run config has sections at top level; a model preset holds flat ModelConfig fields (a file
+    with neither is taken as a run config, so its unknown keys are reported against the sections)."""
+    model_fields = {f.name for f in fields(ModelConfig)}
+    return not set(data) & set(RUN_SECTIONS) and bool(set(data) & model_fields)
 
 
 def available_presets() -> list[str]:
-    return sorted(p.stem for p in (REPO_CONFIG_DIR / "model").glob("*.yaml"))
+    return sorted(p.stem for p in (config_dir() / "model").glob("*.yaml"))
+
+
+def config_dir() -> Path:
+    """configs/ of the source tree (editable installs), else the copy a wheel installs."""
+    if REPO_CONFIG_DIR.is_dir():
+        return REPO_CONFIG_DIR
+    return Path(sys.prefix) / "share" / "pretrain" / "configs"
 
 
 def find_preset(name: str, config_path: Path | None = None) -> Path:
@@ -325,7 +347,7 @@ def find_preset(name: str, config_path: Path | None = None) -> Path:
         if config_path is not None:
             candidates.append(config_path.resolve().parent.parent / "model" / f"{name}.yaml")
         candidates.append(Path("configs/model") / f"{name}.yaml")
-        candidates.append(REPO_CONFIG_DIR / "model" / f"{name}.yaml")
+        candidates.append(config_dir() / "model" / f"{name}.yaml")
     for candidate in candidates:
         if candidate.is_file():
             return candidate
@@ -335,14 +357,15 @@ def find_preset(name: str, config_path: Path | None = None) -> Path:
     )
 
 
-def parse_overrides(overrides: list[str] | tuple[str, ...]) -> DictConfig:
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not KEY=VALUE (for example model.n_layers=12)")
     try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
+        parsed = OmegaConf.from_dotlist(list(overrides))
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
         raise ConfigError(f"could not parse overrides {' '.join(overrides)!r}: {_first_line(exc)}") from None
+    return OmegaConf.to_container(parsed)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -358,8 +381,26 @@ def _schema(cls: type) -> DictConfig:
     return schema
 
 
-def _merge_layer(base: DictConfig, layer: Any, source: str) -> DictConfig:
+def _check_shape(layer: dict[str, Any], cls: type, source: str, prefix: str = "") -> None:
+    """Sections must be mappings and list fields lists, before OmegaConf sees them (its own
+    messages for these cases name internals, not keys)."""
+    for f in fields(cls):
+        if f.name not in layer or layer[f.name] is None:
+            continue
+        key, value = prefix + f.name, layer[f.name]
+        if is_dataclass(f.default_factory if f.default_factory is not MISSING else None):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{source}: {key} must be a section (a mapping of keys to values), got {value!r}"
+                )
+            _check_shape(value, f.default_factory, source, key + ".")
+        elif f.default_factory is list and not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be a list, for example {key}=[10,20]; got {value!r}")
+
+
+def _merge_layer(base: DictConfig, layer: dict[str, Any], cls: type, source: str) -> DictConfig:
     """Merge one layer onto the typed config, naming the key and the source on failure."""
+    _check_shape(layer, cls, source)
     try:
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as exc:
@@ -367,19 +408,20 @@ def _merge_layer(base: DictConfig, layer: Any, source: str) -> DictConfig:
         message = _first_line(exc)
         if message.startswith("Key ") and "not in" in message:
             section = key.rsplit(".", 1)[0] if "." in key else None
-            known = _known_keys(section)
             raise ConfigError(
                 f"{source}: unknown key {key!r}: check the spelling; valid keys"
-                f"{' in ' + repr(section) if section else ''} are {', '.join(known)}"
+                f"{' in ' + repr(section) if section else ''} are {', '.join(_known_keys(cls, section))}"
             ) from None
         raise ConfigError(f"{source}: {key}: {message}: set it to a value of the field's type") from None
 
 
-def _known_keys(section: str | None) -> list[str]:
-    if section is None:
-        return list(RUN_SECTIONS)
-    owner = {f.name: f.default_factory for f in fields(RunConfig)}.get(section)
-    return [f.name for f in fields(owner())] if owner else []
+def _known_keys(cls: type, section: str | None) -> list[str]:
+    for part in section.split(".") if section else []:
+        owner = {f.name: f.default_factory for f in fields(cls)}.get(part)
+        if owner is None or not is_dataclass(owner):
+            return []
+        cls = owner
+    return [f.name for f in fields(cls)]
 
 
 def _to_object(merged: DictConfig) -> Any:
@@ -394,11 +436,16 @@ def _to_object(merged: DictConfig) -> Any:
 
 
 def load_model_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
-    """Load a model preset file (flat ModelConfig fields) with `key=value` overrides."""
+    """Load a model preset file (flat ModelConfig fields). Overrides may be written `n_layers=2`
+    or, as for run configs, `model.n_layers=2`."""
     path = Path(path)
     data = read_yaml(path)
-    merged = _merge_layer(_schema(ModelConfig), data, str(path))
-    merged = _merge_layer(merged, parse_overrides(overrides), "override")
+    if "preset" in data:
+        raise ConfigError(f"{path}: a model preset cannot name another preset; list the fields instead")
+    cli = parse_overrides(overrides)
+    cli = {**{k: v for k, v in cli.items() if k != "model"}, **(cli.get("model") or {})}
+    merged = _merge_layer(_schema(ModelConfig), data, ModelConfig, str(path))
+    merged = _merge_layer(merged, cli, ModelConfig, "override")
     model = _to_object(merged)
     if model.preset is None:
         model.preset = path.stem
@@ -415,14 +462,16 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             f"`model: {{preset: {path.stem}}}` (see configs/train/)"
         )
     cli = parse_overrides(overrides)
-    preset = OmegaConf.select(cli, "model.preset") or (data.get("model") or {}).get("preset")
+    _check_shape(data, RunConfig, str(path))
+    _check_shape(cli, RunConfig, "override")
+    preset = (cli.get("model") or {}).get("preset") or (data.get("model") or {}).get("preset")
     merged = _schema(RunConfig)
     if preset is not None:
         preset_path = find_preset(str(preset), path)
         preset_data = read_yaml(preset_path)
-        merged = _merge_layer(merged, {"model": preset_data}, str(preset_path))
-    merged = _merge_layer(merged, data, str(path))
-    merged = _merge_layer(merged, cli, "override")
+        merged = _merge_layer(merged, {"model": preset_data}, RunConfig, str(preset_path))
+    merged = _merge_layer(merged, data, RunConfig, str(path))
+    merged = _merge_layer(merged, cli, RunConfig, "override")
     return _to_object(merged)
 
 

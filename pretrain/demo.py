@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.config import REPO_CONFIG_DIR, load_config
+from pretrain.config import config_dir, load_config
+from pretrain.errors import UserError
 from pretrain.hf import save_hf
 from pretrain.model import Transformer
 
@@ -44,13 +45,17 @@ def held_out_loss(model: Transformer, tokens: torch.Tensor, seq_len: int) -> flo
 
 
 def run_demo(out_dir: str = "runs/demo", steps: int = 60) -> dict:
-    cfg = load_config(REPO_CONFIG_DIR / "train" / "tiny.yaml", [f"run.dir={out_dir}"])
+    if steps < 1:
+        raise UserError(f"--steps {steps} must be at least 1")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(f"--out {out_dir} is a file: pass a directory")
+    cfg = load_config(config_dir() / "train" / "tiny.yaml", [f"run.dir={out_dir}"])
     torch.manual_seed(cfg.run.seed)
     generator = torch.Generator().manual_seed(cfg.run.seed)
     tokens = pydoc_bytes()
     split = int(0.95 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
-    seq_len, batch = cfg.data.seq_len, cfg.train.micro_batch_size * 2
+    seq_len, batch = cfg.data.seq_len, cfg.train.micro_batch_size
 
     model = Transformer(cfg.model)
     optimizer = torch.optim.AdamW(

@@ -74,8 +74,8 @@ class FlopsBreakdown:
         return sum(asdict(self).values())
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsBreakdown:
-    counts = param_counts(cfg)
+def flops_per_token(cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None) -> FlopsBreakdown:
+    counts = counts or param_counts(cfg)
     attention_matmul = 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # each of QK^T and AV
     return FlopsBreakdown(
         attention_projections=6 * counts.attention,
@@ -87,9 +87,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> FlopsBreakdown:
     )
 
 
-def matmul_params(cfg: ModelConfig) -> int:
+def matmul_params(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
     """N in 6·N: non-embedding parameters, plus the LM head when it is tied (counted once)."""
-    counts = param_counts(cfg)
+    counts = counts or param_counts(cfg)
     return counts.non_embedding + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
 
 
@@ -118,11 +118,11 @@ def current_device_peak_flops() -> float | None:
 def flops_report(cfg: ModelConfig, seq_len: int) -> dict:
     """Everything `pretrain flops --json` prints."""
     counts = param_counts(cfg)
-    breakdown = flops_per_token(cfg, seq_len)
+    breakdown = flops_per_token(cfg, seq_len, counts)
     return {
         "params": counts.total,
         "non_embedding_params": counts.non_embedding,
-        "matmul_params": matmul_params(cfg),
+        "matmul_params": matmul_params(cfg, counts),
         "seq_len": seq_len,
         "flops_per_token": breakdown.total,
         "breakdown": asdict(breakdown),

@@ -12,14 +12,13 @@ qkv_proj = [q_proj; k_proj; v_proj] and (SwiGLU) in_proj = [gate_proj; up_proj].
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pretrain import atomic
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
@@ -116,22 +115,10 @@ def save_hf(
     }
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     config = llama_config_dict(model.cfg, token_ids, dtype_name)
-    _atomic_write(out_dir / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic_write(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    with atomic.atomic_path(out_dir / "model.safetensors") as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    atomic.write_json(out_dir / "config.json", config)
     return out_dir
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- loading

@@ -234,7 +234,10 @@ class Transformer(nn.Module):
             layer.mlp_norm.reset_parameters()
         if not isinstance(self.norm, nn.Identity):
             self.norm.reset_parameters()
-        if not cfg.tie_embeddings:
+        if cfg.tie_embeddings:
+            # Re-tie: moving a model off the meta device (to_empty) gives the head its own storage.
+            self.lm_head.weight = self.tok_embeddings.weight
+        else:
             nn.init.normal_(self.lm_head.weight, std=std)
         self.init_buffers()
 

@@ -74,6 +74,19 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     assert_one_line_error(
         run("flops", str(REPO_CONFIG_DIR / "model" / "tiny.yaml"), "--tokens-per-sec", "5"), "--device"
     )
+    tiny_preset = str(REPO_CONFIG_DIR / "model" / "tiny.yaml")
+    for flags in (
+        ["--peak-flops", "0", "--tokens-per-sec", "5"],
+        ["--seq-len", "0"],
+        ["--tokens-per-sec", "-1", "--device", "H100"],
+    ):
+        assert_one_line_error(run("flops", tiny_preset, *flags), "must be a positive number")
+    assert_one_line_error(
+        run("flops", tiny_preset, "--device", "H100", "--peak-flops", "1e15"), "not allowed with"
+    )
+    assert_one_line_error(run("demo", "--steps", "0", "--out", str(tmp_path / "d")), "--steps 0")
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(run("demo", "--out", str(tmp_path / "file")), "is a file")
     assert_one_line_error(run("no-such-command"), "invalid choice")
     assert_one_line_error(run("flops"), "required")
 

@@ -39,10 +39,8 @@ def test_gpt3_presets(name):
 
 def test_every_shipped_config_loads():
     assert {"tiny", *GPT3_TABLE} <= set(available_presets())
-    for path in sorted(REPO_CONFIG_DIR.rglob("*.yaml")):
-        cfg = load_any(path)
-        if isinstance(cfg, RunConfig):
-            assert cfg.data.seq_len >= 512, f"{path}: pretraining windows must be at least 512 tokens"
+    kinds = {type(load_any(path)) for path in sorted(REPO_CONFIG_DIR.rglob("*.yaml"))}
+    assert kinds == {RunConfig, ModelConfig}
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
@@ -118,6 +116,16 @@ def test_resolved_yaml_round_trips(tmp_path):
         ("model:\n  preset: tiny\n", ["model.n_layers"], r"override 'model.n_layers' is not KEY=VALUE"),
         ("model: [1, 2\n", [], r"not valid YAML at line"),
         ("- a\n- b\n", [], r"expected a mapping"),
+        ("model: 3\n", [], r"model must be a section .*got 3"),
+        ("model:\n  preset: tiny\ntrain: 5\n", [], r"train must be a section"),
+        ("model:\n  preset: tiny\n", ["model=3"], r"override: model must be a section"),
+        ("model:\n  preset: tiny\nfaults:\n  spike_steps: 3\n", [], r"faults.spike_steps must be a list"),
+        ("model:\n  preset: tiny\n", ["model.n_layers=[1"], r"could not parse overrides"),
+        ("model:\n  preset: tiny\n", ["optim.lr=nan"], r"optim.lr=nan must be a finite number"),
+        ("model:\n  preset: tiny\n", ["optim.lr=inf"], r"optim.lr=inf must be a finite number"),
+        ("model:\n  preset: tiny\n", ["model.norm_eps=nan"], r"model.norm_eps=nan must be a finite"),
+        ("model:\n  preset: tiny\n", ["engine.peak_flops=-1"], r"engine.peak_flops=-1.0 must be > 0"),
+        ("model:\n  preset: tiny\n", ["faults.kill_step=-5"], r"faults.kill_step=-5 must be > 0"),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path, text, overrides, message):
@@ -126,9 +134,28 @@ def test_bad_configs_name_the_key(tmp_path, text, overrides, message):
     assert "\n" not in str(info.value)
 
 
-def test_missing_file():
+def test_unreadable_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("no/such/config.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    binary = write(tmp_path, "", "binary.yaml")
+    binary.write_bytes(b"\xff\xfe\x00model")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(binary)
+
+
+def test_model_preset_files(tmp_path):
+    tiny = REPO_CONFIG_DIR / "model" / "tiny.yaml"
+    # Overrides may carry the run config's `model.` prefix or not.
+    assert load_model_config(tiny, ["model.n_layers=2"]).n_layers == 2
+    assert load_model_config(tiny, ["n_layers=3"]).n_layers == 3
+    assert load_any(tiny, ["model.d_model=64"]).d_model == 64
+    with pytest.raises(ConfigError, match="cannot name another preset"):
+        load_model_config(write(tmp_path, "preset: tiny\nn_layers: 2\n", "p.yaml"))
+    # A typo in a preset file is reported against the model's fields.
+    with pytest.raises(ConfigError, match=r"unknown key 'n_layer'.*valid keys are preset, vocab_size"):
+        load_any(write(tmp_path, "d_model: 64\nn_layer: 2\n", "typo.yaml"))
 
 
 def test_model_preset_is_not_a_run_config():

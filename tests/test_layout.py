@@ -3,9 +3,10 @@
 import re
 from pathlib import Path
 
-import pytest
-
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the dev extra installs tomli
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

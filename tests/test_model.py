@@ -162,6 +162,15 @@ def test_meta_device_then_init_weights():
     assert torch.isfinite(out.logits).all()
 
 
+def test_tied_model_from_meta_device_stays_tied():
+    with torch.device("meta"):
+        model = Transformer(small_model_config(tie_embeddings=True))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    assert abs(model.lm_head.weight.std().item() - 0.02) < 0.004
+
+
 def test_tied_embeddings_share_storage():
     model = make_model(tie_embeddings=True)
     assert model.lm_head.weight is model.tok_embeddings.weight

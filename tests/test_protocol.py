@@ -31,6 +31,7 @@ def test_metrics_round_trip_through_json_text_including_nan():
         {"step": 1, "loss": 1, "grad_norm": True, "lr": 1, "step_time": 1, "tokens": 0},
         {"step": 1, "loss": 1, "grad_norm": 1, "lr": 1, "step_time": 1},
         {"step": 1, "loss": 1, "grad_norm": 1, "lr": 1, "step_time": 1, "tokens": 0, "layer_grad_norms": [1]},
+        {"step": 1, "loss": 1, "grad_norm": 1, "lr": 1, "step_time": 1, "tokens": 0, "gradnorm": 1},
     ],
 )
 def test_bad_metrics_are_refused(payload):
@@ -50,3 +51,11 @@ def test_actions():
         Action.from_json({"action": "continue", "extra": 1})
     with pytest.raises(ProtocolError, match="lr_scale"):
         Action("rollback", tag="t", seed=1, lr_scale=0)
+    for bad in (
+        {"lr_scale": "x"},
+        {"tag": 5, "seed": 1},
+        {"tag": "t", "seed": "s"},
+        {"tag": "t", "seed": True},
+    ):
+        with pytest.raises(ProtocolError, match="must be a"):
+            Action.from_json({"action": "rollback", "tag": "t", "seed": 1} | bad)
