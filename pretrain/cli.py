@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 from pretrain.errors import UserError
 
@@ -83,6 +85,59 @@ def cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from pretrain.data.sources import resolve_source
+    from pretrain.tokenizer import MODEL_FILE, train_tokenizer
+
+    out = Path(args.out)
+    if (out / MODEL_FILE).exists() and not args.overwrite:
+        raise UserError(f"{out / MODEL_FILE} exists: choose another --out, or pass --overwrite")
+    source = resolve_source(args.input or args.source, text_field=args.text_field)
+    print(
+        f"training a {args.model_type} tokenizer of {args.vocab_size} pieces on {source.description}",
+        file=sys.stderr,
+    )
+    tokenizer = train_tokenizer(
+        source.documents(),
+        out,
+        args.vocab_size,
+        model_type=args.model_type,
+        sample_sentences=args.sample_sentences,
+    )
+    print(f"wrote {tokenizer.path} (vocab {tokenizer.vocab_size}, sha256 {tokenizer.sha256[:12]}...)")
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from pretrain.data.prepare import prepare_dataset
+    from pretrain.data.sources import resolve_source
+
+    source = resolve_source(args.source, text_field=args.text_field)
+    manifest = prepare_dataset(
+        source,
+        args.tokenizer,
+        args.out,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    for name, split in manifest["splits"].items():
+        print(
+            f"{name}: {split['documents']:,} documents, {split['tokens']:,} tokens in {len(split['shards'])} shard(s)"
+        )
+    print(f"wrote {Path(args.out) / 'manifest.json'} (corpus fingerprint {manifest['fingerprint']})")
+    return 0
+
+
+def cmd_bench_data(args: argparse.Namespace) -> int:
+    from pretrain.bench.data import run
+
+    run(as_json=args.json, quick=args.quick)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pretrain.demo import run_demo
 
@@ -123,6 +178,67 @@ def build_parser() -> argparse.ArgumentParser:
     peak.add_argument("--device", help="device name for the peak (H100, H200, A100)")
     peak.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, instead of the table")
     flops.set_defaults(handler=cmd_flops)
+
+    tokenizer = sub.add_parser("tokenizer", help="train SentencePiece tokenizers")
+    tokenizer_sub = tokenizer.add_subparsers(
+        dest="tokenizer_command", required=True, parser_class=_Parser, metavar="ACTION"
+    )
+    train_tok = tokenizer_sub.add_parser("train", help="train a byte-fallback SentencePiece model")
+    inputs = train_tok.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(
+        "--input", nargs="+", metavar="PATH", help="text files or globs (.txt, .jsonl, .parquet)"
+    )
+    inputs.add_argument(
+        "--source", nargs="+", metavar="SRC", help="files/globs, a Hub dataset name, or builtin:pydoc"
+    )
+    train_tok.add_argument("--vocab-size", type=int, required=True, help="number of pieces")
+    train_tok.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    train_tok.add_argument(
+        "--out", required=True, help="output directory (tokenizer.model, tokenizer_meta.json)"
+    )
+    train_tok.add_argument(
+        "--text-field", default="text", help="field holding the text in .jsonl/.parquet/Hub data"
+    )
+    train_tok.add_argument(
+        "--sample-sentences", type=int, default=2_000_000, help="sentences sampled for training"
+    )
+    train_tok.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
+    train_tok.set_defaults(handler=cmd_tokenizer_train)
+
+    data = sub.add_parser("data", help="prepare token shards")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser, metavar="ACTION")
+    prep = data_sub.add_parser("prepare", help="tokenize a corpus into shards + manifest.json")
+    prep.add_argument(
+        "--source",
+        nargs="+",
+        required=True,
+        metavar="SRC",
+        help="files/globs, a Hub dataset name, or builtin:pydoc",
+    )
+    prep.add_argument("--tokenizer", required=True, help="tokenizer directory or tokenizer.model")
+    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument(
+        "--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)"
+    )
+    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard (default 2^27)")
+    prep.add_argument(
+        "--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer processes"
+    )
+    prep.add_argument(
+        "--text-field", default="text", help="field holding the text in .jsonl/.parquet/Hub data"
+    )
+    prep.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.set_defaults(handler=cmd_data_prepare)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench_sub = bench.add_subparsers(
+        dest="bench_command", required=True, parser_class=_Parser, metavar="WHAT"
+    )
+    bench_data = bench_sub.add_parser("data", help="window-stream and prepare throughput")
+    bench_data.add_argument("--json", action="store_true", help="print one JSON object")
+    bench_data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
+    bench_data.set_defaults(handler=cmd_bench_data)
 
     demo = sub.add_parser("demo", help="a short CPU training run of the tiny model on built-in text")
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")

@@ -18,3 +18,53 @@ def small_model_config(**overrides) -> ModelConfig:
     fields = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, d_ff=48)
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def write_synthetic_dataset(directory, train_shard_tokens, val_shard_tokens=(), dtype="<u4") -> dict:
+    """A prepared-dataset directory whose token at position p of the concatenated split is p, so a
+    window's first token names it; one shard per entry of the size lists."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from pretrain.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, fingerprint
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    splits = {}
+    for split, sizes in (("train", train_shard_tokens), ("validation", val_shard_tokens)):
+        shards, start = [], 0
+        for i, size in enumerate(sizes):
+            data = np.arange(start, start + size, dtype=dtype).tobytes()
+            (directory / f"{split}_{i:05d}.bin").write_bytes(data)
+            shards.append(
+                {"file": f"{split}_{i:05d}.bin", "tokens": size, "sha256": hashlib.sha256(data).hexdigest()}
+            )
+            start += size
+        splits[split] = {"documents": len(sizes), "tokens": start, "shards": shards}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "source": "synthetic",
+        "tokenizer": {"sha256": "none", "vocab_size": 2**31, "eos_id": 2},
+        "dtype": np.dtype(dtype).str,
+        "splits": splits,
+    }
+    manifest["fingerprint"] = fingerprint(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    return manifest
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A small BPE tokenizer trained once per test session on the pydoc topics."""
+    import pydoc_data.topics
+
+    from pretrain.tokenizer import train_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    topics = pydoc_data.topics.topics
+    train_tokenizer((topics[k] for k in sorted(topics)), directory, vocab_size=512)
+    return directory

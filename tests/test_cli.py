@@ -109,3 +109,16 @@ def test_demo_trains_and_exports(tmp_path):
     assert (tmp_path / "demo" / "hf" / "model.safetensors").is_file()
     transformers = pytest.importorskip("transformers")
     transformers.LlamaForCausalLM.from_pretrained(tmp_path / "demo" / "hf")
+
+
+def test_bench_data_prints_the_figures():
+    result = run("bench", "data", "--json", "--quick")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    for key in (
+        "stream_tokens_per_sec",
+        "prepare_tokens_per_sec_1_worker",
+        "prepare_tokens_per_sec_2_workers",
+    ):
+        assert figures[key] > 0, key
+    assert figures["prepare_output_identical"] is True

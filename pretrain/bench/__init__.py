@@ -1,0 +1,1 @@
+"""Benchmarks behind `pretrain bench ...`: each prints figures (and one JSON object with --json)."""

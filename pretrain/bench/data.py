@@ -1,0 +1,131 @@
+"""`pretrain bench data`: how fast corpora are prepared and how fast the window stream serves.
+
+Prepare: the builtin:pydoc documents, repeated to a few million tokens and written as JSON lines,
+tokenized with 1 and then 2 workers (best of `repeats` each; tokenizer training not counted).
+Stream: random tokens in memory-mapped shards (read once first, so they are in the page cache),
+served by one WindowStream in shuffled order; tokens/s per process at several window sizes, and
+through the BatchLoader.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.data.loader import BatchLoader
+from pretrain.data.prepare import prepare_dataset
+from pretrain.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, fingerprint
+from pretrain.data.sources import pydoc_documents, resolve_source
+from pretrain.data.stream import WindowStream
+from pretrain.tokenizer import train_tokenizer
+
+
+def _write_corpus(path: Path, copies: int) -> None:
+    docs = list(pydoc_documents())
+    with open(path, "w") as f:
+        for copy in range(copies):
+            for doc in docs:
+                f.write(json.dumps({"text": f"[{copy}] {doc}"}) + "\n")
+
+
+def bench_prepare(work: Path, copies: int = 8, repeats: int = 2) -> dict:
+    corpus = work / "corpus.jsonl"
+    _write_corpus(corpus, copies)
+    source = resolve_source(str(corpus))
+    train_tokenizer(source.documents(), work / "tokenizer", vocab_size=8192, sample_sentences=200_000)
+    best: dict[int, float] = {}
+    tokens = 0
+    for _ in range(repeats):
+        for workers in (1, 2):
+            start = time.perf_counter()
+            manifest = prepare_dataset(
+                source,
+                work / "tokenizer",
+                work / f"prepared_{workers}",
+                workers=workers,
+                overwrite=True,
+                progress=False,
+            )
+            elapsed = time.perf_counter() - start
+            tokens = sum(split["tokens"] for split in manifest["splits"].values())
+            best[workers] = max(best.get(workers, 0.0), tokens / elapsed)
+    identical = all(
+        (work / "prepared_1" / name).read_bytes() == (work / "prepared_2" / name).read_bytes()
+        for name in [MANIFEST, *(s["file"] for s in manifest["splits"]["train"]["shards"])]
+    )
+    return {
+        "prepare_corpus_tokens": tokens,
+        "prepare_tokens_per_sec_1_worker": best[1],
+        "prepare_tokens_per_sec_2_workers": best[2],
+        "prepare_speedup_2_workers": best[2] / best[1],
+        "prepare_output_identical": identical,
+    }
+
+
+def _synthetic_dataset(directory: Path, tokens: int, shards: int, vocab_size: int = 32000) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(directory, "train", np.dtype("<u2"), shard_tokens=tokens // shards)
+    for _ in range(shards):
+        writer.write(rng.integers(0, vocab_size, tokens // shards, dtype=np.uint16), documents=1)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "source": "synthetic",
+        "tokenizer": {"sha256": "synthetic", "vocab_size": vocab_size, "eos_id": 2},
+        "dtype": "<u2",
+        "splits": {"train": writer.finish(), "validation": {"documents": 0, "tokens": 0, "shards": []}},
+    }
+    manifest["fingerprint"] = fingerprint(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    for shard in manifest["splits"]["train"]["shards"]:  # into the page cache
+        (directory / shard["file"]).read_bytes()
+
+
+def _rate(iterator, tokens_per_item: int, seconds: float) -> float:
+    next(iterator)  # warm-up: first block of indices, first memory map
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        for _ in range(64):
+            next(iterator)
+        count += 64
+    return count * tokens_per_item / elapsed
+
+
+def bench_stream(work: Path, seconds: float = 2.0) -> dict:
+    data = work / "synthetic"
+    _synthetic_dataset(data, tokens=64 * 2**20, shards=4)
+    result = {}
+    for seq_len in (512, 2048, 8192):
+        stream = WindowStream(data, seq_len, seed=1)
+        result[f"stream_tokens_per_sec_seq{seq_len}"] = _rate(stream, seq_len + 1, seconds)
+    result["stream_tokens_per_sec"] = result["stream_tokens_per_sec_seq2048"]
+    loader = BatchLoader(WindowStream(data, 2048, seed=1), batch_size=8)
+    result["loader_tokens_per_sec_seq2048_batch8"] = _rate(loader, 8 * 2049, seconds)
+    loader.close()
+    return result
+
+
+def run(as_json: bool = False, quick: bool = False) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pretrain-bench-data-") as tmp:
+        work = Path(tmp)
+        result = bench_stream(work, seconds=0.5 if quick else 2.0)
+        result |= bench_prepare(work, copies=2 if quick else 12, repeats=1 if quick else 2)
+    if as_json:
+        print(json.dumps(result))
+        return result
+    print("window stream, one process, page cache (shuffled windows):")
+    for seq_len in (512, 2048, 8192):
+        print(f"  seq_len {seq_len:>5}: {result[f'stream_tokens_per_sec_seq{seq_len}'] / 1e6:8.1f}M tokens/s")
+    print(f"  BatchLoader, 8 x 2048: {result['loader_tokens_per_sec_seq2048_batch8'] / 1e6:8.1f}M tokens/s")
+    print(f"prepare ({result['prepare_corpus_tokens'] / 1e6:.1f}M tokens of Python docs as JSON lines):")
+    print(f"  1 worker : {result['prepare_tokens_per_sec_1_worker'] / 1e6:6.2f}M tokens/s")
+    print(
+        f"  2 workers: {result['prepare_tokens_per_sec_2_workers'] / 1e6:6.2f}M tokens/s "
+        f"({result['prepare_speedup_2_workers']:.2f}x; output identical: {result['prepare_output_identical']})"
+    )
+    return result

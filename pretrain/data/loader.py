@@ -1,0 +1,98 @@
+"""Micro-batches from a WindowStream, assembled ahead of time so the accelerator never waits.
+
+A background thread stacks `batch_size` windows into (B, seq_len + 1) tensors (pinned when the
+target is a CUDA device) and keeps up to `prefetch` of them ready; the consumer splits each into
+inputs and targets and copies them with `non_blocking=True`. The loader's state is the stream
+state as of the last batch handed out, not of the batches prefetched, so a checkpoint resumes
+exactly where training was.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from pretrain.data.stream import WindowStream
+
+_DONE = object()
+
+
+class BatchLoader:
+    def __init__(
+        self, stream: WindowStream, batch_size: int, device: torch.device | str = "cpu", prefetch: int = 4
+    ):
+        self.stream, self.batch_size, self.device = stream, batch_size, torch.device(device)
+        self.pin = self.device.type == "cuda"
+        self.prefetch = prefetch
+        self._state = stream.state_dict()
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()
+        if item is _DONE:
+            self._thread = None
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        batch, self._state = item
+        batch = batch.to(self.device, non_blocking=self.pin)
+        return batch[:, :-1], batch[:, 1:]  # inputs, targets: (B, seq_len) each
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=self._produce, name="batch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            windows = iter(self.stream)
+            while not self._stop.is_set():
+                rows = [next(windows, None) for _ in range(self.batch_size)]
+                if rows[-1] is None:  # a finite (validation) pass ran out: drop the partial batch
+                    break
+                batch = torch.stack(rows)
+                if self.pin:
+                    batch = batch.pin_memory()
+                item = (batch, self.stream.state_dict() if self.stream.shuffle else None)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            self._queue.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._queue.put(exc)
+
+    def close(self) -> None:
+        """Stop prefetching; the stream is left where the last handed-out batch left it."""
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    self._thread.join(timeout=0.05)
+            self._thread = None
+        if self.stream.shuffle:
+            self.stream.load_state_dict(self._state)
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()
+        self.stream.load_state_dict(state)
+        self._state = self.stream.state_dict()

@@ -1,0 +1,157 @@
+"""The on-disk format of a prepared corpus: token shards and `manifest.json`.
+
+    DIR/manifest.json          written last: a directory without it is not a dataset
+    DIR/tokenizer.model        the tokenizer the shards were made with (and tokenizer_meta.json)
+    DIR/train_00000.bin ...    raw little-endian tokens (uint16 when the vocabulary fits, else
+    DIR/validation_00000.bin   uint32); every document is followed by EOS
+
+The manifest records the format version, the source, the tokenizer's sha256 and vocabulary size,
+the dtype, and per split the documents, tokens and each shard's file, token count and sha256.
+The corpus fingerprint is a digest of the tokenizer and the shards' contents: it names the data a
+stream state belongs to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pretrain.errors import UserError
+
+FORMAT = "pretrain-token-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "validation")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def fingerprint(manifest: dict) -> str:
+    content = {
+        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        "dtype": manifest["dtype"],
+        "splits": {
+            split: [(s["tokens"], s["sha256"]) for s in manifest["splits"][split]["shards"]]
+            for split in sorted(manifest["splits"])
+        },
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ShardWriter:
+    """Appends token arrays to `{split}_NNNNN.bin` files of at most `shard_tokens` tokens each,
+    hashing as it goes, so memory stays flat whatever the corpus size."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.documents = 0
+        self._file = None
+        self._hash = None
+        self._count = 0
+
+    def write(self, tokens: np.ndarray, documents: int) -> None:
+        self.documents += documents
+        tokens = tokens.astype(self.dtype, copy=False)
+        while len(tokens):
+            if self._file is None:
+                self._open()
+            room = self.shard_tokens - self._count
+            part, tokens = tokens[:room], tokens[room:]
+            data = part.tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += len(part)
+            if self._count == self.shard_tokens:
+                self._close()
+
+    def _open(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._file = open(self.directory / name, "wb")  # noqa: SIM115 (closed in _close)
+        self._hash = hashlib.sha256()
+        self._count = 0
+        self.shards.append({"file": name})
+
+    def _close(self) -> None:
+        self._file.close()
+        self.shards[-1] |= {"tokens": self._count, "sha256": self._hash.hexdigest()}
+        self._file = None
+
+    def finish(self) -> dict:
+        if self._file is not None:
+            self._close()
+        return {
+            "documents": self.documents,
+            "tokens": sum(s["tokens"] for s in self.shards),
+            "shards": self.shards,
+        }
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    data_dir = Path(data_dir)
+    path = data_dir / MANIFEST
+    if not path.is_file():
+        hint = "it does not exist" if not data_dir.exists() else "it holds no manifest.json"
+        raise UserError(
+            f"{data_dir} is not a prepared dataset ({hint}): run `pretrain data prepare --out {data_dir}`"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{path} is not valid JSON: prepare the dataset again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise UserError(f"{path} is not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"{path} has format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}: "
+            "prepare the dataset again"
+        )
+    return manifest
+
+
+@dataclass
+class ShardSet:
+    """The shards of one split, opened lazily as read-only memory maps (a shard is never read whole)."""
+
+    data_dir: Path
+    split: str
+    manifest: dict
+    files: list[Path] = field(init=False)
+    tokens: np.ndarray = field(init=False)  # tokens per shard
+    dtype: np.dtype = field(init=False)
+    _maps: dict[int, np.memmap] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise UserError(f"unknown split {self.split!r}: use one of {', '.join(SPLITS)}")
+        entries = self.manifest["splits"].get(self.split, {}).get("shards", [])
+        self.files = [self.data_dir / s["file"] for s in entries]
+        self.tokens = np.array([s["tokens"] for s in entries], dtype=np.int64)
+        self.dtype = np.dtype(self.manifest["dtype"])
+        for path, count in zip(self.files, self.tokens, strict=True):
+            if not path.is_file():
+                raise UserError(f"shard {path} is missing: prepare the dataset again")
+            size = path.stat().st_size
+            if size != count * self.dtype.itemsize:
+                raise UserError(
+                    f"shard {path} holds {size} bytes, the manifest says {count} tokens of {self.dtype}: "
+                    "it is truncated or corrupt; prepare the dataset again"
+                )
+
+    @classmethod
+    def open(cls, data_dir: str | Path, split: str) -> ShardSet:
+        return cls(Path(data_dir), split, read_manifest(data_dir))
+
+    def shard(self, index: int) -> np.memmap:
+        if index not in self._maps:
+            self._maps[index] = np.memmap(self.files[index], dtype=self.dtype, mode="r")
+        return self._maps[index]
+
+    def __getstate__(self) -> dict:  # memory maps are reopened in the receiving process
+        return {k: v for k, v in self.__dict__.items() if k != "_maps"} | {"_maps": {}}
