@@ -138,11 +138,75 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from pretrain.config import load_config
+    from pretrain.train import train
+
+    train(load_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    import shutil
+
+    import torch
+
+    from pretrain.hf import save_hf
+    from pretrain.inference import load_trained
+    from pretrain.tokenizer import MODEL_FILE
+
+    trained = load_trained(args.checkpoint)
+    tok = trained.tokenizer
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    out = save_hf(trained.model, args.out, token_ids=ids, dtype=getattr(torch, args.dtype))
+    shutil.copyfile(tok.path, out / MODEL_FILE)
+    print(f"exported {trained.directory} to {out} (config.json, model.safetensors, {MODEL_FILE})")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pretrain.inference import load_trained, perplexity
+
+    result = perplexity(load_trained(args.checkpoint), args.data, args.batch_size, args.max_batches)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{result['checkpoint']}: validation loss {result['loss']:.4f}, "
+            f"perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens"
+        )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from pretrain.inference import generate, load_trained
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    trained = load_trained(args.checkpoint)
+    tok = trained.tokenizer
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt_ids = [tok.eos_id, *tok.encode(args.prompt)]  # EOS: "a new document starts here", as in training
+    ids = generate(
+        trained.model,
+        prompt_ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        tok.eos_id,
+        generator,
+    )
+    print(args.prompt + tok.decode(ids))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pretrain.demo import run_demo
 
-    run_demo(out_dir=args.out, steps=args.steps)
-    return 0
+    return run_demo(out_dir=args.out, steps=args.steps)
 
 
 # --------------------------------------------------------------------------- parser
@@ -240,9 +304,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench_data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
     bench_data.set_defaults(handler=cmd_bench_data)
 
-    demo = sub.add_parser("demo", help="a short CPU training run of the tiny model on built-in text")
+    train = sub.add_parser(
+        "train", help="train in this process (multi-process: deepspeed --module pretrain.train)"
+    )
+    train.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    train.set_defaults(handler=cmd_train)
+
+    export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama directory")
+    export.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
+    )
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    export.set_defaults(handler=cmd_export_hf)
+
+    evaluate = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    evaluate.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
+    )
+    evaluate.add_argument("--data", required=True, help="prepared dataset (its validation split is used)")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(handler=cmd_eval)
+
+    gen = sub.add_parser("generate", help="sample text from a checkpoint (KV cache)")
+    gen.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
+    )
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=int, default=50, help="0 disables")
+    gen.add_argument("--top-p", type=float, default=0.95, help="1.0 disables")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(handler=cmd_generate)
+
+    demo = sub.add_parser(
+        "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
+    )
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    demo.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    demo.add_argument(
+        "--steps", type=int, default=None, help="fewer steps than configs/train/demo.yaml, for a quick look"
+    )
     demo.set_defaults(handler=cmd_demo)
     return parser
 

@@ -1,89 +1,89 @@
-"""`pretrain demo`: a short single-process CPU training run of the tiny model, with no download.
+"""`pretrain demo`: the whole path on the built-in corpus, with nothing to download.
 
-It trains `configs/train/tiny.yaml`'s model on the UTF-8 bytes of the local Python installation's
-documentation (`pydoc_data.topics`), reports the held-out loss before and after, and exports the
-result as a Hugging Face Llama directory. It is a smoke run of the model, config and export path;
-the DeepSpeed training loop replaces it as the demo once it exists.
+1. train a 4096-piece tokenizer on `builtin:pydoc` (the local Python documentation),
+2. prepare it into token shards (95% train, 5% validation),
+3. train `configs/train/demo.yaml` with the DeepSpeed launcher: 2 processes on CPU (every GPU when
+   there are GPUs), ZeRO-2, bf16, with evaluation, checkpoints and TensorBoard logs,
+4. print the validation loss before and after, and how to look at TensorBoard and sample.
+
+Steps 1 and 2 are skipped when their outputs already exist, so a second run only trains.
 """
 
 from __future__ import annotations
 
-import math
-import time
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-import torch
-
-from pretrain.config import config_dir, load_config
+from pretrain.config import config_dir
 from pretrain.errors import UserError
-from pretrain.hf import save_hf
-from pretrain.model import Transformer
 
 
-def pydoc_bytes() -> torch.Tensor:
-    import pydoc_data.topics
+def launcher_command(nproc: int, config: Path, overrides: list[str]) -> list[str]:
+    """The DeepSpeed launcher running pretrain.train on `nproc` local processes (GPUs, or CPU ranks)."""
+    from pretrain.train import _free_port
 
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-
-def sample_windows(
-    tokens: torch.Tensor, seq_len: int, batch: int, generator: torch.Generator
-) -> torch.Tensor:
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
-    return torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])  # (B, T+1)
+    return [
+        sys.executable, "-m", "deepspeed.launcher.runner",
+        "--num_gpus", str(nproc), "--master_port", str(_free_port()),
+        "--module", "pretrain.train", "--config", str(config), *overrides,
+    ]  # fmt: skip
 
 
-@torch.no_grad()
-def held_out_loss(model: Transformer, tokens: torch.Tensor, seq_len: int) -> float:
-    model.eval()
-    n = (len(tokens) - 1) // seq_len
-    windows = torch.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
-    losses = [model(w[:, :-1], w[:, 1:]).loss.item() for w in windows.split(8)]
-    model.train()
-    return sum(losses) / len(losses)
+def local_process_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def run_demo(out_dir: str = "runs/demo", steps: int = 60) -> dict:
-    if steps < 1:
+def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
+    from pretrain.data import prepare_dataset, resolve_source
+    from pretrain.tokenizer import MODEL_FILE, train_tokenizer
+
+    if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
         raise UserError(f"--out {out_dir} is a file: pass a directory")
-    cfg = load_config(config_dir() / "train" / "tiny.yaml", [f"run.dir={out_dir}"])
-    torch.manual_seed(cfg.run.seed)
-    generator = torch.Generator().manual_seed(cfg.run.seed)
-    tokens = pydoc_bytes()
-    split = int(0.95 * len(tokens))
-    train_tokens, val_tokens = tokens[:split], tokens[split:]
-    seq_len, batch = cfg.data.seq_len, cfg.train.micro_batch_size
-
-    model = Transformer(cfg.model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2)
-    )
-    n_params = sum(p.numel() for p in model.parameters())
+    source = resolve_source("builtin:pydoc")
+    tokenizer_dir, data_dir, run_dir = out / "tokenizer", out / "data", out / "run"
+    if not (tokenizer_dir / MODEL_FILE).is_file():
+        print(f"[1/3] training a 4096-piece tokenizer on {source.description} -> {tokenizer_dir}", flush=True)
+        train_tokenizer(source.documents(), tokenizer_dir, vocab_size=4096)
+    else:
+        print(f"[1/3] tokenizer: {tokenizer_dir} (exists)", flush=True)
+    print(f"[2/3] preparing token shards -> {data_dir}", flush=True)
+    manifest = prepare_dataset(source, tokenizer_dir, data_dir, val_fraction=0.05, workers=2, progress=False)
     print(
-        f"demo: tiny model ({n_params / 1e6:.2f}M params), {steps} steps of {batch}×{seq_len} tokens "
-        f"on {len(train_tokens) / 1e3:.0f}k bytes of Python docs"
+        f"      {manifest['splits']['train']['tokens']:,} training and "
+        f"{manifest['splits']['validation']['tokens']:,} validation tokens",
+        flush=True,
     )
-    before = held_out_loss(model, val_tokens, seq_len)
-    print(f"held-out loss before: {before:.3f} (ln 256 = {math.log(256):.3f} is a uniform guess over bytes)")
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        window = sample_windows(train_tokens, seq_len, batch, generator)
-        loss = model(window[:, :-1], window[:, 1:]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == steps:
-            rate = step * batch * seq_len / (time.perf_counter() - start)
-            print(f"step {step:>4}/{steps}  loss {loss.item():.3f}  {rate:,.0f} tokens/s")
-    after = held_out_loss(model, val_tokens, seq_len)
-    print(f"held-out loss after:  {after:.3f}")
-    hf_dir = save_hf(model, Path(out_dir) / "hf")
+    nproc = local_process_count()
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a fresh demo run every time
+    overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}"]
+    if steps is not None:
+        overrides += [
+            f"train.steps={steps}",
+            f"eval.every={max(1, steps // 2)}",
+            f"checkpoint.every={max(1, steps // 2)}",
+        ]
+    command = launcher_command(nproc, config_dir() / "train" / "demo.yaml", overrides)
+    print(f"[3/3] training on {nproc} process(es): {' '.join(command[2:])}", flush=True)
+    returncode = subprocess.run(command).returncode
+    if returncode != 0:
+        print(f"pretrain demo: training exited with status {returncode}", file=sys.stderr)
+        return returncode
+    evals = json.loads((run_dir / "train_summary.json").read_text())["eval"]
+    print()
     print(
-        f"exported a Hugging Face Llama model to {hf_dir} "
-        f"(load with transformers.LlamaForCausalLM.from_pretrained('{hf_dir}'))"
+        f"validation loss: {evals[0]['loss']:.3f} at step {evals[0]['step']} -> {evals[-1]['loss']:.3f} "
+        f"at step {evals[-1]['step']}"
     )
-    return {"loss_before": before, "loss_after": after, "hf_dir": str(hf_dir)}
+    print(f"TensorBoard:  tensorboard --logdir {run_dir / 'tensorboard'}")
+    print(f'Sample:       pretrain generate --checkpoint {run_dir} --prompt "The list type"')
+    print(f"Export:       pretrain export-hf --checkpoint {run_dir} --out {out / 'hf'}")
+    return 0

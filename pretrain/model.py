@@ -103,11 +103,29 @@ def attention_with_probs(
     return probs @ v, probs
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, for incremental decoding: prefill once from empty,
+    then one token per forward call. (L, B, nkv, max_len, hd) each; `length` tokens are filled."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype, device=None):
+        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nkv, length + T, hd)
+
+
 class Attention(nn.Module):
     """Causal self-attention with optional grouped-query heads (n_kv_heads < n_heads)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_index: int = 0):
         super().__init__()
+        self.layer_index = layer_index
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # One matmul for q, k and v: rows [q heads | k heads | v heads].
         self.qkv_proj = nn.Linear(
@@ -116,7 +134,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, need_weights: bool = False
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -126,13 +148,17 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        causal = True
+        if cache is not None:
+            causal = cache.length == 0  # prefill is causal; a decoded token sees everything cached
+            k, v = cache.append(self.layer_index, k, v)  # (B, nkv, length + T, hd)
         probs = None
         if need_weights:
             y, probs = attention_with_probs(q, k, v)
         else:
             # Fused kernels (flash / memory-efficient on GPU); the T×T matrix never exists.
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+                q, k, v, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
             )
         y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, nh·hd)
         return self.o_proj(y), probs
@@ -170,23 +196,27 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """pre: x + f(norm(x)) (Llama, GPT-2+); post: norm(x + f(x)) (Vaswani et al.)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_index: int = 0):
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer_index)
         self.mlp_norm = make_norm(cfg)
         self.mlp = FeedForward(cfg)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, need_weights: bool = False
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.pre_norm:
-            a, probs = self.attn(self.attn_norm(x), rope, need_weights)
+            a, probs = self.attn(self.attn_norm(x), rope, need_weights, cache)
             x = x + a
             x = x + self.mlp(self.mlp_norm(x))
         else:
-            a, probs = self.attn(x, rope, need_weights)
+            a, probs = self.attn(x, rope, need_weights, cache)
             x = self.attn_norm(x + a)
             x = self.mlp_norm(x + self.mlp(x))
         return x, probs
@@ -202,7 +232,7 @@ class Transformer(nn.Module):
         )
         # Vaswani et al. scale token embeddings by sqrt(d) so they are not drowned by the unit-size sinusoids.
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.positions == "sinusoidal" else 1.0
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         # Post-norm blocks already end in a norm; pre-norm needs one before the head.
         self.norm = make_norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -250,34 +280,50 @@ class Transformer(nn.Module):
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model, device)
 
     def hidden_states(
-        self, tokens: torch.Tensor, need_weights: bool = False
+        self, tokens: torch.Tensor, need_weights: bool = False, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """tokens (B, T) → final-norm hidden states (B, T, d), and per-layer attention if asked."""
+        """tokens (B, T) → final-norm hidden states (B, T, d), and per-layer attention if asked.
+        With a cache, tokens continue the cached sequence (positions start at cache.length)."""
         T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        if cache is not None and start and (T != 1 or need_weights):
+            raise ValueError("after the prefill, a cache takes one token per call (and no attention maps)")
         h = self.tok_embeddings(tokens)  # (B, T, d)
         if self.embed_scale != 1.0:
             h = h * self.embed_scale
         rope = None
         if self.cfg.positions == "rope":
-            rope = (self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype))  # (T, hd) each
+            positions = slice(start, start + T)
+            rope = (
+                self.rope_cos[positions].to(h.dtype),
+                self.rope_sin[positions].to(h.dtype),
+            )  # (T, hd) each
         elif self.cfg.positions == "sinusoidal":
-            h = h + self.pos_table[:T].to(h.dtype)
+            h = h + self.pos_table[start : start + T].to(h.dtype)
         else:
-            h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))
+            h = h + self.pos_embeddings(torch.arange(start, start + T, device=tokens.device))
         attentions = []
         for layer in self.layers:
-            h, probs = layer(h, rope, need_weights)
+            h, probs = layer(h, rope, need_weights, cache)
             attentions.append(probs)
+        if cache is not None:
+            cache.length += T
         return self.norm(h), (tuple(attentions) if need_weights else None)
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, need_weights: bool = False
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> ModelOutput:
         """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), also the mean cross-entropy
         over positions whose target is not IGNORE_INDEX (computed in fp32)."""
-        h, attentions = self.hidden_states(tokens, need_weights)
+        h, attentions = self.hidden_states(tokens, need_weights, cache)
         logits = self.lm_head(h)  # (B, T, V)
         loss = None
         if targets is not None:

@@ -192,3 +192,21 @@ def test_bf16_forward_backward():
 def test_too_long_sequence_is_refused():
     with pytest.raises(ValueError, match="max_seq_len"):
         make_model()(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("positions", ["rope", "sinusoidal", "learned"])
+def test_kv_cache_decoding_matches_the_full_forward(positions):
+    from pretrain.model import KVCache
+
+    model = make_model(positions=positions).eval()
+    tokens = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        full = model(tokens).logits
+        cache = KVCache(model.cfg, batch_size=2, max_len=20, dtype=torch.float32)
+        steps = [model(tokens[:, :12], cache=cache).logits]
+        for t in range(12, 20):
+            steps.append(model(tokens[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 20
+    with pytest.raises(ValueError, match="one token per call"):
+        model(tokens[:, :2], cache=cache)

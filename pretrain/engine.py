@@ -1,0 +1,175 @@
+"""DeepSpeed setup: batch sizes derived and checked once, the DeepSpeed JSON completed with them,
+the optimizer with its parameter groups, activation checkpointing and torch.compile switches.
+
+The model arrives as a plain `Transformer` and leaves wrapped in a DeepSpeed engine; nothing in
+`pretrain/model.py` knows. Everything that can be checked without processes (batch arithmetic,
+the DeepSpeed JSON) is checked in `plan_batches` / `deepspeed_config`, which the trainer calls
+before any process group starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pretrain.config import RunConfig, TrainConfig, config_dir
+from pretrain.errors import ConfigError
+
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch_size: int  # windows per rank per forward/backward
+    grad_accum: int  # micro-batches per optimizer step
+    world_size: int
+    seq_len: int
+
+    @property
+    def global_batch_size(self) -> int:  # windows per optimizer step, all ranks
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+def plan_batches(train: TrainConfig, seq_len: int, world_size: int) -> BatchPlan:
+    plan = BatchPlan(train.micro_batch_size, train.grad_accum, world_size, seq_len)
+    wanted = train.global_batch_size
+    if wanted is not None and wanted != plan.global_batch_size:
+        hint = ""
+        if wanted % (train.micro_batch_size * world_size) == 0:
+            hint = f"; with {world_size} processes set train.grad_accum={wanted // (train.micro_batch_size * world_size)}"
+        raise ConfigError(
+            f"train.global_batch_size={wanted} but train.micro_batch_size={train.micro_batch_size} × "
+            f"train.grad_accum={train.grad_accum} × {world_size} processes = {plan.global_batch_size}{hint}"
+        )
+    return plan
+
+
+def resolve_deepspeed_path(path: str) -> Path:
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    if not candidate.is_absolute():
+        packaged = config_dir().parent / candidate
+        if packaged.is_file():
+            return packaged
+    raise ConfigError(f"engine.deepspeed_config={path}: no such file; use one of configs/deepspeed/*.json")
+
+
+def deepspeed_config(cfg: RunConfig, plan: BatchPlan) -> dict[str, Any]:
+    """The run's DeepSpeed JSON with the derived batch sizes and clipping written in; explicit
+    values that disagree with the run config are an error, not silently overridden."""
+    path = resolve_deepspeed_path(cfg.engine.deepspeed_config)
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}): fix it") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    derived = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "train_batch_size": plan.global_batch_size,
+        "gradient_clipping": cfg.train.grad_clip,
+    }
+    for key, value in derived.items():
+        given = ds.get(key, "auto")
+        if given != "auto" and given != value:
+            raise ConfigError(
+                f"{path}: {key}={given} disagrees with the run config, which gives {value} "
+                f'at world size {plan.world_size}: set it to "auto" and size batches in the run config'
+            )
+        ds[key] = value
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ConfigError(f"{path}: remove {key!r}: the optimizer and schedule come from the run config")
+    if ds.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{path}: fp16 is enabled; this project trains in bf16: remove the fp16 section")
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": True}
+    ds.setdefault("steps_per_print", 10**9)  # the trainer does its own logging
+    if _offloads_optimizer(ds):
+        ds.setdefault("zero_force_ds_cpu_optimizer", True)
+    return ds
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def _offloads_optimizer(ds: dict[str, Any]) -> bool:
+    return ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in (
+        "none",
+        None,
+    )
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: not on norms, biases, or embeddings (token or position)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if id(param) in seen or not param.requires_grad:
+            continue
+        seen.add(id(param))
+        (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: nn.Module, cfg: RunConfig, ds: dict[str, Any]) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam when ZeRO offloads the optimizer, its fused Adam on GPUs, torch's AdamW on CPU."""
+    groups = param_groups(model, cfg.optim.weight_decay)
+    kwargs = {"lr": cfg.optim.lr, "betas": (cfg.optim.beta1, cfg.optim.beta2), "eps": cfg.optim.eps}
+    if _offloads_optimizer(ds):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if torch.cuda.is_available():
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass. The block's own forward is
+    wrapped in place, so parameter names (and checkpoints) are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block in place (same parameter names; one graph reused by all blocks)."""
+    for block in model.layers:
+        block.compile()
+
+
+def initialize(model: nn.Module, cfg: RunConfig, ds: dict[str, Any]):
+    """Wrap the model in a DeepSpeed engine; returns (engine, optimizer)."""
+    import deepspeed
+
+    if cfg.engine.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.engine.compile:
+        compile_blocks(model)
+    optimizer = make_optimizer(model, cfg, ds)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    return engine, optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

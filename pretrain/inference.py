@@ -1,0 +1,132 @@
+"""Using trained checkpoints without DeepSpeed engines: load, evaluate perplexity, sample.
+
+`load_trained` consolidates any ZeRO stage's shards into fp32 weights with DeepSpeed's own
+`zero_to_fp32` tool and rebuilds the model from the checkpoint's run_config.json; the tokenizer
+comes from the checkpoint directory too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pretrain import checkpoint
+from pretrain.config import ModelConfig
+from pretrain.data import WindowStream, read_manifest
+from pretrain.errors import UserError
+from pretrain.model import KVCache, Transformer
+from pretrain.tokenizer import Tokenizer
+
+
+@dataclass
+class Trained:
+    model: Transformer
+    tokenizer: Tokenizer
+    run_config: dict
+    directory: Path
+
+
+def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Trained:
+    """A complete checkpoint (or a run directory's newest one) as an eval-mode model on the CPU."""
+    directory = checkpoint.find_checkpoint(path)
+    run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
+    model_cfg = ModelConfig(**run_config["model"])
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(sys.stderr):  # the tool reports progress on stdout
+        state = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
+    if model_cfg.tie_embeddings:
+        state.setdefault("lm_head.weight", state["tok_embeddings.weight"])
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
+    if model_cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    model.init_buffers()
+    return Trained(model.eval(), Tokenizer.load(directory), run_config, directory)
+
+
+@torch.no_grad()
+def perplexity(
+    trained: Trained, data_dir: str | Path, batch_size: int = 8, max_batches: int | None = None
+) -> dict:
+    """Mean next-token loss and perplexity over the validation split of a prepared corpus."""
+    manifest = read_manifest(data_dir)
+    if manifest["tokenizer"]["sha256"] != trained.tokenizer.sha256:
+        raise UserError(
+            f"{data_dir} was tokenized with a different tokenizer than {trained.directory}: "
+            "evaluate on data prepared with the checkpoint's tokenizer.model"
+        )
+    seq_len = trained.run_config["data"]["seq_len"]
+    windows = iter(WindowStream(data_dir, seq_len, split="validation"))
+    total, count, batches = 0.0, 0, 0
+    while max_batches is None or batches < max_batches:
+        rows = [w for _, w in zip(range(batch_size), windows, strict=False)]
+        if not rows:
+            break
+        batch = torch.stack(rows)
+        loss = trained.model(batch[:, :-1], batch[:, 1:]).loss
+        total += loss.item() * batch[:, 1:].numel()
+        count += batch[:, 1:].numel()
+        batches += 1
+    if count == 0:
+        raise UserError(f"the validation split of {data_dir} holds no window of {seq_len + 1} tokens")
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": count, "checkpoint": str(trained.directory)}
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = 0.95,
+    stop_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Sample a continuation with a KV cache: one prefill, then one token per forward."""
+    if not prompt_ids:
+        raise UserError("the prompt is empty")
+    limit = model.cfg.max_seq_len
+    if len(prompt_ids) >= limit:
+        prompt_ids = prompt_ids[-(limit - 1) :]
+    max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
+    device = next(model.parameters()).device
+    cache = KVCache(model.cfg, 1, len(prompt_ids) + max_new_tokens, next(model.parameters()).dtype, device)
+    logits = model(torch.tensor([prompt_ids], device=device), cache=cache).logits[:, -1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = sample_token(logits[0].float(), temperature, top_k, top_p, generator)
+        if token == stop_id:
+            break
+        out.append(token)
+        logits = model(torch.tensor([[token]], device=device), cache=cache).logits[:, -1]
+    return out
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator=None
+) -> int:
+    """Greedy at temperature 0; otherwise softmax(logits / T) restricted to the top k tokens and
+    to the smallest set whose probability reaches top_p."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,91 @@
+"""What rank 0 reports: TensorBoard scalars and text under stable tags, a console line, and
+RUN_DIR/metrics.jsonl (every step's metrics at full precision, appended across restarts).
+
+TensorBoard tags (RUN_DIR/tensorboard):
+    train/loss  train/lr  train/grad_norm  train/tokens_per_sec  train/tokens_per_sec_per_device
+    train/mfu (where a peak is known)  train/step_time  train/memory_gb  train/skipped_steps
+    train/tokens  train/grad_norm/<group> (embeddings, layers.N, head; every
+    logging.layer_grad_norms_every steps)  eval/loss  eval/perplexity  config (text)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool = True):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.writer = None
+        self._start_time: float | None = None
+        self._start_step = 0
+        self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self._jsonl.flush()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def console(self, step: int, values: dict[str, float]) -> None:
+        """One line per logging step: step, loss, tokens/s and ETA (rank 0 only)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._start_time is None:
+            self._start_time, self._start_step = now, step - 1
+        done = step - self._start_step
+        eta = (now - self._start_time) / max(done, 1) * (self.total_steps - step)
+        parts = [
+            f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
+            f"loss {values['train/loss']:.4f}",
+        ]
+        if values.get("train/lr") is not None:
+            parts.append(f"lr {values['train/lr']:.2e}")
+        if values.get("train/grad_norm") is not None:
+            parts.append(f"gnorm {values['train/grad_norm']:.3f}")
+        parts.append(f"{values['train/tokens_per_sec']:,.0f} tok/s")
+        if values.get("train/mfu") is not None:
+            parts.append(f"mfu {100 * values['train/mfu']:.1f}%")
+        parts.append(f"eta {_duration(eta)}")
+        print(" | ".join(parts), flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=sys.stdout, flush=True)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"

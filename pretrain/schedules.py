@@ -1,0 +1,40 @@
+"""Learning-rate schedules as pure functions of the step (1-based: the step being taken).
+
+    cosine        linear warm-up to optim.lr, then cosine decay to min_lr_ratio · optim.lr
+    wsd           warm-up, stable at optim.lr, then a linear decay over the last decay_fraction
+                  of the steps to min_lr_ratio · optim.lr (Hägele et al. 2024, "warmup-stable-decay")
+    inverse_sqrt  Vaswani et al.: d_model^-0.5 · min(step^-0.5, step · warmup^-1.5), multiplied by
+                  optim.lr (so optim.lr = 1.0 is the paper's schedule)
+    constant      warm-up, then optim.lr
+
+`lr_at(step)` returns the learning rate itself; the trainer passes lr_at(step) / optim.lr to a
+LambdaLR-style multiplier, scaled again by the monitor's rollback lr_scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pretrain.config import ScheduleConfig
+
+
+def lr_at(step: int, peak_lr: float, total_steps: int, schedule: ScheduleConfig, d_model: int) -> float:
+    step = max(step, 1)
+    warmup = schedule.warmup_steps
+    if schedule.name == "inverse_sqrt":
+        return peak_lr * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+    if warmup and step <= warmup:
+        return peak_lr * step / warmup
+    floor = peak_lr * schedule.min_lr_ratio
+    if schedule.name == "constant":
+        return peak_lr
+    if schedule.name == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # wsd
+    decay_steps = max(1, round(schedule.decay_fraction * total_steps))
+    decay_start = total_steps - decay_steps
+    if step <= decay_start:
+        return peak_lr
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    return peak_lr + (floor - peak_lr) * progress
