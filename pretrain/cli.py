@@ -109,11 +109,11 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from pretrain.data.prepare import prepare_dataset
+    from pretrain.data.prepare import prepare
     from pretrain.data.sources import resolve_source
 
     source = resolve_source(args.source, text_field=args.text_field)
-    manifest = prepare_dataset(
+    manifest, written = prepare(
         source,
         args.tokenizer,
         args.out,
@@ -123,6 +123,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
     )
+    if not written:
+        return 0  # prepare said "... already holds this dataset; nothing to do"
     for name, split in manifest["splits"].items():
         print(
             f"{name}: {split['documents']:,} documents, {split['tokens']:,} tokens in {len(split['shards'])} shard(s)"

@@ -6,6 +6,8 @@ Every tokenizer this project trains has the same special ids, so code never has 
 
 Byte fallback is on, so any UTF-8 text encodes and nothing maps to unk. Normalization is the
 identity (no NFKC, whitespace kept as written), so decode(encode(text)) == text for any string.
+No dummy prefix ("▁") is put before each encoded text, so the encodings of consecutive pieces of a
+text, concatenated, decode to the text: `prepare` relies on that to tokenize huge documents in pieces.
 Training reads sentences (non-empty lines) from an iterator and samples at most
 `sample_sentences` of them, so corpora larger than memory work.
 """
@@ -82,6 +84,11 @@ class Tokenizer:
     def pad_id(self) -> int:
         return self.processor.pad_id()
 
+    @property
+    def adds_dummy_prefix(self) -> bool:
+        """True for models trained before add_dummy_prefix=False (each encode starts with "▁")."""
+        return self.decode(self.encode("a") * 2) != "aa"
+
     def encode(self, text: str) -> list[int]:
         return self.processor.encode(text)
 
@@ -150,6 +157,7 @@ def train_tokenizer(
             character_coverage=0.9995,  # rarer characters fall back to bytes
             normalization_rule_name="identity",  # decode(encode(x)) == x
             remove_extra_whitespaces=False,
+            add_dummy_prefix=False,  # encode(a) + encode(b) decodes to a + b (see the module docstring)
             allow_whitespace_only_pieces=True,  # indentation in code becomes few tokens
             split_digits=True,
             input_sentence_size=sample_sentences,  # reservoir-sample this many sentences

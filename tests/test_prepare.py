@@ -1,5 +1,8 @@
 import json
+import logging
 import math
+import os
+import signal
 import subprocess
 import sys
 
@@ -8,8 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import pretrain.data.prepare as prepare_module
 from pretrain.data import prepare_dataset, resolve_source
-from pretrain.data.shards import token_dtype
+from pretrain.data.prepare import prepare
+from pretrain.data.shards import ShardWriter, token_dtype
+from pretrain.data.sources import Source
 from pretrain.errors import UserError
 from pretrain.tokenizer import Tokenizer
 
@@ -73,7 +79,8 @@ def test_round_trip_and_manifest(tmp_path, tokenizer_dir, workers):
     assert not list(tmp_path.glob(".out.*")), "no staging directory is left behind"
 
 
-def test_output_is_byte_identical_for_any_worker_count(tmp_path, tokenizer_dir):
+def test_output_is_byte_identical_for_any_worker_count(tmp_path, tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 7)  # many batches in flight, out of order
     source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS * 20)))
     outputs = []
     for workers in (1, 2, 3):
@@ -163,9 +170,254 @@ def test_existing_output_directories(tmp_path, tokenizer_dir):
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="exists and is not empty"):
-        prepare_dataset(source, tokenizer_dir, stray, progress=False)
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match="stray is not a prepared dataset; refusing to replace it"):
+            prepare_dataset(source, tokenizer_dir, stray, overwrite=overwrite, progress=False)
     assert (stray / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces_only_our_own_datasets(tmp_path, tokenizer_dir):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    source = resolve_source(str(write_jsonl(inputs / "docs.jsonl", DOCS)))
+    with pytest.raises(UserError, match=r"docs.jsonl lies inside --out .*inputs"):
+        prepare_dataset(source, tokenizer_dir, inputs, overwrite=True, progress=False)
+    with pytest.raises(UserError, match="lies inside --out"):
+        prepare_dataset(source, tokenizer_dir, tmp_path, overwrite=True, progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"format": "someone-elses"}))
+    with pytest.raises(UserError, match="other is not a prepared dataset; refusing to replace it"):
+        prepare_dataset(source, tokenizer_dir, other, overwrite=True, progress=False)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(UserError, match="a_file is not a prepared dataset"):
+        prepare_dataset(source, tokenizer_dir, a_file, overwrite=True, progress=False)
+    assert (inputs / "docs.jsonl").is_file() and (other / "manifest.json").is_file()
+    assert a_file.read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prepare_dataset(source, tokenizer_dir, empty, val_fraction=0.1, overwrite=True, progress=False)
+    assert (empty / "manifest.json").is_file()
+
+
+def test_recipe_follows_the_source_files(tmp_path, tokenizer_dir, monkeypatch):
+    path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source("docs.jsonl")
+    assert source.description == f"files:{path.resolve()}"
+    first = prepare(source, tokenizer_dir, out, val_fraction=0.1, progress=False)
+    assert first.written
+    # The same file named from elsewhere is the same recipe.
+    monkeypatch.chdir(tmp_path.parent)
+    again = prepare(resolve_source(str(path)), tokenizer_dir, out, val_fraction=0.1, progress=False)
+    assert again == (first.manifest, False)
+    # Same name and size, new contents: the mtime gives it away.
+    before = path.stat()
+    path.write_text(path.read_text().replace("first", "FIRST"))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert path.stat().st_size == before.st_size
+    with pytest.raises(UserError, match="already holds a different dataset"):
+        prepare(resolve_source(str(path)), tokenizer_dir, out, val_fraction=0.1, progress=False)
+    rebuilt = prepare(
+        resolve_source(str(path)), tokenizer_dir, out, val_fraction=0.1, overwrite=True, progress=False
+    )
+    assert rebuilt.written and rebuilt.manifest["fingerprint"] != first.manifest["fingerprint"]
+
+
+def test_damaged_shards_are_rebuilt_not_reported_as_done(tmp_path, tokenizer_dir):
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    out = tmp_path / "out"
+    manifest = prepare_dataset(
+        source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, progress=False
+    )
+    original = {p.name: p.read_bytes() for p in out.iterdir()}
+    shard = out / manifest["splits"]["train"]["shards"][-1]["file"]
+    with open(shard, "r+b") as f:
+        f.truncate(10)
+    result = prepare(source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, progress=False)
+    assert result.written and result.manifest == manifest
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == original
+    (out / manifest["splits"]["validation"]["shards"][0]["file"]).unlink()
+    assert prepare(source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, progress=False).written
+
+
+def test_records_without_a_text_string_are_refused(tmp_path, tokenizer_dir, monkeypatch):
+    rows = ['{"text": "fine"}', '{"text": ""}', '{"text": null}']
+    (tmp_path / "null.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "missing.jsonl").write_text('{"text": "fine"}\n{"id": 1}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": "x"}\n{"text": 7}\n')
+    pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "null.parquet")
+    for name, fragment in (
+        ("null.jsonl", "record 2 of .*null.jsonl has no string 'text' field \\(it is null or missing\\)"),
+        (
+            "missing.jsonl",
+            "record 1 of .*missing.jsonl has no string 'text' field \\(it is null or missing\\)",
+        ),
+        ("number.jsonl", "record 2 of .*number.jsonl has no string 'text' field \\(it is 7\\)"),
+        ("null.parquet", "record 1 of .*null.parquet has no string 'text' field"),
+    ):
+        with pytest.raises(UserError, match=fragment):
+            prepare_dataset(
+                resolve_source(str(tmp_path / name)), tokenizer_dir, tmp_path / "out", progress=False
+            )
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS[:3])
+    both = resolve_source([str(good), str(tmp_path / "null.jsonl")])
+    with pytest.raises(UserError, match=r"record 5 \(counting across .*good.jsonl, .*null.jsonl in order\)"):
+        list(both.documents())
+    # Blank strings are documents with no text: skipped and counted, not refused.
+    write_jsonl(tmp_path / "blanks.jsonl", [*DOCS, "", "  \n"])
+    manifest = prepare_dataset(
+        resolve_source(str(tmp_path / "blanks.jsonl")),
+        tokenizer_dir,
+        tmp_path / "out",
+        val_fraction=0.1,
+        progress=False,
+    )
+    assert manifest["stats"]["skipped_blank_documents"] == 2
+    import datasets
+
+    records = [{"text": "a"}, {"text": "b"}, {"text": None}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split, streaming: iter(records))
+    hub = Source("hub", "hub:someone/corpus", name="someone/corpus")
+    with pytest.raises(UserError, match="record 2 of Hub dataset 'someone/corpus' has no string 'text'"):
+        list(hub.documents())
+
+
+def test_long_documents_are_tokenized_in_pieces_and_round_trip(tmp_path, tokenizer_dir, monkeypatch):
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    text = "\n".join(topics[k] for k in sorted(topics))
+    long_doc = (text * (3_000_000 // len(text) + 1))[:3_000_000]
+    no_newline = "é日🤗 word" * 3000  # 27,000 characters without a newline: hard cuts
+    # Document 4 of 10 is held out at F = 0.2 (and so is document 9).
+    docs = ["short one", "short two\n", "\n" + no_newline + "\ntail", DOCS[0], long_doc, *DOCS[1:6]]
+    source = resolve_source(str(write_jsonl(tmp_path / "long.jsonl", docs)))
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 10_000)
+    longest = []
+    encode_batch = Tokenizer.encode_batch
+    monkeypatch.setattr(
+        Tokenizer,
+        "encode_batch",
+        lambda self, texts: longest.append(max(map(len, texts))) or encode_batch(self, texts),
+    )
+    tok = Tokenizer.load(tokenizer_dir)
+    outputs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        manifest = prepare_dataset(
+            source, tokenizer_dir, out, val_fraction=0.2, shard_tokens=50_000, workers=workers, progress=False
+        )
+        train, val = read_split(out, manifest, "train", tok), read_split(out, manifest, "validation", tok)
+        assert interleave(train, val, 0.2) == docs  # exact, though cut into pieces
+        assert (
+            manifest["splits"]["train"]["documents"] == 8
+            and manifest["splits"]["validation"]["documents"] == 2
+        )
+        assert long_doc in val  # the hold-out is per document, not per piece
+        outputs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert outputs[0] == outputs[1]
+    assert max(longest) <= 10_000, "one encode call never sees more than a piece"
+    # A tokenizer that puts a dummy prefix before every encode call gets whole documents.
+    monkeypatch.setattr(Tokenizer, "adds_dummy_prefix", property(lambda self: True))
+    longest.clear()
+    prepare_dataset(source, tokenizer_dir, tmp_path / "whole", val_fraction=0.2, progress=False)
+    assert max(longest) == len(long_doc)
+
+
+def test_pieces_cut_after_newlines():
+    pieces = list(prepare_module._pieces("ab\ncd\nefghijkl\n", 5))
+    assert pieces == [("ab\n", False), ("cd\n", False), ("efghi", False), ("jkl\n", True)]
+    assert list(prepare_module._pieces("short", 5)) == [("short", True)]
+    assert list(prepare_module._pieces("x" * 12, None)) == [("x" * 12, True)]
+
+
+def test_directory_source_skips_prepared_datasets_and_hidden_paths(tmp_path, tokenizer_dir):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / ".cache").mkdir()
+    (corpus / "a.txt").write_text("a document")
+    (corpus / "sub" / "b.jsonl").write_text('{"text": "b"}\n')
+    (corpus / ".hidden.txt").write_text("hidden")
+    (corpus / ".cache" / "c.txt").write_text("cached")
+    prepare_dataset(
+        resolve_source(str(corpus / "a.txt")),
+        tokenizer_dir,
+        corpus / "prepared",
+        val_fraction=0,
+        progress=False,
+    )
+    (corpus / ".prepared.partial-1-abcd").mkdir()  # a staging directory, as an interrupted run leaves it
+    (corpus / ".prepared.partial-1-abcd" / "manifest.json").write_text("{}")
+    files = resolve_source(str(corpus)).files
+    assert [p.relative_to(corpus).as_posix() for p in files] == ["a.txt", "sub/b.jsonl"]
+    with pytest.raises(UserError, match="holds no"):
+        resolve_source(str(corpus / "prepared"))
+
+
+def test_byte_order_marks_and_crlf(tmp_path, tokenizer_dir):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
+    write_jsonl(tmp_path / "bom.jsonl", ["\ufeffjson text", "inner \ufeff kept"])
+    assert list(resolve_source(str(tmp_path / "bom.txt")).documents()) == ["line one\nline two\n"]
+    assert list(resolve_source(str(tmp_path / "bom.jsonl")).documents()) == ["json text", "inner \ufeff kept"]
+
+
+def test_workers_ignore_ctrl_c(tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(prepare_module, "_worker_tokenizer", None)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        prepare_module._init_worker(str(tokenizer_dir / "tokenizer.model"))
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_stale_staging_directories_are_removed(tmp_path, tokenizer_dir):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f".out.partial-{int(dead.stdout)}-0123abcd"
+    live = tmp_path / f".out.partial-{os.getpid()}-4567abcd"
+    unrelated = tmp_path / f".other.partial-{int(dead.stdout)}-0123abcd"
+    for directory in (stale, live, unrelated):
+        directory.mkdir()
+        (directory / "train_00000.bin").write_bytes(b"partial")
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    prepare_dataset(source, tokenizer_dir, tmp_path / "out", val_fraction=0.1, progress=False)
+    assert not stale.exists() and live.is_dir() and unrelated.is_dir()
+
+
+def test_reader_errors_are_not_logged_before_ours(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("datasets")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(UserError, match="could not read .*bad.jsonl"):
+            list(resolve_source(str(tmp_path / "bad.jsonl")).documents())
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in seen if "Failed to load JSON" in r.getMessage()]
+
+
+def test_written_files_have_normal_permissions_and_shards_are_synced(tmp_path, tokenizer_dir, monkeypatch):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    manifest = prepare_dataset(source, tokenizer_dir, tmp_path / "out", val_fraction=0.1, progress=False)
+    for name in ("manifest.json", "tokenizer_meta.json", manifest["splits"]["train"]["shards"][0]["file"]):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    writer = ShardWriter(tmp_path, "train", np.dtype("<u2"), shard_tokens=10)
+    writer.write(np.arange(25), documents=1)
+    assert len(synced) == 2  # each full shard, on closing it
+    writer.finish()
+    assert len(synced) == 3
 
 
 def test_dtype_choice():
@@ -189,7 +441,7 @@ def test_cli_tokenizer_and_prepare(tmp_path):
         "tokenizer", "train", "--input", str(docs), "--vocab-size", "400", "--out", str(tmp_path / "tok")
     )
     assert again.returncode == 2 and "--overwrite" in again.stderr
-    result = run_cli(
+    prepare_args = (
         "data",
         "prepare",
         "--source",
@@ -202,8 +454,13 @@ def test_cli_tokenizer_and_prepare(tmp_path):
         "0.1",
         "--no-progress",
     )
+    result = run_cli(*prepare_args)
     assert result.returncode == 0, result.stderr
     assert "train: 360 documents" in result.stdout and "validation: 40 documents" in result.stdout
+    assert "wrote " in result.stdout
+    again = run_cli(*prepare_args)
+    assert again.returncode == 0, again.stderr
+    assert "already holds this dataset; nothing to do" in again.stderr and "wrote" not in again.stdout
 
 
 def test_cli_errors_are_one_line(tmp_path, tokenizer_dir):

@@ -228,3 +228,61 @@ def test_batch_loader_over_validation_is_finite(data):
     batches = list(loader)
     assert len(batches) == 4  # 9 windows: the partial last batch is dropped
     assert len(list(loader)) == 4  # and a new pass starts on the next iteration
+
+
+def test_batch_loader_failure_loses_no_windows(data):
+    stream = WindowStream(data, SEQ, seed=2)
+    expected = ids(take(WindowStream(data, SEQ, seed=2), 3 * 12))
+    reads, read = [0], stream.read
+
+    def failing_read(window):
+        reads[0] += 1
+        if reads[0] == 17:  # the second window of batch 6
+            raise OSError("disk hiccup")
+        return read(window)
+
+    stream.read = failing_read
+    loader = BatchLoader(stream, batch_size=3, prefetch=2)
+    served = [w for _ in range(5) for w in ids(next(loader)[0])]
+    with pytest.raises(OSError, match="disk hiccup"):
+        next(loader)
+    served += [w for _ in range(7) for w in ids(next(loader)[0])]  # a retry continues exactly
+    assert served == expected
+    loader.close()
+
+
+def test_batch_loader_reshuffle_loses_and_repeats_nothing(data):
+    loader = BatchLoader(WindowStream(data, SEQ, seed=3), batch_size=3, prefetch=4)
+    served = ids(torch.cat([next(loader)[0] for _ in range(4)]))  # the thread has read further
+    loader.reshuffle(21)
+    assert loader.state_dict()["epoch_seeds"] == [[0, 3], [12, 21]]
+    served += ids(torch.cat([next(loader)[0] for _ in range(5)]))
+    loader.close()
+    plain = WindowStream(data, SEQ, seed=3)
+    reference = ids(take(plain, 12))
+    plain.reshuffle(21)
+    reference += ids(take(plain, 15))
+    assert served == reference and sorted(served) == sorted(all_window_starts())
+
+
+def test_integer_seeds_of_any_type_are_the_same_seed(data):
+    a, b = WindowStream(data, SEQ, seed=np.int64(3)), WindowStream(data, SEQ, seed=3)
+    assert ids(take(a, 10)) == ids(take(b, 10))
+    a.reshuffle(np.int32(8))
+    b.reshuffle(8)
+    assert ids(take(a, 30)) == ids(take(b, 30))
+    state = json.loads(json.dumps(a.state_dict()))  # numpy integers would not serialize
+    assert state == b.state_dict()
+    c = WindowStream(data, SEQ)
+    c.load_state_dict(a.state_dict() | {"seed": np.int64(8)})
+    assert ids(take(c, 10)) == ids(take(b, 10))
+    assert (round_keys("epoch", np.int64(3), np.uint8(0)) == round_keys("epoch", 3, 0)).all()
+    with pytest.raises(TypeError):
+        WindowStream(data, SEQ, seed=3.0)
+
+
+def test_validation_stream_refuses_next(data):
+    stream = WindowStream(data, SEQ, split="validation")
+    with pytest.raises(TypeError, match=r"iterated with iter\(\): one pass per call"):
+        next(stream)
+    assert ids(stream)[:2] == [0, 8]

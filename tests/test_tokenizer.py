@@ -53,3 +53,24 @@ def test_load_refusals(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"not a model")
     with pytest.raises(UserError, match="not a SentencePiece model"):
         Tokenizer.load(tmp_path)
+
+
+def test_pieces_encoded_separately_decode_to_the_whole(tokenizer_dir):
+    tok = Tokenizer.load(tokenizer_dir)
+    assert not tok.adds_dummy_prefix
+    pieces = ["first line\n", "second", " line, then", "\n  indented"]
+    assert tok.decode([i for piece in pieces for i in tok.encode(piece)]) == "".join(pieces)
+
+
+def test_written_files_get_the_usual_permissions(tmp_path, tokenizer_dir):
+    import os
+
+    from pretrain import atomic
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    atomic.write_text(tmp_path / "note.txt", "hello")
+    assert (tmp_path / "note.txt").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["note.txt"]  # no temporary file left
+    for name in ("tokenizer.model", "tokenizer_meta.json"):  # written by train_tokenizer
+        assert (tokenizer_dir / name).stat().st_mode & 0o777 == 0o666 & ~umask, name

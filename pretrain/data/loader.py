@@ -43,7 +43,11 @@ class BatchLoader:
             self._thread = None
             raise StopIteration
         if isinstance(item, BaseException):
+            self._thread.join()  # it has put its last item
             self._thread = None
+            # The thread had read ahead of the batches handed out: rewind, so a retry loses nothing.
+            if self.stream.shuffle:
+                self.stream.load_state_dict(self._state)
             raise item
         batch, self._state = item
         batch = batch.to(self.device, non_blocking=self.pin)
@@ -88,6 +92,13 @@ class BatchLoader:
             self._thread = None
         if self.stream.shuffle:
             self.stream.load_state_dict(self._state)
+
+    def reshuffle(self, seed: int) -> None:
+        """Serve the rest of the epoch, from the last batch handed out, in an order keyed by `seed`
+        (see WindowStream.reshuffle); the prefetched batches are dropped."""
+        self.close()  # leaves the stream at the last batch handed out
+        self.stream.reshuffle(seed)
+        self._state = self.stream.state_dict()
 
     def state_dict(self) -> dict:
         return dict(self._state)

@@ -11,6 +11,7 @@ platform.
 from __future__ import annotations
 
 import hashlib
+import operator
 
 import numpy as np
 
@@ -20,8 +21,10 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 
 def round_keys(*key_parts: int | str) -> np.ndarray:
-    """ROUNDS 64-bit keys from any tuple of ints and strings (seed, epoch, ...)."""
-    digest = hashlib.blake2b(repr(key_parts).encode(), digest_size=8 * ROUNDS).digest()
+    """ROUNDS 64-bit keys from any tuple of ints and strings (seed, epoch, ...). Any integer type
+    gives the key of the same plain int: repr(np.int64(3)) is not repr(3)."""
+    canonical = tuple(part if isinstance(part, str) else operator.index(part) for part in key_parts)
+    digest = hashlib.blake2b(repr(canonical).encode(), digest_size=8 * ROUNDS).digest()
     return np.frombuffer(digest, dtype="<u8").copy()
 
 

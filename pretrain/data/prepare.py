@@ -8,26 +8,47 @@ place only when complete: an interrupted or failed run leaves nothing that looks
 
 Validation documents are chosen by position, evenly spaced: document i (counting non-blank
 documents from 0) is held out when floor((i+1)·F) > floor(i·F), for F = --val-fraction.
+
+A document longer than PIECE_CHARS characters is tokenized in pieces, each cut after its last
+newline (or hard-cut where a piece holds none), with EOS after the last piece only, so one huge
+document never becomes one huge token list. The pieces decode to the document exactly because our
+tokenizers add no dummy prefix; an older tokenizer that does gets whole documents instead.
+
+The output directory is only ever replaced when it is our own dataset or empty: the same recipe
+(source files with their sizes and mtimes, tokenizer, settings) is a no-op while its shards match
+the manifest, and is rebuilt when they do not; a different recipe needs --overwrite; any other
+directory, or one holding a source file, is refused.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import uuid
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from pretrain import __version__, atomic
-from pretrain.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, fingerprint, token_dtype
+from pretrain.data.shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    ShardSet,
+    ShardWriter,
+    fingerprint,
+    our_manifest,
+    token_dtype,
+)
 from pretrain.data.sources import Source
 from pretrain.errors import UserError
 from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
@@ -35,6 +56,7 @@ from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MiB per uint16 shard
 BATCH_CHARS = 1 << 20  # characters of text per task handed to a worker
 BATCH_DOCS = 2048
+PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces of at most this many characters
 
 # --------------------------------------------------------------------------- workers
 
@@ -43,20 +65,27 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(model_path: str) -> None:
     global _worker_tokenizer
+    # Ctrl-C reaches the whole process group: the main process handles it and terminates the pool,
+    # so a worker's own KeyboardInterrupt traceback would only be noise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = Tokenizer.load(model_path)
 
 
-def tokenize_batch(docs: list[str], held_out: list[bool], tokenizer: Tokenizer | None = None) -> tuple:
-    """Encode a batch; return (train tokens, validation tokens, #train docs, #validation docs),
-    each document followed by EOS, concatenated in order."""
+def tokenize_batch(
+    texts: list[str], held_out: list[bool], ends: list[bool], tokenizer: Tokenizer | None = None
+) -> tuple:
+    """Encode a batch of documents or pieces of them; return (train tokens, validation tokens,
+    #train docs, #validation docs), EOS after each document's last piece, concatenated in order."""
     tokenizer = tokenizer or _worker_tokenizer
     dtype = token_dtype(tokenizer.vocab_size)
     eos = [tokenizer.eos_id]
     parts: dict[bool, list[list[int]]] = {False: [], True: []}
-    for ids, is_val in zip(tokenizer.encode_batch(docs), held_out, strict=True):
-        parts[is_val].append(ids + eos)
+    documents = {False: 0, True: 0}
+    for ids, is_val, end in zip(tokenizer.encode_batch(texts), held_out, ends, strict=True):
+        parts[is_val].append(ids + eos if end else ids)
+        documents[is_val] += end
     train, val = (_flatten(parts[is_val], dtype) for is_val in (False, True))
-    return train, val, len(parts[False]), len(parts[True])
+    return train, val, documents[False], documents[True]
 
 
 def _flatten(lists: list[list[int]], dtype: np.dtype) -> np.ndarray:
@@ -68,29 +97,45 @@ def _flatten(lists: list[list[int]], dtype: np.dtype) -> np.ndarray:
 
 
 def _batches(
-    documents: Iterator[str], val_fraction: float, stats: dict
-) -> Iterator[tuple[list[str], list[bool]]]:
-    docs, held_out, chars, index = [], [], 0, 0
+    documents: Iterator[str], val_fraction: float, stats: dict, piece_chars: int | None
+) -> Iterator[tuple[list[str], list[bool], list[bool]]]:
+    """(texts, held out, ends a document) batches; the hold-out is decided per document."""
+    texts, held_out, ends, chars, index = [], [], [], 0, 0
     for doc in documents:
         if not doc.strip():
             stats["skipped_blank_documents"] += 1
             continue
-        docs.append(doc)
-        held_out.append(math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction))
+        is_val = math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
         index += 1
-        chars += len(doc)
-        if chars >= BATCH_CHARS or len(docs) >= BATCH_DOCS:
-            yield docs, held_out
-            docs, held_out, chars = [], [], 0
-    if docs:
-        yield docs, held_out
+        for piece, last in _pieces(doc, piece_chars):
+            texts.append(piece)
+            held_out.append(is_val)
+            ends.append(last)
+            chars += len(piece)
+            if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
+                yield texts, held_out, ends
+                texts, held_out, ends, chars = [], [], [], 0
+    if texts:
+        yield texts, held_out, ends
+
+
+def _pieces(doc: str, size: int | None) -> Iterator[tuple[str, bool]]:
+    """(piece, is last) for `doc` cut into pieces of at most `size` characters (None: whole), each
+    ending after its last newline, or hard-cut where it holds none."""
+    start = 0
+    while size is not None and len(doc) - start > size:
+        newline = doc.rfind("\n", start, start + size)
+        end = newline + 1 if newline >= 0 else start + size
+        yield doc[start:end], False
+        start = end
+    yield (doc[start:] if start else doc), True
 
 
 def _tokenized(batches: Iterator[tuple], tokenizer: Tokenizer, workers: int) -> Iterator[tuple]:
     """Tokenize batches in order, in-process (W=1) or with W processes and bounded look-ahead."""
     if workers == 1:
-        for docs, held_out in batches:
-            yield tokenize_batch(docs, held_out, tokenizer)
+        for batch in batches:
+            yield tokenize_batch(*batch, tokenizer)
         return
     context = multiprocessing.get_context("spawn")  # never fork a process holding threads
     pool = context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.path),))
@@ -115,11 +160,17 @@ def recipe(source: Source, tokenizer: Tokenizer, val_fraction: float, shard_toke
     """What determines the output: the same recipe gives the same bytes."""
     return {
         "source": source.description,
+        "source_stat": source.stat_digest(),  # changes when a source file does
         "text_field": source.text_field,
         "tokenizer_sha256": tokenizer.sha256,
         "val_fraction": val_fraction,
         "shard_tokens": shard_tokens,
     }
+
+
+class Prepared(NamedTuple):
+    manifest: dict
+    written: bool  # False: the output already held this dataset, and nothing was written
 
 
 def prepare_dataset(
@@ -133,6 +184,22 @@ def prepare_dataset(
     progress: bool = True,
 ) -> dict:
     """Tokenize `source` into `out_dir`; return the manifest. See the module docstring."""
+    return prepare(
+        source, tokenizer_path, out_dir, val_fraction, shard_tokens, workers, overwrite, progress
+    ).manifest
+
+
+def prepare(
+    source: Source,
+    tokenizer_path: str | Path,
+    out_dir: str | Path,
+    val_fraction: float = 0.01,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Prepared:
+    """`prepare_dataset`, also telling whether anything was written."""
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1024:
@@ -141,23 +208,28 @@ def prepare_dataset(
         raise UserError(f"--workers {workers} must be at least 1")
     tokenizer = Tokenizer.load(tokenizer_path)
     out_dir = Path(out_dir)
+    _check_source_outside(source, out_dir)
     wanted = recipe(source, tokenizer, val_fraction, shard_tokens)
-    existing = _existing_recipe(out_dir)
+    existing = our_manifest(out_dir)
     if existing is not None and not overwrite:
-        if existing == wanted:
+        if not _same_recipe(existing, wanted):
+            raise UserError(
+                f"{out_dir} already holds a different dataset: choose another --out, or pass --overwrite"
+            )
+        if _shards_match(out_dir, existing):
             print(
                 f"{out_dir} already holds this dataset; nothing to do (--overwrite to rebuild)",
                 file=sys.stderr,
             )
-            return _read_json(out_dir / MANIFEST)
-        raise UserError(
-            f"{out_dir} already holds a different dataset: choose another --out, or pass --overwrite"
-        )
-    if out_dir.exists() and existing is None and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"{out_dir} exists and is not empty: choose another --out, or pass --overwrite")
+            return Prepared(existing, written=False)
+        # Our own dataset, same recipe, damaged shards: rebuilding it loses nothing.
+        print(f"{out_dir} holds this dataset but its shards do not match; rebuilding it", file=sys.stderr)
+    if existing is None and out_dir.exists() and not _is_empty_dir(out_dir):
+        raise UserError(f"{out_dir} is not a prepared dataset; refusing to replace it: choose another --out")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    _remove_stale_staging(out_dir)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         manifest = _write_dataset(source, tokenizer, staging, wanted, workers, progress)
@@ -165,7 +237,58 @@ def prepare_dataset(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return manifest
+    return Prepared(manifest, written=True)
+
+
+def _check_source_outside(source: Source, out_dir: Path) -> None:
+    """Replacing `out_dir` must never delete an input."""
+    out = out_dir.resolve()
+    for path in source.files:
+        if path.resolve().is_relative_to(out):
+            raise UserError(
+                f"source file {path} lies inside --out {out_dir}: choose an --out outside the source"
+            )
+
+
+def _same_recipe(manifest: dict, wanted: dict) -> bool:
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return False
+    return all(manifest.get(key) == value for key, value in wanted.items())
+
+
+def _shards_match(out_dir: Path, manifest: dict) -> bool:
+    """Whether every shard is there with the size its manifest records (cheap: no hashing)."""
+    try:
+        for split in SPLITS:
+            ShardSet(out_dir, split, manifest)
+    except (UserError, KeyError, TypeError):  # a shard missing or resized, or a manifest field
+        return False
+    return True
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _remove_stale_staging(out_dir: Path) -> None:
+    """Remove what runs for the same output that died mid-way (killed, out of memory) left behind."""
+    prefix = f".{out_dir.name}.partial-"
+    for path in out_dir.parent.iterdir():
+        pid = path.name[len(prefix) :].split("-")[0] if path.name.startswith(prefix) else ""
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # no cheap check: keep it
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _write_dataset(
@@ -183,8 +306,10 @@ def _write_dataset(
     first = next(documents, None)  # opening the source fails here, before any progress output
     documents = itertools.chain([first] if first is not None else [], documents)
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress, file=sys.stderr)
+    # Pieces decode back to the document only when encoding adds no dummy prefix to each.
+    piece_chars = None if tokenizer.adds_dummy_prefix else PIECE_CHARS
     with bar:
-        batches = _batches(documents, wanted["val_fraction"], stats)
+        batches = _batches(documents, wanted["val_fraction"], stats, piece_chars)
         for train, val, n_train, n_val in _tokenized(batches, tokenizer, workers):
             writers["train"].write(train, n_train)
             writers["validation"].write(val, n_val)
@@ -216,24 +341,6 @@ def _write_dataset(
     manifest["fingerprint"] = fingerprint(manifest)
     atomic.write_json(staging / MANIFEST, manifest)
     return manifest
-
-
-def _existing_recipe(out_dir: Path) -> dict | None:
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        return None
-    manifest = _read_json(path)
-    keys = ("source", "text_field", "tokenizer_sha256", "val_fraction", "shard_tokens")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        return {"format_version": manifest.get("format_version")}
-    return {k: manifest.get(k) for k in keys}
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}
 
 
 def _replace_dir(staging: Path, out_dir: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,9 @@ class ShardWriter:
         self.shards.append({"file": name})
 
     def _close(self) -> None:
+        # On disk before the manifest that vouches for it is written.
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         self.shards[-1] |= {"tokens": self._count, "sha256": self._hash.hexdigest()}
         self._file = None
@@ -91,6 +95,20 @@ class ShardWriter:
             "tokens": sum(s["tokens"] for s in self.shards),
             "shards": self.shards,
         }
+
+
+def our_manifest(data_dir: str | Path) -> dict | None:
+    """The manifest of the dataset in `data_dir`, or None when it holds no manifest.json written by
+    `pretrain data prepare` (missing, unreadable, not JSON, or another program's)."""
+    try:
+        manifest = json.loads((Path(data_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
+def is_prepared_dataset(data_dir: str | Path) -> bool:
+    return our_manifest(data_dir) is not None
 
 
 def read_manifest(data_dir: str | Path) -> dict:

@@ -9,19 +9,30 @@
 
 Invalid UTF-8 policy: a file whose first 64 KiB hold a NUL byte or more than 1% undecodable
 bytes is not text and is refused by name; elsewhere, undecodable bytes become U+FFFD.
-Documents that are empty or whitespace-only are skipped (and counted).
+.txt files are read with universal newlines: CRLF (and a lone CR) becomes LF. A UTF-8 byte-order
+mark (U+FEFF) at the very start of a document is dropped; anywhere else it is kept as text.
+A record whose text field is missing, null or not a string is refused, naming the source and the
+record's index; documents that are empty or whitespace-only are skipped (and counted).
+
+A directory source takes the known file types below it, in sorted order, except hidden paths
+(a component starting with ".") and prepared datasets (a directory holding our manifest.json),
+so a dataset written inside its own source directory never feeds back into it.
 """
 
 from __future__ import annotations
 
 import ast
 import glob
+import hashlib
+import itertools
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.data.shards import is_prepared_dataset
 from pretrain.errors import UserError
 
 BUILTIN_PYDOC = "builtin:pydoc"
@@ -31,6 +42,7 @@ PARQUET_SUFFIXES = (".parquet",)
 KNOWN_SUFFIXES = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
 SNIFF_BYTES = 64 * 1024
 MAX_INVALID_FRACTION = 0.01
+BOM = "\ufeff"
 
 
 @dataclass
@@ -45,11 +57,25 @@ class Source:
 
     def documents(self) -> Iterator[str]:
         if self.kind == "builtin":
-            yield from pydoc_documents()
+            documents = pydoc_documents()
         elif self.kind == "hub":
-            yield from _hub_documents(self.name, self.text_field)
+            documents = _hub_documents(self.name, self.text_field)
         else:
-            yield from _file_documents(self.files, self.text_field)
+            documents = _file_documents(self.files, self.text_field)
+        for doc in documents:
+            # An editor's byte-order mark says how the file is encoded; it is not text.
+            yield doc[1:] if doc.startswith(BOM) else doc
+
+    def stat_digest(self) -> str | None:
+        """A digest of each file's resolved path, size and mtime_ns (None for other kinds), so a
+        recipe changes when an input file does, though its name stays the same."""
+        if self.kind != "files":
+            return None
+        digest = hashlib.sha256()
+        for path in self.files:
+            stat = path.stat()
+            digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        return digest.hexdigest()
 
 
 def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
@@ -66,7 +92,8 @@ def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
     files = _expand_files(specs)
     for path in files:
         _check_file(path, text_field)
-    description = "files:" + ",".join(str(p) for p in files)
+    # Resolved paths: the same files named from another directory are the same recipe.
+    description = "files:" + ",".join(str(p.resolve()) for p in files)
     return Source("files", description, files=files, text_field=text_field)
 
 
@@ -86,7 +113,7 @@ def _expand_files(specs: list[str]) -> list[Path]:
                 raise UserError(f"no files match {spec!r}: check the pattern")
             files.extend(matches)
         elif Path(spec).is_dir():
-            matches = sorted(p for p in Path(spec).rglob("*") if p.is_file() and p.suffix in KNOWN_SUFFIXES)
+            matches = _directory_files(Path(spec))
             if not matches:
                 raise UserError(f"{spec} holds no {'/'.join(KNOWN_SUFFIXES)} files")
             files.extend(matches)
@@ -98,6 +125,20 @@ def _expand_files(specs: list[str]) -> list[Path]:
         if path.suffix not in KNOWN_SUFFIXES:
             raise UserError(f"{path}: unsupported file type {path.suffix!r}; use {', '.join(KNOWN_SUFFIXES)}")
     return files
+
+
+def _directory_files(root: Path) -> list[Path]:
+    """The known file types below `root`, sorted, leaving out hidden paths and prepared datasets
+    (their manifest.json and tokenizer files are not a corpus)."""
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        here = Path(directory)
+        if is_prepared_dataset(here):
+            subdirs.clear()
+            continue
+        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+        found += [here / n for n in names if not n.startswith(".") and Path(n).suffix in KNOWN_SUFFIXES]
+    return sorted(found)
 
 
 def _check_file(path: Path, text_field: str) -> None:
@@ -168,6 +209,18 @@ def _kind(path: Path) -> str:
 def _stream_files(files: list[Path], text_field: str) -> Iterator[str]:
     import datasets
 
+    # Its "Failed to load JSON ..." line (logged at ERROR) would come before our one-line error.
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield from _stream_files_quietly(files, text_field)
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def _stream_files_quietly(files: list[Path], text_field: str) -> Iterator[str]:
+    import datasets
+
     kind = _kind(files[0])
     data_files = [str(p) for p in files]
     options = (
@@ -178,16 +231,29 @@ def _stream_files(files: list[Path], text_field: str) -> Iterator[str]:
     if kind == "json":
         options = {"encoding_errors": "replace"}
     field_name = "text" if kind == "text" else text_field
+    where = f"{', '.join(data_files[:3])}{'...' if len(files) > 3 else ''}"
+    # One reader streams all the files, so a record's index counts across them.
+    record_of = f"of {where}" if len(files) == 1 else f"(counting across {where} in order)"
     dataset = datasets.load_dataset(kind, data_files=data_files, split="train", streaming=True, **options)
     try:
-        for record in dataset:
-            text = record.get(field_name)
-            yield text if isinstance(text, str) else ""
+        for index, record in enumerate(dataset):
+            yield _text_of(record, field_name, index, record_of)
     except (ValueError, TypeError, OSError) as exc:  # a record the reader cannot parse
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"could not read {', '.join(data_files[:3])}{'...' if len(files) > 3 else ''}: {first}"
-        ) from None
+        raise UserError(f"could not read {where}: {first}") from None
+
+
+def _text_of(record: dict, field_name: str, index: int, record_of: str) -> str:
+    """The record's text; a missing or non-string one is refused, not silently made empty."""
+    text = record.get(field_name)
+    if isinstance(text, str):
+        return text
+    # The readers fill a field a record lacks with None, so null and missing look the same.
+    found = "null or missing" if text is None else json.dumps(text, default=repr)[:80]
+    raise UserError(
+        f"record {index} {record_of} has no string {field_name!r} field (it is {found}): "
+        "fix or drop that record"
+    )
 
 
 def _hub_documents(name: str, text_field: str) -> Iterator[str]:
@@ -210,10 +276,8 @@ def _hub_documents(name: str, text_field: str) -> Iterator[str]:
         raise UserError(
             f"Hub dataset {name!r} has no field {text_field!r} (fields: {', '.join(first)}): pass --text-field"
         )
-    yield first[text_field] or ""
-    for record in iterator:
-        text = record.get(text_field)
-        yield text if isinstance(text, str) else ""
+    for index, record in enumerate(itertools.chain([first], iterator)):
+        yield _text_of(record, text_field, index, f"of Hub dataset {name!r}")
 
 
 # --------------------------------------------------------------------------- builtin:pydoc

@@ -19,13 +19,18 @@ at any world size. `reshuffle(seed)` re-keys the rest of the current epoch: the 
 consumed are served in a new order, none lost and none repeated (each reshuffle adds one
 [start, seed] pair to `epoch_seeds`); later epochs use the new seed.
 
+Seeds may be any integer type (np.int64 included): they are keyed, and stored in the state, as
+plain ints, so the order and the JSON state do not depend on the type.
+
 The validation split is served in file order, one pass per `iter()`, each rank taking every
-world_size-th window (the last N mod world_size windows are left out so ranks stay in step).
+world_size-th window (the last N mod world_size windows are left out so ranks stay in step);
+`next()` on a validation stream itself is a TypeError.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +71,7 @@ class WindowStream:
                 f"{seq_len + 1} tokens, fewer than the {world_size} ranks; lower data.seq_len or add data"
             )
         self.shuffle = split == "train"
+        seed = operator.index(seed)  # a plain int: np.int64(3) would not serialize to JSON
         # Anchor: the global state at the last (re)start; `_local` windows yielded by this rank since.
         self._seed = seed
         self._epoch = 0
@@ -83,6 +89,9 @@ class WindowStream:
         return self._validation_pass()
 
     def __next__(self) -> torch.Tensor:
+        if not self.shuffle:
+            # It would silently serve the shuffled order: validation is a fixed pass.
+            raise TypeError("the validation stream is iterated with iter(): one pass per call")
         offset = self._local - self._block_at
         if self._block is None or offset >= len(self._block):
             self._fill_block()
@@ -179,11 +188,11 @@ class WindowStream:
             raise UserError(
                 f"stream state position epoch={state['epoch']} consumed={state['consumed']} is out of range"
             )
-        seeds = [(int(start), int(seed)) for start, seed in state["epoch_seeds"]]
+        seeds = [(int(start), operator.index(seed)) for start, seed in state["epoch_seeds"]]
         if not seeds or seeds[0][0] != 0 or any(a[0] >= b[0] for a, b in itertools.pairwise(seeds)):
             raise UserError("stream state 'epoch_seeds' must start at 0 and increase")
         self._seed, self._epoch, self._consumed = (
-            int(state["seed"]),
+            operator.index(state["seed"]),
             int(state["epoch"]),
             int(state["consumed"]),
         )
@@ -195,6 +204,7 @@ class WindowStream:
         and key later epochs by `seed`. Call on every rank at the same step boundary."""
         if not self.shuffle:
             raise ValueError("the validation stream is not shuffled")
+        seed = operator.index(seed)
         self._reanchor()
         if self._consumed == 0:
             self._epoch_seeds = [(0, seed)]
