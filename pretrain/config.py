@@ -142,11 +142,13 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     global_batch_size: int | None = None  # windows per step; if set, must equal micro × accum × world size
+    stop_at_step: int | None = None  # save and exit at this step (e.g. to fit a job time limit); resume later
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps)
-        if self.global_batch_size is not None:
-            _positive("train.global_batch_size", self.global_batch_size)
+        for key in ("global_batch_size", "stop_at_step"):
+            if getattr(self, key) is not None:
+                _positive(f"train.{key}", getattr(self, key))
         _positive("train.micro_batch_size", self.micro_batch_size)
         _positive("train.grad_accum", self.grad_accum)
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)

@@ -37,9 +37,9 @@ def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Traine
     directory = checkpoint.find_checkpoint(path)
     run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
     model_cfg = ModelConfig(**run_config["model"])
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs and reports progress on stdout
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(sys.stderr):  # the tool reports progress on stdout
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
     if model_cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["tok_embeddings.weight"])

@@ -188,6 +188,7 @@ def train(cfg: RunConfig) -> dict:
             )
             dist.all_reduce(agreed)
             train_loss, stop_requested = agreed[0].item() / env.world_size, agreed[1].item() > 0
+            stop_requested = stop_requested or step == cfg.train.stop_at_step
             grad_norm = _as_float(engine.get_global_grad_norm())
             state = TrainState(step, state.tokens + plan.tokens_per_step, state.lr_scale)
             step_time = time.perf_counter() - started
@@ -221,7 +222,8 @@ def train(cfg: RunConfig) -> dict:
                 last_saved = step
                 writer.flush()
             if stop_requested:
-                writer.message(f"stop requested: saved {checkpoint.tag_for(step)} and exiting")
+                reason = "reached train.stop_at_step" if step == cfg.train.stop_at_step else "stop requested"
+                writer.message(f"{reason}: saved {checkpoint.tag_for(step)} and exiting")
                 break
         if last_saved != state.step:
             save(engine, cfg, env, state, loader.state_dict(), data_dir)

@@ -1,0 +1,268 @@
+"""Real multi-process DeepSpeed runs on CPU (gloo): ZeRO stages, exact resume, world-size change,
+SIGTERM, TensorBoard, export, the two-"node" launcher mode. Kept short: a 2-layer model, 6 steps."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pretrain.config import REPO_CONFIG_DIR
+from pretrain.train import _free_port
+
+pytestmark = pytest.mark.slow
+
+TINY = str(REPO_CONFIG_DIR / "train" / "tiny.yaml")
+FAST = [
+    "model.vocab_size=512", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "train.micro_batch_size=2", "optim.lr=3e-3", "schedule.warmup_steps=2", "eval.batches=2",
+    "logging.every=1", "logging.layer_grad_norms_every=2", "run.deterministic=true",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory, tokenizer_dir):
+    import pydoc_data.topics
+
+    from pretrain.data import prepare_dataset, resolve_source
+
+    directory = tmp_path_factory.mktemp("train_data")
+    corpus = directory / "topics.jsonl"
+    topics = pydoc_data.topics.topics
+    corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+    prepare_dataset(
+        resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
+    )
+    return directory / "data"
+
+
+def launcher(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+            "--master_port", str(_free_port()), "--module", "pretrain.train"]  # fmt: skip
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(_free_port()), "-m", "pretrain.train"]  # fmt: skip
+
+
+def train(command, run_dir, data_dir, *overrides, check=True):
+    args = [*command, "--config", TINY, f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, *overrides]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def metrics(run_dir) -> dict[int, dict]:
+    """Per step, the last record written (a resumed run appends)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records}
+
+
+def train_state(run_dir, step) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step_{step:08d}" / "train_state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, train_data):
+    """2 processes, ZeRO-2, 6 steps, checkpoints at 3 and 6: the run the other tests compare with."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    train(launcher(2), run_dir, train_data, "train.steps=6", "checkpoint.every=3", "eval.every=3",
+          "engine.peak_flops=1e12")  # fmt: skip
+    return run_dir
+
+
+def assert_learns(run_dir):
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    evals = [e["loss"] for e in summary["eval"]]
+    assert evals[0] > math.log(512) - 0.3, "the untrained model starts near a uniform guess"
+    assert evals[-1] < evals[0] - 0.3, evals
+    steps = metrics(run_dir)
+    assert steps[6]["train/loss"] < steps[1]["train/loss"]
+    return summary
+
+
+def test_zero2_learns_and_checkpoints(reference):
+    summary = assert_learns(reference)
+    assert summary["zero_stage"] == 2 and summary["world_size"] == 2 and summary["completed"]
+    assert (reference / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    for step in (3, 6):
+        directory = reference / "checkpoints" / f"step_{step:08d}"
+        assert (directory / "complete.json").is_file()
+        assert {
+            "train_state.json",
+            "run_config.json",
+            "tokenizer.model",
+            "rng_rank_00000.json",
+            "rng_rank_00001.json",
+        } <= {p.name for p in directory.iterdir()}
+    state = train_state(reference, 6)
+    assert state["step"] == 6 and state["world_size"] == 2 and state["tokens"] == 6 * 2 * 2 * 512
+    assert state["data"]["consumed"] == 6 * 2 * 2  # global windows: steps × micro-batch × ranks
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_other_zero_stages_learn(tmp_path, train_data, stage):
+    train(launcher(2), tmp_path, train_data, "train.steps=6", "checkpoint.every=6", "eval.every=6",
+          f"engine.deepspeed_config=configs/deepspeed/zero{stage}.json")  # fmt: skip
+    assert assert_learns(tmp_path)["zero_stage"] == stage
+
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, reference, train_data):
+    # Steps 1-3 under the deepspeed launcher, then 4-6 resumed under torchrun: both entry points.
+    train(launcher(2), tmp_path, train_data, "train.steps=6", "train.stop_at_step=3", "checkpoint.every=3",
+          "eval.every=3", "engine.peak_flops=1e12")  # fmt: skip
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    train(torchrun(2), tmp_path, train_data, "train.steps=6", "checkpoint.every=3", "eval.every=3",
+          "engine.peak_flops=1e12", "checkpoint.resume=auto")  # fmt: skip
+    ours, theirs = metrics(tmp_path), metrics(reference)
+    for step in range(1, 7):
+        assert ours[step]["train/loss"] == theirs[step]["train/loss"], step
+        assert ours[step]["train/grad_norm"] == theirs[step]["train/grad_norm"], step
+    assert train_state(tmp_path, 6)["data"] == train_state(reference, 6)["data"]
+
+
+def test_resume_with_another_world_size(tmp_path, reference, train_data):
+    """2 processes → 1 (grad_accum 2 keeps the global batch); an incomplete newer checkpoint is skipped."""
+    import shutil
+
+    shutil.copytree(reference / "checkpoints" / "step_00000003", tmp_path / "checkpoints" / "step_00000003")
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000003\n")
+    partial = tmp_path / "checkpoints" / "step_00000005"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"half-written")
+    result = train(launcher(1), tmp_path, train_data, "train.steps=6", "train.grad_accum=2", "checkpoint.every=3",
+                   "eval.every=3", "checkpoint.resume=auto")  # fmt: skip
+    assert "skipping checkpoint" in result.stderr and "step_00000005" in result.stderr
+    assert "resumed from step_00000003" in result.stdout
+    assert train_state(tmp_path, 6)["data"] == train_state(reference, 6)["data"]  # same data position
+    assert train_state(tmp_path, 6)["world_size"] == 1
+    ours, theirs = metrics(tmp_path), metrics(reference)
+    for step in (4, 5, 6):  # the same batches; only the reduction order differs
+        assert ours[step]["train/loss"] == pytest.approx(theirs[step]["train/loss"], rel=2e-3), step
+
+
+def test_sigterm_saves_and_exits(tmp_path, train_data):
+    args = [*launcher(2), "--config", TINY, f"run.dir={tmp_path}", f"data.dir={train_data}", *FAST,
+            "train.steps=500", "checkpoint.every=1000", "eval.every=0"]  # fmt: skip
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and not (
+        (tmp_path / "metrics.jsonl").exists()
+        and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 3
+    ):
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: every process of the job
+    output, _ = process.communicate(timeout=180)
+    tag = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(tag.removeprefix("step_"))
+    assert 3 <= step < 500, output[-3000:]
+    assert (tmp_path / "checkpoints" / tag / "complete.json").is_file()
+    assert "stop requested: saved" in output
+    assert json.loads((tmp_path / "train_summary.json").read_text())["completed"] is False
+
+
+def test_tensorboard_tags(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(reference / "tensorboard"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    expected = {
+        "train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/tokens_per_sec_per_device",
+        "train/mfu", "train/step_time", "train/memory_gb", "train/skipped_steps", "train/tokens",
+        "train/grad_norm/embeddings", "train/grad_norm/layers.0", "train/grad_norm/layers.1", "train/grad_norm/head",
+        "eval/loss", "eval/perplexity",
+    }  # fmt: skip
+    assert expected <= scalars, expected - scalars
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for step, record in metrics(reference).items():
+        assert losses[step] == pytest.approx(record["train/loss"], rel=1e-6)
+    assert [e.step for e in events.Scalars("eval/loss")] == [0, 3, 6]
+    assert "config/text_summary" in events.Tags()["tensors"]
+    # The per-group norms compose the global norm.
+    at2 = metrics(reference)[2]
+    groups = [v for k, v in at2.items() if k.startswith("train/grad_norm/")]
+    assert math.sqrt(sum(g * g for g in groups)) == pytest.approx(at2["train/grad_norm"], rel=1e-3)
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_export_hf_loads_in_transformers_with_equal_logits(tmp_path, reference):
+    transformers = pytest.importorskip("transformers")
+    from pretrain.inference import load_trained
+
+    result = run_cli("export-hf", "--checkpoint", str(reference), "--out", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = load_trained(reference).model
+    tokens = torch.randint(0, 512, (2, 64))
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours(tokens).logits).abs().max().item() <= 1e-4
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 2
+
+
+def test_eval_and_generate(reference, train_data):
+    result = run_cli("eval", "--checkpoint", str(reference), "--data", str(train_data), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    trained_eval = json.loads((reference / "train_summary.json").read_text())["eval"][-1]["loss"]
+    assert abs(report["loss"] - trained_eval) < 0.3 and report["perplexity"] == pytest.approx(
+        math.exp(report["loss"])
+    )
+    outputs = [
+        run_cli(
+            "generate",
+            "--checkpoint",
+            str(reference),
+            "--prompt",
+            "The list",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+        )
+        for _ in range(2)
+    ]
+    assert outputs[0].returncode == 0, outputs[0].stderr
+    assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.startswith("The list")
+
+
+def test_two_nodes_without_ssh_match_one_node(tmp_path, reference, train_data):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = str(_free_port())
+    run_dir = tmp_path / "run"
+    nodes = []
+    for node_rank in (1, 0):
+        args = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port,
+                "--module", "pretrain.train", "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
+                "train.steps=6", "checkpoint.every=3", "eval.every=3", "engine.peak_flops=1e12"]  # fmt: skip
+        nodes.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[1][-3000:]
+    ours, theirs = metrics(run_dir), metrics(reference)
+    assert [ours[s]["train/loss"] for s in range(1, 7)] == [theirs[s]["train/loss"] for s in range(1, 7)]
+
+
+def test_batch_size_mismatch_is_refused_before_any_process_group(tmp_path, train_data):
+    result = train(launcher(2), tmp_path, train_data, "train.global_batch_size=7", check=False)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert len(errors) == 1 and "train.global_batch_size=7" in errors[0] and "2 processes = 4" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
