@@ -107,9 +107,17 @@ def test_zero2_learns_and_checkpoints(reference):
     assert state["data"]["consumed"] == 6 * 2 * 2  # global windows: steps × micro-batch × ranks
 
 
+def single_node_script(nproc: int, monkeypatch) -> list[str]:
+    monkeypatch.setenv("NPROC", str(nproc))
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    return ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")]
+
+
 @pytest.mark.parametrize("stage", [1, 3])
-def test_other_zero_stages_learn(tmp_path, train_data, stage):
-    train(launcher(2), tmp_path, train_data, "train.steps=6", "checkpoint.every=6", "eval.every=6",
+def test_other_zero_stages_learn(tmp_path, train_data, stage, monkeypatch):
+    # ZeRO-1 goes through launch/single_node.sh, ZeRO-3 through the launcher directly.
+    command = single_node_script(2, monkeypatch) if stage == 1 else launcher(2)
+    train(command, tmp_path, train_data, "train.steps=6", "checkpoint.every=6", "eval.every=6",
           f"engine.deepspeed_config=configs/deepspeed/zero{stage}.json")  # fmt: skip
     assert assert_learns(tmp_path)["zero_stage"] == stage
 
@@ -242,17 +250,25 @@ def test_eval_and_generate(reference, train_data):
 
 
 def test_two_nodes_without_ssh_match_one_node(tmp_path, reference, train_data):
+    """launch/multi_node.sh in the launcher's no-ssh mode, two "nodes" on loopback, one process each."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    port = str(_free_port())
     run_dir = tmp_path / "run"
+    script = REPO_CONFIG_DIR.parent / "launch" / "multi_node.sh"
+    env = os.environ | {
+        "HOSTFILE": str(hostfile),
+        "NO_SSH": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
     nodes = []
     for node_rank in (1, 0):
-        args = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
-                "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port,
-                "--module", "pretrain.train", "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
+        args = ["bash", str(script), "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
                 "train.steps=6", "checkpoint.every=3", "eval.every=3", "engine.peak_flops=1e12"]  # fmt: skip
-        nodes.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        node_env = env | {"NODE_RANK": str(node_rank)}
+        nodes.append(
+            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env)
+        )
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[1][-3000:]
     ours, theirs = metrics(run_dir), metrics(reference)
