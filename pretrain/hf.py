@@ -213,11 +213,4 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Transf
     if not config_path.is_file():
         raise UserError(f"{directory} has no config.json: point to a Hugging Face Llama model directory")
     cfg = model_config_from_llama(json.loads(config_path.read_text()), str(config_path))
-    state = from_llama_state_dict(cfg, _read_llama_tensors(directory))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_embeddings.weight
-    model.init_buffers()
-    return model
+    return Transformer.from_state_dict(cfg, from_llama_state_dict(cfg, _read_llama_tensors(directory)), dtype)

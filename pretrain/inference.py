@@ -41,14 +41,7 @@ def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Traine
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
-    if model_cfg.tie_embeddings:
-        state.setdefault("lm_head.weight", state["tok_embeddings.weight"])
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
-    if model_cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_embeddings.weight
-    model.init_buffers()
+    model = Transformer.from_state_dict(model_cfg, state, dtype)
     return Trained(model.eval(), Tokenizer.load(directory), run_config, directory)
 
 

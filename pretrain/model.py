@@ -271,6 +271,22 @@ class Transformer(nn.Module):
             nn.init.normal_(self.lm_head.weight, std=std)
         self.init_buffers()
 
+    @classmethod
+    def from_state_dict(
+        cls, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> Transformer:
+        """Build from trained weights without a random init: parameters start on the meta device
+        and take the given tensors. A tied head may be left out of `state`."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        if cfg.tie_embeddings:
+            state = {**state, "lm_head.weight": state["tok_embeddings.weight"]}
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.tok_embeddings.weight
+        model.init_buffers()
+        return model
+
     @torch.no_grad()
     def init_buffers(self) -> None:
         cfg, device = self.cfg, self.tok_embeddings.weight.device

@@ -87,3 +87,47 @@ def test_schedules():
     assert lr_at(3999, 1.0, 10**6, inv, d) < peak and lr_at(4001, 1.0, 10**6, inv, d) < peak
     constant = ScheduleConfig(name="constant", warmup_steps=0)
     assert lr_at(1, 0.3, 10, constant, 64) == 0.3 and not math.isnan(lr_at(0, 0.3, 10, cosine, 64))
+
+
+def _loss_and_grads(model, tokens):
+    model.zero_grad()
+    loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_keeps_names_and_numbers():
+    import torch
+
+    from pretrain.engine import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = Transformer(small_model_config())
+    names = [n for n, _ in model.named_parameters()]
+    tokens = torch.randint(0, 97, (2, 17))
+    loss, grads = _loss_and_grads(model, tokens)
+    apply_activation_checkpointing(model)
+    assert [n for n, _ in model.named_parameters()] == names  # checkpoints stay loadable
+    loss2, grads2 = _loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss2, loss)
+    for name in names:
+        torch.testing.assert_close(grads2[name], grads[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_compute_the_same_function():
+    import torch
+
+    from pretrain.engine import compile_blocks
+
+    torch.manual_seed(0)
+    model = Transformer(small_model_config())
+    names = [n for n, _ in model.named_parameters()]
+    tokens = torch.randint(0, 97, (2, 17))
+    loss, grads = _loss_and_grads(model, tokens)
+    compile_blocks(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    loss2, grads2 = _loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss2, loss, rtol=1e-4, atol=1e-5)
+    for name in names:
+        torch.testing.assert_close(grads2[name], grads[name], rtol=1e-3, atol=1e-5)

@@ -173,20 +173,9 @@ class Prepared(NamedTuple):
     written: bool  # False: the output already held this dataset, and nothing was written
 
 
-def prepare_dataset(
-    source: Source,
-    tokenizer_path: str | Path,
-    out_dir: str | Path,
-    val_fraction: float = 0.01,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    workers: int = 1,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict:
-    """Tokenize `source` into `out_dir`; return the manifest. See the module docstring."""
-    return prepare(
-        source, tokenizer_path, out_dir, val_fraction, shard_tokens, workers, overwrite, progress
-    ).manifest
+def prepare_dataset(*args, **kwargs) -> dict:
+    """Tokenize a source into a directory (the arguments of `prepare`); return the manifest."""
+    return prepare(*args, **kwargs).manifest
 
 
 def prepare(
