@@ -205,6 +205,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from monitoring.service import run_service
+    from pretrain.config import load_config, load_defaults
+
+    cfg = load_config(args.config, args.overrides) if args.config else load_defaults(args.overrides)
+    if not Path(args.run_dir).is_dir():
+        Path(args.run_dir).mkdir(parents=True)
+    run_service(args.run_dir, cfg.monitor, base_seed=cfg.run.seed)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pretrain.demo import run_demo
 
@@ -342,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, help="1.0 disables")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(handler=cmd_generate)
+
+    monitor = sub.add_parser("monitor", help="the monitoring service for one run directory (its own process)")
+    monitor.add_argument("--run-dir", required=True, help="the run directory to watch (run.dir)")
+    monitor.add_argument(
+        "--config", help="run config whose monitor section sets the detector (default: defaults)"
+    )
+    monitor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. monitor.grad_norm_sigma=8")
+    monitor.set_defaults(handler=cmd_monitor)
 
     demo = sub.add_parser(
         "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"

@@ -240,13 +240,36 @@ class LoggingConfig:
 
 @dataclass
 class MonitorConfig:
+    """The monitoring service (`pretrain monitor`) and the trainer's connection to it."""
+
     enabled: bool = False  # post metrics to the monitoring service and act on its answers
     host: str = "127.0.0.1"
-    port: int = 0  # 0: the service picks a free port and writes it to the run directory
+    port: int = 0  # 0: the service picks a free port and writes it to RUN_DIR/monitor/endpoint.json
+    timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
+    window: int = 128  # healthy values the spike band is computed over
+    warmup: int = 32  # values seen before spikes are judged
+    grad_norm_sigma: float = 6.0  # spike: grad norm above mean + sigma·std of the window
+    loss_sigma: float = 6.0  # spike: loss above mean + sigma·std of the window
+    min_rel_std: float = 0.02  # floor for std, relative to the mean (a flat series is not all alarms)
+    divergence_steps: int = 100  # loss moving average rising this many steps in a row; 0 disables
+    rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
+    lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
+    max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"monitor.port={self.port} must be in [0, 65535]")
+        _positive("monitor.timeout", self.timeout)
+        if self.warmup < 2 or self.window < self.warmup:
+            raise ConfigError(
+                f"monitor.warmup={self.warmup}, monitor.window={self.window}: need 2 <= warmup <= window"
+            )
+        for key in ("grad_norm_sigma", "loss_sigma", "lr_scale"):
+            _positive(f"monitor.{key}", getattr(self, key))
+        _positive("monitor.min_rel_std", self.min_rel_std, allow_zero=True)
+        _positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
+        _positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
+        _positive("monitor.max_rollbacks", self.max_rollbacks)
 
 
 @dataclass
@@ -478,6 +501,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     merged = _merge_layer(merged, data, RunConfig, str(path))
     merged = _merge_layer(merged, cli, RunConfig, "override")
     return _to_object(merged)
+
+
+def load_defaults(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The default run config with dotted overrides (for tools that take no config file)."""
+    cli = parse_overrides(overrides)
+    _check_shape(cli, RunConfig, "override")
+    return _to_object(_merge_layer(_schema(RunConfig), cli, RunConfig, "override"))
 
 
 def load_any(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig | ModelConfig:

@@ -41,6 +41,16 @@ class MetricsWriter:
             if value is not None:
                 self.writer.add_scalar(tag, value, step)
 
+    def band_layout(self) -> None:
+        """TensorBoard 'Custom Scalars': each monitored series on one chart with its spike threshold."""
+        if self.writer is not None:
+            self.writer.add_custom_scalars({
+                "monitor": {
+                    "gradient norm and spike threshold": ["Multiline", ["train/grad_norm", "monitor/grad_norm_threshold"]],
+                    "loss and spike threshold": ["Multiline", ["train/loss", "monitor/loss_threshold"]],
+                }
+            })  # fmt: skip
+
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)

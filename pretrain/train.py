@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from monitoring.protocol import CONTINUE, Action, StepMetrics
+from monitoring.service import append_event
 from pretrain import atomic, checkpoint
 from pretrain.config import RunConfig, config_hash, load_config, to_yaml
 from pretrain.data import BatchLoader, WindowStream, read_manifest
@@ -42,6 +44,7 @@ from pretrain.errors import UserError
 from pretrain.flops import current_device_peak_flops, flops_per_token, mfu
 from pretrain.metrics import MetricsWriter
 from pretrain.model import Transformer
+from pretrain.monitor_client import MonitorClient
 from pretrain.schedules import lr_at
 from pretrain.tokenizer import MODEL_FILE
 
@@ -148,7 +151,11 @@ def train(cfg: RunConfig) -> dict:
     flops = flops_per_token(cfg.model, cfg.data.seq_len).total
     peak = cfg.engine.peak_flops or current_device_peak_flops()
     stop = StopRequest()
-    summary = {"world_size": env.world_size, "zero_stage": zero_stage(ds_config), "eval": []}
+    faults = FaultInjector(cfg.faults, run_dir, env.rank)
+    client = MonitorClient(run_dir, cfg.monitor.timeout) if cfg.monitor.enabled and is_main else None
+    if client is not None:
+        writer.band_layout()
+    summary = {"world_size": env.world_size, "zero_stage": zero_stage(ds_config), "eval": [], "rollbacks": 0}
     if is_main:
         writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
         writer.message(
@@ -176,7 +183,7 @@ def train(cfg: RunConfig) -> dict:
             layer_norms = None
             for _ in range(plan.grad_accum):
                 inputs, targets = next(loader)
-                loss = engine(inputs, targets).loss
+                loss = faults.apply(step, engine(inputs, targets).loss)
                 engine.backward(loss)
                 if want_layer_norms and engine.is_gradient_accumulation_boundary():
                     layer_norms = layer_grad_norms(engine.module)
@@ -208,11 +215,37 @@ def train(cfg: RunConfig) -> dict:
             }
             if layer_norms:
                 metrics |= {f"train/grad_norm/{group}": value for group, value in layer_norms.items()}
+            faults.mark_fired(step)
             if is_main:
                 writer.record(step, metrics)
                 if step % cfg.logging.every == 0 or step == cfg.train.steps:
                     writer.scalars(step, metrics)
                     writer.console(step, metrics)
+
+            if cfg.monitor.enabled:
+                report = StepMetrics(step, train_loss, grad_norm if grad_norm is not None else float("nan"), lr,
+                                     step_time, state.tokens, layer_norms or {}) if is_main else None  # fmt: skip
+                action = broadcast_action(client.report(report) if client else None, device)
+                if client is not None:
+                    writer.scalars(step, {"monitor/grad_norm_threshold": client.band("grad_norm"),
+                                          "monitor/loss_threshold": client.band("loss")})  # fmt: skip
+                if action.action == "stop":
+                    summary["stopped_by_monitor"] = action.reason
+                    writer.message(f"monitor: {action.reason}; stopping the job")
+                    break
+                if action.action == "rollback":
+                    writer.scalars(step, {"monitor/rollback": 1.0})
+                    writer.text(
+                        "monitor/rollbacks",
+                        f"step {step}: {action.reason} -> {action.tag}, seed {action.seed}",
+                        step,
+                    )
+                    writer.message(f"monitor: {action.reason} at step {step}: rolling back to {action.tag} "
+                                   f"with data seed {action.seed}, lr scale {action.lr_scale:g}")  # fmt: skip
+                    state = rollback(engine, loader, run_dir, action)
+                    summary["rollbacks"] += 1
+                    last_saved = state.step
+                    continue
 
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 _log_eval(writer, summary, step, evaluate(engine, data_dir, cfg, plan, env))
@@ -238,6 +271,88 @@ def train(cfg: RunConfig) -> dict:
 
 
 # --------------------------------------------------------------------------- pieces of the loop
+
+
+ACTION_CODES = {"continue": 0, "rollback": 1, "stop": 2}
+
+
+def broadcast_action(action: Action | None, device) -> Action:
+    """Rank 0's action to every rank, as four numbers: (kind, target step, seed, lr scale)."""
+    packed = torch.zeros(4, dtype=torch.float64, device=device)
+    if action is not None:
+        target = checkpoint.step_of(action.tag) if action.tag else 0
+        packed = torch.tensor(
+            [ACTION_CODES[action.action], target, action.seed or 0, action.lr_scale],
+            dtype=torch.float64,
+            device=device,
+        )
+    dist.broadcast(packed, src=0)
+    kind = {v: k for k, v in ACTION_CODES.items()}[int(packed[0].item())]
+    if kind == "rollback":
+        return Action("rollback", tag=checkpoint.tag_for(int(packed[1].item())), seed=int(packed[2].item()),
+                      lr_scale=float(packed[3].item()), reason=action.reason if action else None)  # fmt: skip
+    if kind == "stop":
+        return Action("stop", reason=(action.reason if action else None) or "stopped by the monitor")
+    return CONTINUE
+
+
+def rollback(engine, loader: BatchLoader, run_dir: Path, action: Action) -> TrainState:
+    """Every rank: load the target checkpoint, put the data stream at its position, reshuffle the
+    rest of the epoch with the new seed, and carry on with the scaled learning rate."""
+    root = checkpoint.checkpoints_dir(run_dir)
+    loader.close()
+    engine.load_checkpoint(str(root), tag=action.tag, load_module_strict=True, load_lr_scheduler_states=False)
+    saved = _read_json(root / action.tag / checkpoint.TRAIN_STATE)
+    digest = params_digest(engine)
+    if dist.get_rank() == 0:
+        append_event(run_dir, {"type": "rollback_applied", "step": saved["step"], "tag": action.tag, "seed": action.seed,
+                               "params_sha256": digest, "matches_checkpoint": digest == saved.get("params_sha256")})  # fmt: skip
+    loader.load_state_dict(saved["data"])
+    loader.reshuffle(action.seed)
+    return TrainState(step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale)
+
+
+def params_digest(engine) -> str | None:
+    """sha256 of the model's parameters as every rank holds them (not under ZeRO-3, which shards them)."""
+    if engine.zero_optimization_stage() >= 3:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in engine.module.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class FaultInjector:
+    """`faults.*`: scale the loss (and so the gradients) or make it NaN at given steps. Each fault
+    fires once: the steps already fired are kept in RUN_DIR/faults_fired.json across restarts, so
+    after a rollback or restart the same step runs clean."""
+
+    def __init__(self, faults, run_dir: Path, rank: int):
+        self.faults, self.rank = faults, rank
+        self.path = run_dir / "faults_fired.json"
+        self.fired = set(json.loads(self.path.read_text())) if self.path.exists() else set()
+
+    def _kind(self, step: int) -> str | None:
+        if step in self.fired:
+            return None
+        if step in self.faults.nan_steps:
+            return "nan"
+        return "spike" if step in self.faults.spike_steps else None
+
+    def apply(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        kind = self._kind(step)
+        if kind == "nan":
+            return loss * float("nan")
+        return loss * self.faults.spike_factor if kind == "spike" else loss
+
+    def mark_fired(self, step: int) -> None:
+        if self._kind(step) is not None:
+            self.fired.add(step)
+            if self.rank == 0:
+                atomic.write_json(self.path, sorted(self.fired))
 
 
 def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:
@@ -312,12 +427,18 @@ def save(engine, cfg: RunConfig, env: DistEnv, state: TrainState, data_state: di
         UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     }
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    digest = params_digest(engine)
     atomic.write_json(directory / _rng_file(env.rank), _rng_state())
     if env.rank == 0:
         atomic.write_json(
             directory / checkpoint.TRAIN_STATE,
             asdict(state)
-            | {"data": data_state, "world_size": env.world_size, "config_hash": config_hash(cfg)},
+            | {
+                "data": data_state,
+                "world_size": env.world_size,
+                "config_hash": config_hash(cfg),
+                "params_sha256": digest,
+            },
         )
         atomic.write_json(directory / checkpoint.RUN_CONFIG, asdict(cfg))
         shutil.copyfile(data_dir / MODEL_FILE, directory / MODEL_FILE)
@@ -443,13 +564,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
     args = parser.parse_args(argv)
     try:
-        train(load_config(args.config, args.overrides))
+        summary = train(load_config(args.config, args.overrides))
     except UserError as exc:
         if args.debug:
             raise
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain: error: {exc}", file=sys.stderr)
         return 2
+    if summary.get("stopped_by_monitor"):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
+        return 3  # not a crash: the supervisor does not restart it
     return 0
 
 

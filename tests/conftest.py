@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -68,3 +70,20 @@ def tokenizer_dir(tmp_path_factory):
     topics = pydoc_data.topics.topics
     train_tokenizer((topics[k] for k in sorted(topics)), directory, vocab_size=512)
     return directory
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory, tokenizer_dir):
+    """The pydoc topics prepared with the session tokenizer (10% held out), for training runs."""
+    import pydoc_data.topics
+
+    from pretrain.data import prepare_dataset, resolve_source
+
+    directory = tmp_path_factory.mktemp("train_data")
+    corpus = directory / "topics.jsonl"
+    topics = pydoc_data.topics.topics
+    corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+    prepare_dataset(
+        resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
+    )
+    return directory / "data"

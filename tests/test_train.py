@@ -25,22 +25,6 @@ FAST = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="session")
-def train_data(tmp_path_factory, tokenizer_dir):
-    import pydoc_data.topics
-
-    from pretrain.data import prepare_dataset, resolve_source
-
-    directory = tmp_path_factory.mktemp("train_data")
-    corpus = directory / "topics.jsonl"
-    topics = pydoc_data.topics.topics
-    corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
-    prepare_dataset(
-        resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
-    )
-    return directory / "data"
-
-
 def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
             "--master_port", str(_free_port()), "--module", "pretrain.train"]  # fmt: skip
