@@ -2,7 +2,7 @@
 
     POST /v1/metrics     (token)  a StepMetrics from the trainer's rank 0 → the Action for this step
     POST /v1/rollback    (token)  an operator's rollback request, carried out at the next step
-    GET  /status                  JSON: step, latest metrics, detector bands, rollbacks, restarts
+    GET  /status                  JSON: step, latest metrics, detector bands, rollbacks, circuit breaker
     GET  /metrics                 Prometheus text format
 
 Requests that change state need `Authorization: Bearer TOKEN`; the token is in
@@ -69,7 +69,6 @@ class MonitorState:
         self.run_dir = run_dir
         self.policy = Policy(config, str(run_dir), base_seed)
         self.lock = threading.Lock()
-        self.restarts: list[dict] = []
         self.registry = CollectorRegistry()
         self.g_step = Gauge("pretrain_step", "last reported optimizer step", registry=self.registry)
         self.g_loss = Gauge("pretrain_loss", "last reported training loss", registry=self.registry)
@@ -87,9 +86,6 @@ class MonitorState:
             "pretrain_anomalies", "anomalies detected", ["series", "rule"], registry=self.registry
         )
         self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks ordered", registry=self.registry)
-        self.c_restarts = Counter(
-            "pretrain_restarts", "job restarts by the supervisor", registry=self.registry
-        )
 
     def handle_metrics(self, metrics: StepMetrics) -> dict:
         with self.lock:
@@ -135,7 +131,6 @@ class MonitorState:
                 "detectors": self.bands(),
                 "rollbacks": list(self.policy.rollbacks),
                 "circuit_breaker": self.policy.tripped,
-                "restarts": list(self.restarts),
                 "pinned": self.policy.pinned_tag,
             }
 

@@ -225,6 +225,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pretrain", description="Llama-style pretraining with DeepSpeed ZeRO.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
@@ -325,17 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=cmd_train)
 
     export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama directory")
-    export.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
-    )
+    _add_checkpoint_argument(export)
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     export.set_defaults(handler=cmd_export_hf)
 
     evaluate = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
-    evaluate.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
-    )
+    _add_checkpoint_argument(evaluate)
     evaluate.add_argument("--data", required=True, help="prepared dataset (its validation split is used)")
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
@@ -343,9 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(handler=cmd_eval)
 
     gen = sub.add_parser("generate", help="sample text from a checkpoint (KV cache)")
-    gen.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
-    )
+    _add_checkpoint_argument(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")

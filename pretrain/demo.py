@@ -23,11 +23,11 @@ from pretrain.errors import UserError
 
 def launcher_command(nproc: int, config: Path, overrides: list[str]) -> list[str]:
     """The DeepSpeed launcher running pretrain.train on `nproc` local processes (GPUs, or CPU ranks)."""
-    from pretrain.train import _free_port
+    from pretrain.train import free_port
 
     return [
         sys.executable, "-m", "deepspeed.launcher.runner",
-        "--num_gpus", str(nproc), "--master_port", str(_free_port()),
+        "--num_gpus", str(nproc), "--master_port", str(free_port()),
         "--module", "pretrain.train", "--config", str(config), *overrides,
     ]  # fmt: skip
 

@@ -97,8 +97,6 @@ def deepspeed_config(cfg: RunConfig, plan: BatchPlan) -> dict[str, Any]:
     # check_grad_overflow: a step whose gradients hold NaN/Inf is skipped, never applied.
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": True, "check_grad_overflow": True}
     ds.setdefault("steps_per_print", 10**9)  # the trainer does its own logging
-    if _offloads_optimizer(ds):
-        ds.setdefault("zero_force_ds_cpu_optimizer", True)
     return ds
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pretrain.config import REPO_CONFIG_DIR
-from pretrain.train import _free_port
+from pretrain.train import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,12 @@ FAST = [
 
 def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-            "--master_port", str(_free_port()), "--module", "pretrain.train"]  # fmt: skip
+            "--master_port", str(free_port()), "--module", "pretrain.train"]  # fmt: skip
 
 
 def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(_free_port()), "-m", "pretrain.train"]  # fmt: skip
+            "--master_port", str(free_port()), "-m", "pretrain.train"]  # fmt: skip
 
 
 def train(command, run_dir, data_dir, *overrides, check=True):
@@ -93,7 +93,7 @@ def test_zero2_learns_and_checkpoints(reference):
 
 def single_node_script(nproc: int, monkeypatch) -> list[str]:
     monkeypatch.setenv("NPROC", str(nproc))
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     return ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")]
 
 
@@ -243,7 +243,7 @@ def test_two_nodes_without_ssh_match_one_node(tmp_path, reference, train_data):
         "HOSTFILE": str(hostfile),
         "NO_SSH": "1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }
     nodes = []
     for node_rank in (1, 0):
