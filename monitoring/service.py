@@ -8,7 +8,8 @@
 Requests that change state need `Authorization: Bearer TOKEN`; the token is in
 RUN_DIR/monitor/token (mode 0600). The service binds to 127.0.0.1 unless told otherwise and
 announces itself in RUN_DIR/monitor/endpoint.json. Every rollback and circuit-breaker trip is
-appended to RUN_DIR/events.jsonl.
+appended to RUN_DIR/events.jsonl, and so is every reported step (type `step`: step, loss, grad
+norm, the action answered), so the file alone tells which steps ran, and which ran again.
 """
 
 from __future__ import annotations
@@ -53,13 +54,15 @@ def ensure_token(run_dir: str | Path) -> str:
     return path.read_text().strip()
 
 
-def append_event(run_dir: str | Path, event: dict) -> None:
-    """events.jsonl: append-only, one JSON object per line with at least `type` and `step`."""
+def append_event(run_dir: str | Path, event: dict, *, sync: bool = True) -> None:
+    """events.jsonl: append-only, one JSON object per line with at least `type` and `step`.
+    `sync`: fsync, for the rare events (rollbacks, restarts) that must survive a crash."""
     event = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
     with open(Path(run_dir) / EVENTS_FILE, "a") as f:
         f.write(json.dumps({"time": time.time(), **event}, allow_nan=False) + "\n")
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
 
 
 class MonitorState:
@@ -86,10 +89,26 @@ class MonitorState:
             "pretrain_anomalies", "anomalies detected", ["series", "rule"], registry=self.registry
         )
         self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks ordered", registry=self.registry)
+        self.c_restarts = Counter(
+            "pretrain_restarts", "restarts of a crashed or hung job", registry=self.registry
+        )
+        self.restarts: list[dict] = []
+        self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
+        self.job: dict | None = None  # the supervisor's view of the job
+
+    def record_restart(self, event: dict) -> None:
+        with self.lock:
+            self.restarts.append(event)
+            self.c_restarts.inc()
+            append_event(self.run_dir, event)
 
     def handle_metrics(self, metrics: StepMetrics) -> dict:
         with self.lock:
             action, incident = self.policy.observe(metrics)
+            if self.watch is not None:
+                self.watch.step(time.monotonic())
+            append_event(self.run_dir, {"type": "step", "step": metrics.step, "loss": metrics.loss,
+                                        "grad_norm": metrics.grad_norm, "action": action.action}, sync=False)  # fmt: skip
             self.g_step.set(metrics.step)
             for gauge, value in (
                 (self.g_loss, metrics.loss),
@@ -132,6 +151,8 @@ class MonitorState:
                 "rollbacks": list(self.policy.rollbacks),
                 "circuit_breaker": self.policy.tripped,
                 "pinned": self.policy.pinned_tag,
+                "restarts": list(self.restarts),
+                "job": self.job,
             }
 
 

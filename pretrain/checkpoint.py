@@ -12,6 +12,8 @@
         pins/step_00000500        a pinned tag: retention never deletes it (the monitor pins
                                   rollback targets)
         universal/step_...        DeepSpeed universal copies, made when resuming at another world size
+        abandoned/step_...        checkpoints newer than a rollback's target: from the timeline the
+                                  rollback abandoned, kept for inspection, never resumed from
 
 A directory without `complete.json`, or whose files no longer match it, is incomplete: resuming
 skips it with a warning. Tags are `step_` + 8 digits and nothing else, so no tag can point
@@ -208,3 +210,25 @@ def apply_retention(run_dir: str | Path, keep: int) -> list[str]:
         shutil.rmtree(root / "universal" / tag, ignore_errors=True)
         deleted.append(tag)
     return deleted
+
+
+def abandon_after(run_dir: str | Path, step: int) -> list[str]:
+    """Move checkpoints newer than `step` to checkpoints/abandoned/ (after a rollback to `step`
+    they belong to a timeline that no longer exists: resume=auto must not pick them), and point
+    `latest` back at the rollback target."""
+    root = checkpoints_dir(run_dir)
+    moved = []
+    for tag in tags_on_disk(run_dir):
+        if step_of(tag) <= step:
+            continue
+        target = root / "abandoned" / tag
+        suffix = 1
+        while target.exists():
+            target, suffix = root / "abandoned" / f"{tag}.{suffix}", suffix + 1
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (root / tag).rename(target)
+        unpin(run_dir, tag)
+        moved.append(tag)
+    if moved:
+        set_latest(run_dir, tag_for(step))
+    return moved

@@ -216,6 +216,21 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from monitoring.supervisor import launch
+
+    return launch(
+        args.config,
+        args.overrides,
+        nproc=args.nproc,
+        hostfile=args.hostfile,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        no_ssh=args.no_ssh,
+        node_rank=args.node_rank,
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pretrain.demo import run_demo
 
@@ -361,6 +376,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     monitor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. monitor.grad_norm_sigma=8")
     monitor.set_defaults(handler=cmd_monitor)
+
+    launch = sub.add_parser(
+        "launch",
+        help="the monitoring service and, under it, the DeepSpeed job (restarted if it crashes or hangs)",
+    )
+    launch.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
+    launch.add_argument(
+        "--nproc", type=int, default=None, help="processes per node (default: GPUs, or 2 on CPU)"
+    )
+    launch.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('HOST slots=N' lines)")
+    launch.add_argument("--master-addr", default=None, help="rendezvous host (default: the first host)")
+    launch.add_argument("--master-port", type=int, default=None, help="rendezvous port")
+    launch.add_argument(
+        "--no-ssh", action="store_true", help="the launcher's no-ssh mode: run on every node with --node-rank"
+    )
+    launch.add_argument("--node-rank", type=int, default=0, help="this node's rank in --no-ssh mode")
+    launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    launch.set_defaults(handler=cmd_launch)
 
     demo = sub.add_parser(
         "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"

@@ -232,6 +232,9 @@ class LoggingConfig:
     every: int = 10  # steps between console/TensorBoard scalar writes
     layer_grad_norms_every: int = 50  # steps between per-layer-group gradient norms; 0 disables
     tensorboard: bool = True
+    # RUN_DIR/data_trace/rank_NNNNN.jsonl: the window indices each rank trained on at each step, to
+    # find the data behind a spike (a re-run step after a rollback or restart appends a new line)
+    data_trace: bool = False
 
     def __post_init__(self) -> None:
         _positive("logging.every", self.every)
@@ -255,6 +258,12 @@ class MonitorConfig:
     rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
     lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
+    # The supervisor (`pretrain launch`): restart a crashed or hung job from its newest checkpoint.
+    max_restarts: int = 3  # restarts of the job over the whole run; then `pretrain launch` gives up
+    hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps
+    hang_min_seconds: float = 300.0  # ... and never sooner than this (covers a first checkpoint save)
+    startup_seconds: float = 1800.0  # hung: no first step this long after (re)starting the job
+    stop_grace_seconds: float = 30.0  # SIGTERM, then this long before SIGKILL, when stopping a job
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -270,6 +279,9 @@ class MonitorConfig:
         _positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
         _positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
         _positive("monitor.max_rollbacks", self.max_rollbacks)
+        _positive("monitor.max_restarts", self.max_restarts, allow_zero=True)
+        for key in ("hang_factor", "hang_min_seconds", "startup_seconds", "stop_grace_seconds"):
+            _positive(f"monitor.{key}", getattr(self, key))
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 1. train a 4096-piece tokenizer on `builtin:pydoc` (the local Python documentation),
 2. prepare it into token shards (95% train, 5% validation),
-3. train `configs/train/demo.yaml` with the DeepSpeed launcher: 2 processes on CPU (every GPU when
-   there are GPUs), ZeRO-2, bf16, with evaluation, checkpoints and TensorBoard logs,
+3. train `configs/train/demo.yaml` through `pretrain launch` (the monitoring service, and under it the
+   DeepSpeed launcher): 2 processes on CPU (every GPU when there are GPUs), ZeRO-2, bf16, with
+   evaluation, checkpoints and TensorBoard logs,
 4. print the validation loss before and after, and how to look at TensorBoard and sample.
 
 Steps 1 and 2 are skipped when their outputs already exist, so a second run only trains.
@@ -13,29 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+from monitoring.supervisor import launch, local_process_count
 from pretrain.config import config_dir
 from pretrain.errors import UserError
-
-
-def launcher_command(nproc: int, config: Path, overrides: list[str]) -> list[str]:
-    """The DeepSpeed launcher running pretrain.train on `nproc` local processes (GPUs, or CPU ranks)."""
-    from pretrain.train import free_port
-
-    return [
-        sys.executable, "-m", "deepspeed.launcher.runner",
-        "--num_gpus", str(nproc), "--master_port", str(free_port()),
-        "--module", "pretrain.train", "--config", str(config), *overrides,
-    ]  # fmt: skip
-
-
-def local_process_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
@@ -71,9 +55,9 @@ def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
             f"eval.every={max(1, steps // 2)}",
             f"checkpoint.every={max(1, steps // 2)}",
         ]
-    command = launcher_command(nproc, config_dir() / "train" / "demo.yaml", overrides)
-    print(f"[3/3] training on {nproc} process(es): {' '.join(command[2:])}", flush=True)
-    returncode = subprocess.run(command).returncode
+    config = config_dir() / "train" / "demo.yaml"
+    print(f"[3/3] pretrain launch --config {config} {' '.join(overrides)}", flush=True)
+    returncode = launch(str(config), overrides, nproc=nproc)
     if returncode != 0:
         print(f"pretrain demo: training exited with status {returncode}", file=sys.stderr)
         return returncode

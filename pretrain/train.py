@@ -99,14 +99,26 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def preflight(cfg: RunConfig, world_size: int) -> tuple[BatchPlan, dict, Path]:
+    """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
+    fault ranks. `pretrain launch` runs them too, before it starts the service or any process."""
+    plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
+    for key in ("kill", "hang"):
+        rank = getattr(cfg.faults, f"{key}_rank")
+        if getattr(cfg.faults, f"{key}_step") is not None and rank >= world_size:
+            raise UserError(
+                f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
+            )
+    ds_config = deepspeed_config(cfg, plan)
+    return plan, ds_config, _check_data(cfg)
+
+
 def train(cfg: RunConfig) -> dict:
     env = DistEnv.from_environ()
     is_main = env.rank == 0
 
     # Everything that can be wrong with the input is found here, before any process group starts.
-    plan = plan_batches(cfg.train, cfg.data.seq_len, env.world_size)
-    ds_config = deepspeed_config(cfg, plan)
-    data_dir = _check_data(cfg)
+    plan, ds_config, data_dir = preflight(cfg, env.world_size)
     run_dir = Path(cfg.run.dir)
     resume_tag = checkpoint.resolve_resume(run_dir, cfg.checkpoint.resume)
     resume = (
@@ -168,12 +180,19 @@ def train(cfg: RunConfig) -> dict:
         stack.callback(loader.close)
         stack.callback(writer.close)
         stack.callback(stop.restore)
+        data_trace = None
+        if cfg.logging.data_trace:
+            (run_dir / "data_trace").mkdir(parents=True, exist_ok=True)
+            data_trace = stack.enter_context(
+                open(run_dir / "data_trace" / f"rank_{env.rank:05d}.jsonl", "a", buffering=1)
+            )
         if cfg.eval.every and state.step == 0:  # the baseline every curve starts from
             _log_eval(writer, summary, 0, evaluate(engine, data_dir, cfg, plan, env))
         last_saved = state.step
         while state.step < cfg.train.steps:
             started = time.perf_counter()
             step = state.step + 1
+            faults.before_step(step)
             lr = lr_at(step, cfg.optim.lr, cfg.train.steps, cfg.schedule, cfg.model.d_model) * state.lr_scale
             set_lr(optimizer, lr)
             want_layer_norms = (
@@ -181,8 +200,10 @@ def train(cfg: RunConfig) -> dict:
             )
             loss_sum = torch.zeros((), device=device)
             layer_norms = None
+            windows: list[int] = []
             for _ in range(plan.grad_accum):
                 inputs, targets = next(loader)
+                windows += loader.last_windows
                 loss = faults.apply(step, engine(inputs, targets).loss)
                 engine.backward(loss)
                 if want_layer_norms and engine.is_gradient_accumulation_boundary():
@@ -216,6 +237,8 @@ def train(cfg: RunConfig) -> dict:
             if layer_norms:
                 metrics |= {f"train/grad_norm/{group}": value for group, value in layer_norms.items()}
             faults.mark_fired(step)
+            if data_trace is not None:
+                data_trace.write(json.dumps({"step": step, "windows": windows}) + "\n")
             if is_main:
                 writer.record(step, metrics)
                 if step % cfg.logging.every == 0 or step == cfg.train.steps:
@@ -258,7 +281,8 @@ def train(cfg: RunConfig) -> dict:
                 reason = "reached train.stop_at_step" if step == cfg.train.stop_at_step else "stop requested"
                 writer.message(f"{reason}: saved {checkpoint.tag_for(step)} and exiting")
                 break
-        if last_saved != state.step:
+        if last_saved != state.step and "stopped_by_monitor" not in summary:
+            # (not after a circuit-breaker stop: that state is the one the monitor refused)
             save(engine, cfg, env, state, loader.state_dict(), data_dir)
 
     summary |= {"step": state.step, "tokens": state.tokens, "completed": state.step >= cfg.train.steps}
@@ -304,9 +328,12 @@ def rollback(engine, loader: BatchLoader, run_dir: Path, action: Action) -> Trai
     engine.load_checkpoint(str(root), tag=action.tag, load_module_strict=True, load_lr_scheduler_states=False)
     saved = _read_json(root / action.tag / checkpoint.TRAIN_STATE)
     digest = params_digest(engine)
+    dist.barrier()  # every rank has read the target before newer checkpoints move away
     if dist.get_rank() == 0:
+        abandoned = checkpoint.abandon_after(run_dir, saved["step"])
         append_event(run_dir, {"type": "rollback_applied", "step": saved["step"], "tag": action.tag, "seed": action.seed,
-                               "params_sha256": digest, "matches_checkpoint": digest == saved.get("params_sha256")})  # fmt: skip
+                               "params_sha256": digest, "matches_checkpoint": digest == saved.get("params_sha256"),
+                               "abandoned": abandoned})  # fmt: skip
     loader.load_state_dict(saved["data"])
     loader.reshuffle(action.seed)
     return TrainState(step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale)
@@ -326,31 +353,54 @@ def params_digest(engine) -> str | None:
 
 
 class FaultInjector:
-    """`faults.*`: scale the loss (and so the gradients) or make it NaN at given steps. Each fault
-    fires once: the steps already fired are kept in RUN_DIR/faults_fired.json across restarts, so
-    after a rollback or restart the same step runs clean."""
+    """`faults.*`: scale the loss (and so the gradients) or make it NaN at given steps, kill or hang
+    a rank at a step. Each fault fires once: the faults fired ("spike:10", "kill:7", ...) are kept
+    in RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs clean.
+    Every rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung."""
 
     def __init__(self, faults, run_dir: Path, rank: int):
         self.faults, self.rank = faults, rank
         self.path = run_dir / "faults_fired.json"
         self.fired = set(json.loads(self.path.read_text())) if self.path.exists() else set()
 
-    def _kind(self, step: int) -> str | None:
-        if step in self.fired:
-            return None
-        if step in self.faults.nan_steps:
+    def _pending(self, kind: str, step: int) -> bool:
+        return f"{kind}:{step}" not in self.fired
+
+    def _loss_fault(self, step: int) -> str | None:
+        if step in self.faults.nan_steps and self._pending("nan", step):
             return "nan"
-        return "spike" if step in self.faults.spike_steps else None
+        if step in self.faults.spike_steps and self._pending("spike", step):
+            return "spike"
+        return None
+
+    def before_step(self, step: int) -> None:
+        """Kill or hang `faults.kill_rank` / `faults.hang_rank` as step `step` begins."""
+        for kind, at, rank in (
+            ("kill", self.faults.kill_step, self.faults.kill_rank),
+            ("hang", self.faults.hang_step, self.faults.hang_rank),
+        ):
+            if at != step or not self._pending(kind, step):
+                continue
+            self.fired.add(f"{kind}:{step}")
+            if self.rank != rank:
+                continue
+            atomic.write_json(self.path, sorted(self.fired))
+            print(f"faults: {kind} rank {rank} at step {step}", file=sys.stderr, flush=True)
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:  # hung: alive, but never reaching the next collective
+                time.sleep(3600)
 
     def apply(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        kind = self._kind(step)
+        kind = self._loss_fault(step)
         if kind == "nan":
             return loss * float("nan")
         return loss * self.faults.spike_factor if kind == "spike" else loss
 
     def mark_fired(self, step: int) -> None:
-        if self._kind(step) is not None:
-            self.fired.add(step)
+        kind = self._loss_fault(step)
+        if kind is not None:
+            self.fired.add(f"{kind}:{step}")
             if self.rank == 0:
                 atomic.write_json(self.path, sorted(self.fired))
 

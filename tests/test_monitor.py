@@ -10,6 +10,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 
 from monitoring.detectors import DivergenceDetector, SpikeDetector, band
 from monitoring.policy import Policy
@@ -180,6 +181,8 @@ def test_service_orders_rollbacks_and_reports_them(service):
     manual = json.loads(request(url, "/v1/metrics", metrics(11).to_json(), token)[1])
     assert manual["action"] == "rollback" and "operator says so" in manual["reason"]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["type"] == "step"] == list(range(1, 12))
+    events = [e for e in events if e["type"] != "step"]
     assert [e["type"] for e in events] == ["rollback", "rollback"]
     assert {"step", "reason", "value", "threshold", "target", "seed"} <= set(events[0])
     families = {f.name: f for f in text_string_to_metric_families(request(url, "/metrics")[1])}
@@ -194,15 +197,15 @@ def test_service_orders_rollbacks_and_reports_them(service):
 
 @pytest.mark.slow
 def test_two_spikes_are_rolled_back_and_the_run_finishes(service, train_data):
-    import torch
-
+    from pretrain.data import WindowStream
     from pretrain.inference import load_trained
     from tests.test_train import launcher, train
     from tests.test_train import metrics as step_metrics
 
     _, _, run_dir = service
     result = train(launcher(2), run_dir, train_data, "train.steps=16", "checkpoint.every=4", "eval.every=0",
-                   "checkpoint.keep=2", "monitor.enabled=true", "faults.spike_steps=[10,15]")  # fmt: skip
+                   "checkpoint.keep=2", "monitor.enabled=true", "faults.spike_steps=[10,15]",
+                   "logging.data_trace=true")  # fmt: skip
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     ordered = [(e["step"], e["target"]) for e in events if e["type"] == "rollback"]
     assert ordered == [(10, "step_00000008"), (15, "step_00000012")]
@@ -224,12 +227,47 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes(service, train_data):
     assert state["consumed"] == 16 * 4
     assert [start for start, _ in state["epoch_seeds"]] == [0, 8 * 4, 12 * 4]
 
+    # The windows each rank trained on, from the trainer's own trace: the timeline that survived
+    # (the last record of each step) serves every window at most once, and with the rest of the
+    # epoch as the stream goes on from the final state, every window of the epoch exactly once.
+    served: dict[int, list[int]] = {}  # step -> windows, all ranks, of the last try of each step
+    for rank in (0, 1):
+        records = [
+            json.loads(line)
+            for line in (run_dir / "data_trace" / f"rank_{rank:05d}.jsonl").read_text().splitlines()
+        ]
+        steps = [r["step"] for r in records]
+        # the rolled-back steps, and only those, ran twice
+        assert steps == [*range(1, 11), *range(9, 16), *range(13, 17)]
+        for step, windows in {r["step"]: r["windows"] for r in records}.items():
+            served.setdefault(step, []).extend(windows)
+    timeline = [w for step in range(1, 17) for w in served[step]]
+    assert len(timeline) == 64 and len(set(timeline)) == 64
+    rest = WindowStream(train_data, 512, rank=0, world_size=1)
+    rest.load_state_dict(state)
+    remaining = []
+    for _ in range(rest.num_windows - 64):
+        next(rest)
+        remaining.append(rest.last_window)
+    assert sorted(timeline + remaining) == list(range(rest.num_windows))
+    # The reshuffle changed the order: the re-run of step 9 did not replay the same windows.
+    rank0 = [
+        json.loads(line) for line in (run_dir / "data_trace" / "rank_00000.jsonl").read_text().splitlines()
+    ]
+    tries_of_step_9 = [r["windows"] for r in rank0 if r["step"] == 9]
+    assert len(tries_of_step_9) == 2 and tries_of_step_9[0] != tries_of_step_9[1]
+
 
 @pytest.mark.slow
-def test_training_goes_on_when_the_monitor_is_down(tmp_path, train_data):
+def test_training_goes_on_when_the_monitor_is_down_and_never_applies_a_nan(tmp_path, train_data):
+    from pretrain.inference import load_trained
     from tests.test_train import launcher, train
+    from tests.test_train import metrics as step_metrics
 
     result = train(launcher(2), tmp_path, train_data, "train.steps=4", "checkpoint.every=4", "eval.every=0",
-                   "monitor.enabled=true")  # fmt: skip
+                   "monitor.enabled=true", "faults.nan_steps=[2]")  # fmt: skip
     assert "monitor unreachable at step 1" in result.stderr
     assert json.loads((tmp_path / "train_summary.json").read_text())["completed"]
+    steps = step_metrics(tmp_path)
+    assert math.isnan(steps[2]["train/loss"]) and steps[4]["train/skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in load_trained(tmp_path).model.parameters())

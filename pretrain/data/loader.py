@@ -31,6 +31,7 @@ class BatchLoader:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.last_windows: list[int | None] = []  # window indices of the last batch handed out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
@@ -49,7 +50,7 @@ class BatchLoader:
             if self.stream.shuffle:
                 self.stream.load_state_dict(self._state)
             raise item
-        batch, self._state = item
+        batch, self._state, self.last_windows = item
         batch = batch.to(self.device, non_blocking=self.pin)
         return batch[:, :-1], batch[:, 1:]  # inputs, targets: (B, seq_len) each
 
@@ -63,13 +64,16 @@ class BatchLoader:
         try:
             windows = iter(self.stream)
             while not self._stop.is_set():
-                rows = [next(windows, None) for _ in range(self.batch_size)]
+                rows, ids = [], []
+                for _ in range(self.batch_size):
+                    rows.append(next(windows, None))
+                    ids.append(getattr(self.stream, "last_window", None) if self.stream.shuffle else None)
                 if rows[-1] is None:  # a finite (validation) pass ran out: drop the partial batch
                     break
                 batch = torch.stack(rows)
                 if self.pin:
                     batch = batch.pin_memory()
-                item = (batch, self.stream.state_dict() if self.stream.shuffle else None)
+                item = (batch, self.stream.state_dict() if self.stream.shuffle else None, ids)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)

@@ -96,9 +96,9 @@ class WindowStream:
         if self._block is None or offset >= len(self._block):
             self._fill_block()
             offset = 0
-        window = self._block[offset]
+        self.last_window = int(self._block[offset])
         self._local += 1
-        return self.read(int(window))
+        return self.read(self.last_window)
 
     def read(self, window: int) -> torch.Tensor:
         """Window `window` (of N) as a 1-D int64 tensor of seq_len + 1 tokens."""

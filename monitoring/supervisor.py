@@ -1,0 +1,381 @@
+"""`pretrain launch`: the monitoring service and, under it, the DeepSpeed job, restarted when it
+crashes or hangs.
+
+    pretrain launch --config CFG [--nproc N] [--hostfile H] [overrides...]
+
+One process holds the HTTP service (its threads) and the supervisor (the main thread). The job is
+the DeepSpeed launcher with every rank it starts, in a session of its own, so it is stopped as a
+whole. The supervisor restarts it from the newest complete checkpoint (`checkpoint.resume=auto`)
+when it
+
+- exits with a failure (a crash, a killed rank): any status but 0 (done), 2 (bad input: a restart
+  would fail the same way) and 3 (the circuit breaker stopped it);
+- hangs: no step reported for `monitor.hang_factor` times the longest interval between two steps
+  seen so far (never less than `monitor.hang_min_seconds`), or no first step within
+  `monitor.startup_seconds` of a start;
+
+at most `monitor.max_restarts` times. Each restart is an event `restart` in RUN_DIR/events.jsonl, is
+listed by GET /status and counted by `pretrain_restarts` in GET /metrics.
+
+Several nodes: with a hostfile the DeepSpeed launcher reaches every host over ssh (pdsh), and
+this one supervisor stops and restarts all of them. In the launcher's no-ssh mode each node runs
+`pretrain launch --no-ssh --node-rank K`: node 0 holds the service and watches for hangs; the
+others only restart their own ranks after a failure, for as long as node 0's supervisor, whose
+state is in RUN_DIR/monitor/supervisor.json (a shared file system, as for checkpoints), is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from monitoring.service import append_event, monitor_dir, serve
+from pretrain import atomic, checkpoint
+from pretrain.config import MonitorConfig
+
+SUPERVISOR_FILE = "supervisor.json"
+DONE, BAD_INPUT, STOPPED_BY_MONITOR = 0, 2, 3
+NOT_RESTARTED = {DONE: "completed", BAD_INPUT: "bad input", STOPPED_BY_MONITOR: "stopped by the monitor"}
+
+
+@dataclass
+class HangWatch:
+    """When a job counts as hung, from the times its steps were reported (pure; times in seconds)."""
+
+    factor: float
+    min_seconds: float
+    startup_seconds: float
+    started_at: float = 0.0
+    last_step_at: float | None = None
+    longest_gap: float = 0.0  # kept across restarts: a restart does not change how long a step takes
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig) -> HangWatch:
+        return cls(config.hang_factor, config.hang_min_seconds, config.startup_seconds)
+
+    def start(self, now: float) -> None:
+        self.started_at, self.last_step_at = now, None
+
+    def step(self, now: float) -> None:
+        if self.last_step_at is not None:
+            self.longest_gap = max(self.longest_gap, now - self.last_step_at)
+        self.last_step_at = now
+
+    def limit(self) -> float:
+        if self.last_step_at is None:
+            return self.startup_seconds
+        return max(self.factor * self.longest_gap, self.min_seconds)
+
+    def overdue(self, now: float) -> str | None:
+        """Why the job counts as hung at `now`, or None."""
+        since = now - (self.last_step_at if self.last_step_at is not None else self.started_at)
+        if since <= self.limit():
+            return None
+        what = "no step" if self.last_step_at is not None else "no first step"
+        return f"hang: {what} for {since:.0f} s (limit {self.limit():.0f} s)"
+
+
+@dataclass
+class Job:
+    """The DeepSpeed launcher and its ranks, in a process group of their own."""
+
+    process: subprocess.Popen
+    attempt: int
+    started_at: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def start(cls, command: list[str], attempt: int) -> Job:
+        return cls(subprocess.Popen(command, start_new_session=True), attempt)
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def signal_group(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM to every process of the job, SIGKILL to what is left after `grace` seconds."""
+        self.signal_group(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            return self.process.wait()
+        finally:
+            self.signal_group(signal.SIGKILL)  # ranks the launcher left behind
+
+    def ask_ranks_to_stop(self) -> None:
+        """SIGTERM to the ranks only (the launcher's grandchildren, or its children under torchrun-like
+        launchers): they agree on a step, save a checkpoint and exit 0, and the launcher follows."""
+        import psutil
+
+        try:
+            launcher = psutil.Process(self.process.pid)
+            ranks = [p for child in launcher.children() for p in child.children()] or launcher.children()
+        except psutil.Error:
+            ranks = []
+        for rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.send_signal(signal.SIGTERM)
+        if not ranks:
+            self.signal_group(signal.SIGTERM)
+
+
+class Interrupt:
+    """SIGINT/SIGTERM to the supervisor: the first asks the job to save and stop, a second kills it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.signum: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        self.signum = signum
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class Supervisor:
+    """Runs the job `make_command()` gives (asked again at each start, for a fresh rendezvous port)
+    and restarts it; the `leader` (node 0) also holds the monitoring service."""
+
+    def __init__(
+        self,
+        make_command: Callable[[], list[str]],
+        run_dir: str | Path,
+        config: MonitorConfig,
+        *,
+        leader: bool = True,
+        base_seed: int = 0,
+        poll_seconds: float = 0.5,
+        log=print,
+    ):
+        self.make_command, self.run_dir, self.config = make_command, Path(run_dir), config
+        self.leader, self.poll_seconds, self.log = leader, poll_seconds, log
+        self.server = self.state = None
+        if leader:
+            self.server, self.state = serve(run_dir, config, base_seed)
+            self.state.watch = HangWatch.from_config(config)
+
+    # --------------------------------------------------------------------------- the loop
+
+    def run(self) -> int:
+        if self.server is not None:
+            threading.Thread(target=self.server.serve_forever, name="monitor-http", daemon=True).start()
+            host, port = self.server.server_address[:2]
+            self.log(f"launch: monitor on http://{host}:{port} (status: /status, Prometheus: /metrics)")
+        interrupt = Interrupt()
+        restarts = 0
+        try:
+            while True:
+                job = self._start(restarts)
+                outcome, detail = self._watch(job, interrupt)
+                if outcome == "interrupted":
+                    self._set_state("stopped", job.attempt)
+                    self.log(f"launch: interrupted; the job exited with status {detail}")
+                    return 128 + (interrupt.signum or signal.SIGINT)
+                if outcome == "exit" and (detail in NOT_RESTARTED or not self._leader_running()):
+                    self._set_state(NOT_RESTARTED.get(detail, "failed"), job.attempt)
+                    if detail != DONE:
+                        self.log(
+                            f"launch: the job exited with status {detail} ({NOT_RESTARTED.get(detail, 'failed')})"
+                        )
+                    return detail
+                reason = f"exit status {detail}" if outcome == "exit" else detail
+                if restarts >= self.config.max_restarts:
+                    self._set_state("failed", job.attempt)
+                    self.log(
+                        f"launch: the job failed ({reason}) and the restart budget "
+                        f"(monitor.max_restarts={self.config.max_restarts}) is spent; giving up"
+                    )
+                    return detail if outcome == "exit" and detail > 0 else 1
+                restarts += 1
+                self._record_restart(restarts, reason)
+        finally:
+            interrupt.restore()
+            if self.server is not None:
+                self.server.shutdown()
+                self.server.server_close()
+
+    def _start(self, restarts: int) -> Job:
+        command = self.make_command() + (["checkpoint.resume=auto"] if restarts else [])
+        if self.state is not None:
+            with self.state.lock:
+                self.state.watch.start(time.monotonic())
+                self.state.job = {"attempt": restarts, "state": "running"}
+        job = Job.start(command, restarts)
+        self._set_state("running", restarts)
+        return job
+
+    def _watch(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
+        asked_to_stop = False
+        while True:
+            code = job.poll()
+            if code is not None:
+                if interrupt.count:
+                    return "interrupted", code
+                return "exit", code
+            if interrupt.count and not asked_to_stop:
+                self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
+                job.ask_ranks_to_stop()
+                asked_to_stop = True
+            elif interrupt.count > 1:
+                return "interrupted", job.stop(grace=0)
+            if self.state is not None and not interrupt.count:
+                with self.state.lock:
+                    hung = self.state.watch.overdue(time.monotonic())
+                if hung:
+                    self.log(f"launch: {hung}; stopping the job")
+                    job.stop(self.config.stop_grace_seconds)
+                    return "hang", hung
+            time.sleep(self.poll_seconds)
+
+    # --------------------------------------------------------------------------- records
+
+    def _record_restart(self, restarts: int, reason: str) -> None:
+        resume = checkpoint.newest_complete(self.run_dir, verify_hashes=False)
+        step = None
+        if self.state is not None:
+            with self.state.lock:
+                step = self.state.policy.last.step if self.state.policy.last else None
+        event = {"type": "restart", "step": step, "reason": reason, "restart": restarts,
+                 "max_restarts": self.config.max_restarts, "resume_from": resume}  # fmt: skip
+        self.log(
+            f"launch: restart {restarts}/{self.config.max_restarts} after {reason}, "
+            f"from {resume or 'the beginning (no complete checkpoint yet)'}"
+        )
+        if self.state is not None:
+            self.state.record_restart(event)
+        elif self.leader:
+            append_event(self.run_dir, event)
+
+    def _set_state(self, state: str, attempt: int) -> None:
+        if self.leader:
+            atomic.write_json(
+                monitor_dir(self.run_dir) / SUPERVISOR_FILE,
+                {"state": state, "attempt": attempt, "pid": os.getpid(), "time": time.time()},
+            )
+
+    def _leader_running(self) -> bool:
+        """A follower restarts its ranks only while node 0's supervisor is still running the job."""
+        if self.leader:
+            return True
+        import json
+
+        path = monitor_dir(self.run_dir) / SUPERVISOR_FILE
+        try:
+            return json.loads(path.read_text())["state"] == "running"
+        except (OSError, ValueError, KeyError):
+            return False
+
+
+def launcher_command(
+    module_args: list[str],
+    *,
+    nproc: int | None,
+    hostfile: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    no_ssh: bool = False,
+    node_rank: int = 0,
+) -> list[str]:
+    """The DeepSpeed launcher running `python -m pretrain.train MODULE_ARGS` on this node or a hostfile's."""
+    from pretrain.train import free_port
+
+    command = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if hostfile:
+        command += ["--hostfile", hostfile]
+        if master_addr:
+            command += ["--master_addr", master_addr]
+    if no_ssh:
+        command += ["--no_ssh", "--node_rank", str(node_rank)]
+    if nproc is not None:
+        command += ["--num_gpus", str(nproc)]
+    port = master_port or (29500 if hostfile else free_port())
+    return [*command, "--master_port", str(port), "--module", "pretrain.train", *module_args]
+
+
+def local_process_count() -> int:
+    """Every local GPU, or 2 CPU processes when there is none."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def read_hostfile(path: str) -> dict[str, int]:
+    """host → slots, through DeepSpeed's own parser; one clear error for a bad file."""
+    from pretrain.errors import UserError
+
+    if not Path(path).is_file():
+        raise UserError(f"--hostfile {path} does not exist: pass a file of 'HOST slots=N' lines")
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    try:
+        hosts = fetch_hostfile(path)
+    except ValueError as exc:
+        raise UserError(f"--hostfile {path}: {exc}") from None
+    if not hosts:
+        raise UserError(f"--hostfile {path} lists no hosts: add 'HOST slots=N' lines")
+    return dict(hosts)
+
+
+def launch(
+    config_path: str,
+    overrides: list[str],
+    *,
+    nproc: int | None = None,
+    hostfile: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    no_ssh: bool = False,
+    node_rank: int = 0,
+    log=None,
+) -> int:
+    """`pretrain launch`: check the run as its job would, then supervise it under the service."""
+    from pretrain.config import load_config
+    from pretrain.errors import UserError
+    from pretrain.train import preflight
+
+    log = log or (lambda line: print(line, flush=True))
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc {nproc} must be at least 1")
+    if no_ssh and not hostfile:
+        raise UserError("--no-ssh needs --hostfile (the launcher reads the node list from it)")
+    if node_rank < 0 or (node_rank > 0 and not no_ssh):
+        raise UserError(f"--node-rank {node_rank}: only with --no-ssh, from 0 to the number of hosts - 1")
+    cfg = load_config(config_path, overrides)
+    hosts = read_hostfile(hostfile) if hostfile else None
+    if hosts is not None and node_rank >= len(hosts):
+        raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
+    per_node = nproc if nproc is not None or hosts else local_process_count()
+    world_size = sum(per_node or slots for slots in hosts.values()) if hosts else per_node
+    preflight(cfg, world_size)
+    if master_addr is None and hosts:
+        master_addr = next(iter(hosts))
+
+    module_args = ["--config", str(config_path), *overrides, "monitor.enabled=true"]
+
+    def make_command() -> list[str]:
+        return launcher_command(module_args, nproc=per_node, hostfile=hostfile, master_addr=master_addr,
+                                master_port=master_port, no_ssh=no_ssh, node_rank=node_rank)  # fmt: skip
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(
+        make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed, log=log
+    )
+    where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
+    log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
+    return supervisor.run()
