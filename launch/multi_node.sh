@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Train on several machines with the DeepSpeed launcher.
+# Train on several machines under the monitoring service (`pretrain launch`), which starts the
+# DeepSpeed launcher and restarts the job if it crashes or hangs.
 #
 # With ssh (pdsh reaches every host in the hostfile; run once, on the first host):
 #   HOSTFILE=launch/hostfile.example launch/multi_node.sh --config CONFIG [KEY=VALUE ...]
 #
-# Without ssh (run on every node, each with its own NODE_RANK; MASTER_ADDR is node 0):
+# Without ssh (run on every node, each with its own NODE_RANK; MASTER_ADDR is node 0, which also
+# runs the monitoring service; the run directory must be on a shared file system):
 #   NO_SSH=1 NODE_RANK=0 MASTER_ADDR=10.0.0.1 HOSTFILE=hosts launch/multi_node.sh --config CONFIG ...
 #   NO_SSH=1 NODE_RANK=1 MASTER_ADDR=10.0.0.1 HOSTFILE=hosts launch/multi_node.sh --config CONFIG ...
 #
@@ -13,9 +15,9 @@
 set -euo pipefail
 [[ $# -gt 0 ]] || { echo "usage: launch/multi_node.sh --config CONFIG [KEY=VALUE ...]" >&2; exit 2; }
 : "${HOSTFILE:?set HOSTFILE to a DeepSpeed hostfile (see launch/hostfile.example)}"
-MASTER_ADDR=${MASTER_ADDR:-$(grep -v '^\s*#' "$HOSTFILE" | awk 'NF {print $1; exit}')}
-args=(--hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}")
+args=(--hostfile "$HOSTFILE" --master-port "${MASTER_PORT:-29500}")
+[[ -n "${MASTER_ADDR:-}" ]] && args+=(--master-addr "$MASTER_ADDR")
 if [[ "${NO_SSH:-0}" == 1 ]]; then
-  args+=(--no_ssh --node_rank "${NODE_RANK:?NO_SSH=1 needs NODE_RANK}")
+  args+=(--no-ssh --node-rank "${NODE_RANK:?NO_SSH=1 needs NODE_RANK}")
 fi
-exec deepspeed "${args[@]}" --module pretrain.train "$@"
+exec python -m pretrain launch "${args[@]}" "$@"

@@ -19,7 +19,6 @@ tests and the README.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,8 +33,9 @@ class Band:
 
 def band(history: Sequence[float], sigma: float, min_rel_std: float) -> Band:
     """mean + sigma·max(std, min_rel_std·|mean|) of the history (at least two values)."""
-    mean = statistics.fmean(history)
-    std = max(statistics.pstdev(history, mean), min_rel_std * abs(mean))
+    mean = math.fsum(history) / len(history)
+    variance = math.fsum((x - mean) ** 2 for x in history) / len(history)  # population σ, two-pass
+    std = max(math.sqrt(variance), min_rel_std * abs(mean))
     return Band(mean, std, mean + sigma * std)
 
 

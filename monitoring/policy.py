@@ -38,6 +38,7 @@ class Policy:
     manual: str | None = None  # reason of an operator's pending rollback request
     pinned_tag: str | None = None
     last: StepMetrics | None = None
+    _complete: set[str] = field(default_factory=set)  # tags known to be complete
 
     def __post_init__(self) -> None:
         c = self.config
@@ -90,14 +91,16 @@ class Policy:
     def target(self, anomalous_step: int) -> str | None:
         """Newest complete checkpoint saved before the anomalous update, `margin` steps back."""
         limit = anomalous_step - 1 - self.config.rollback_margin
-        for tag in reversed(checkpoint.tags_on_disk(self.run_dir)):
-            if (
-                checkpoint.step_of(tag) <= limit
-                and checkpoint.check_complete(
-                    checkpoint.checkpoints_dir(self.run_dir) / tag, verify_hashes=False
-                )
+        tags = checkpoint.tags_on_disk(self.run_dir)
+        self._complete &= set(tags)  # one moved away (abandoned, deleted) is checked again if it returns
+        for tag in reversed(tags):
+            if checkpoint.step_of(tag) > limit:
+                continue
+            if tag in self._complete or (
+                checkpoint.check_complete(checkpoint.checkpoints_dir(self.run_dir) / tag, verify_hashes=False)
                 is None
             ):
+                self._complete.add(tag)  # a complete checkpoint stays complete: not read again each step
                 return tag
         return None
 

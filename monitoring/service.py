@@ -118,7 +118,8 @@ class MonitorState:
                 gauge.set(value)
             if metrics.step_time > 0:
                 self.g_tps.set(metrics.tokens / max(metrics.step, 1) / metrics.step_time)
-            for series, band in self.bands().items():
+            bands = self.bands()
+            for series, band in bands.items():
                 if band is not None:
                     self.g_band.labels(series).set(band["threshold"])
             if incident is not None:
@@ -130,7 +131,7 @@ class MonitorState:
                 append_event(
                     self.run_dir, {"type": "circuit_breaker", "step": metrics.step, "reason": action.reason}
                 )
-            return action.to_json() | {"bands": self.bands()}
+            return action.to_json() | {"bands": bands}
 
     def bands(self) -> dict:
         out = {}
@@ -159,6 +160,8 @@ class MonitorState:
 def make_handler(state: MonitorState, token: str):
     class Handler(BaseHTTPRequestHandler):
         server_version = "pretrain-monitor/1"
+        protocol_version = "HTTP/1.1"  # keep-alive: the trainer's one connection serves every step
+        disable_nagle_algorithm = True  # else headers and body wait on each other (40 ms delayed ACK)
 
         def log_message(self, format, *args):  # quiet: one line per step would flood the log
             pass

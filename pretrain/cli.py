@@ -140,6 +140,13 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_monitor(args: argparse.Namespace) -> int:
+    from pretrain.bench.monitor import run
+
+    run(as_json=args.json, quick=args.quick)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.config import load_config
     from pretrain.train import train
@@ -337,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_data.add_argument("--json", action="store_true", help="print one JSON object")
     bench_data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
     bench_data.set_defaults(handler=cmd_bench_data)
+    bench_monitor = bench_sub.add_parser(
+        "monitor", help="step time with and without the monitoring service; how fast a spike is acted on"
+    )
+    bench_monitor.add_argument("--json", action="store_true", help="print one JSON object")
+    bench_monitor.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
+    bench_monitor.set_defaults(handler=cmd_bench_monitor)
 
     train = sub.add_parser(
         "train", help="train in this process (multi-process: deepspeed --module pretrain.train)"

@@ -8,10 +8,10 @@ to the weights either way: DeepSpeed's bf16 overflow check skips them.
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
-import urllib.error
-import urllib.request
+import urllib.parse
 from pathlib import Path
 
 from monitoring.protocol import CONTINUE, Action, ProtocolError, StepMetrics
@@ -23,6 +23,7 @@ class MonitorClient:
         self.timeout = timeout
         self.url: str | None = None
         self.token: str | None = None
+        self.connection: http.client.HTTPConnection | None = None  # kept alive between steps
         self.unreachable_since: int | None = None
         self.last_response: dict = {}
 
@@ -30,26 +31,33 @@ class MonitorClient:
         endpoint = json.loads((self.monitor_dir / "endpoint.json").read_text())
         self.url = endpoint["url"].rstrip("/")
         self.token = (self.monitor_dir / "token").read_text().strip()
+        address = urllib.parse.urlsplit(self.url)
+        self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=self.timeout)
+
+    def _post(self, path: str, payload: dict) -> dict:
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
+        self.connection.request("POST", path, body=body, headers=headers)
+        response = self.connection.getresponse()
+        answer = json.loads(response.read())
+        if response.status != 200:
+            raise ValueError(f"HTTP {response.status}: {answer.get('error', answer)}")
+        return answer
 
     def report(self, metrics: StepMetrics) -> Action:
         try:
-            if self.url is None:
+            if self.connection is None:
                 self._connect()
-            request = urllib.request.Request(
-                self.url + "/v1/metrics",
-                data=json.dumps(metrics.to_json()).encode(),
-                headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"},
-                method="POST",
-            )
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                self.last_response = json.loads(response.read())
+            self.last_response = self._post("/v1/metrics", metrics.to_json())
             action = Action.from_json({k: v for k, v in self.last_response.items() if k != "bands"})
-        except (OSError, urllib.error.URLError, ValueError, KeyError, ProtocolError) as exc:
+        except (OSError, http.client.HTTPException, ValueError, KeyError, ProtocolError) as exc:
             if self.unreachable_since is None:
                 self.unreachable_since = metrics.step
                 print(f"warning: monitor unreachable at step {metrics.step} ({exc}); training goes on and "
                       "will reconnect", file=sys.stderr, flush=True)  # fmt: skip
-            self.url = None
+            if self.connection is not None:
+                self.connection.close()
+            self.connection = None
             return CONTINUE
         if self.unreachable_since is not None:
             print(f"monitor reachable again at step {metrics.step}", file=sys.stderr, flush=True)

@@ -122,3 +122,13 @@ def test_bench_data_prints_the_figures():
     ):
         assert figures[key] > 0, key
     assert figures["prepare_output_identical"] is True
+
+
+def test_bench_monitor_measures_the_overhead_and_acts_on_a_spike_at_once():
+    result = run("bench", "monitor", "--json", "--quick")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["step_ms_without_monitor"] > 0 and figures["step_ms_with_monitor"] > 0
+    assert 0 < figures["report_round_trip_ms_median"] < figures["step_ms_without_monitor"]
+    assert figures["spike_answer"] == "rollback"
+    assert figures["rollback_event_steps"] == [figures["spike_reported_at_step"]]

@@ -257,6 +257,11 @@ def test_two_nodes_without_ssh_match_one_node(tmp_path, reference, train_data):
     assert all(node.returncode == 0 for node in nodes), outputs[1][-3000:]
     ours, theirs = metrics(run_dir), metrics(reference)
     assert [ours[s]["train/loss"] for s in range(1, 7)] == [theirs[s]["train/loss"] for s in range(1, 7)]
+    # Both nodes went through `pretrain launch`; node 0 ran the service, which saw every step.
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3, 4, 5, 6]
+    assert not [e for e in events if e["type"] != "step"]  # a clean run: no rollback, no restart
+    assert json.loads((run_dir / "monitor" / "supervisor.json").read_text())["state"] == "completed"
 
 
 def test_batch_size_mismatch_is_refused_before_any_process_group(tmp_path, train_data):
