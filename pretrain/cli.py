@@ -147,6 +147,33 @@ def cmd_bench_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from pretrain.config import load_finetune_config
+    from pretrain.finetune import finetune
+
+    finetune(load_finetune_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from pretrain.finetune import predict
+
+    count = predict(args.checkpoint, args.input, args.out, args.max_new_tokens)
+    print(f"wrote {count} predictions to {args.out}")
+    return 0
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    from pretrain.attention import render
+
+    result = render(args.checkpoint, args.text, args.out)
+    print(
+        f"{result['layers']} layers x {result['heads']} heads over {result['tokens']} tokens: "
+        f"{result['png']} (grid), {result['html']} (interactive head view)"
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.config import load_config
     from pretrain.train import train
@@ -357,6 +384,28 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     train.set_defaults(handler=cmd_train)
+
+    finetune = sub.add_parser(
+        "finetune", help="fine-tune in this process (multi-process: deepspeed --module pretrain.finetune)"
+    )
+    finetune.add_argument("--config", required=True, help="configs/finetune/classification.yaml or sft.yaml")
+    finetune.add_argument("overrides", nargs="*", help="dotted overrides, e.g. finetune.init=runs/demo/run")
+    finetune.set_defaults(handler=cmd_finetune)
+
+    predict = sub.add_parser("predict", help="labels (classification) or completions (sft) for a file")
+    _add_checkpoint_argument(predict)
+    predict.add_argument("--input", required=True, help=".csv/.jsonl/.parquet with the fine-tuning columns")
+    predict.add_argument(
+        "--out", required=True, help="output .jsonl or .csv (the input rows plus predictions)"
+    )
+    predict.add_argument("--max-new-tokens", type=int, default=64, help="sft: tokens per completion")
+    predict.set_defaults(handler=cmd_predict)
+
+    attention = sub.add_parser("attention", help="attention maps of a text: a PNG grid and an HTML head view")
+    _add_checkpoint_argument(attention)
+    attention.add_argument("--text", required=True, help="the text to look at")
+    attention.add_argument("--out", required=True, help="output prefix: writes PREFIX.png and PREFIX.html")
+    attention.set_defaults(handler=cmd_attention)
 
     export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama directory")
     _add_checkpoint_argument(export)

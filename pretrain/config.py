@@ -221,6 +221,9 @@ class CheckpointConfig:
 class EvalConfig:
     every: int = 500  # steps between held-out evaluations; 0 disables
     batches: int = 20  # validation micro-batches per evaluation
+    # attention maps of this text go to TensorBoard (images, tag attention/probe) at each
+    # evaluation; null or "" turns them off
+    attention_probe: str | None = "The quick brown fox jumps over the lazy dog."
 
     def __post_init__(self) -> None:
         _positive("eval.every", self.every, allow_zero=True)
@@ -334,6 +337,93 @@ class RunConfig:
 RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))
 
 
+# --------------------------------------------------------------------------- fine-tuning
+
+
+FINETUNE_TASKS = ("classification", "sft")
+
+
+@dataclass
+class FinetuneSection:
+    init: str | None = (
+        None  # our checkpoint (a run or checkpoint directory) or a Hugging Face Llama directory
+    )
+    task: str = "classification"  # classification (a head on the last token) | sft (prompt → completion)
+    epochs: float = 3.0  # passes over the training split; train.steps, when set, wins
+    max_length: int | None = None  # tokens per example (longer ones are truncated); default: the model's max
+
+    def __post_init__(self) -> None:
+        if self.task not in FINETUNE_TASKS:
+            raise ConfigError(f"finetune.task={self.task!r}: choose one of {', '.join(FINETUNE_TASKS)}")
+        _positive("finetune.epochs", self.epochs)
+        if self.max_length is not None and self.max_length < 2:
+            raise ConfigError(f"finetune.max_length={self.max_length} must be at least 2")
+
+
+@dataclass
+class FinetuneDataConfig:
+    train: str | None = None  # a local .csv/.jsonl/.json/.parquet file, or a split of data.hub
+    validation: str | None = None
+    hub: str | None = None  # a dataset name for datasets.load_dataset; then train/validation name splits
+    text_column: str = "text"  # classification
+    text_pair_column: str | None = None  # classification of pairs (entailment, similarity)
+    label_column: str = "label"  # classification: strings or integers
+    prompt_column: str = "prompt"  # sft
+    completion_column: str = "completion"  # sft
+
+
+@dataclass
+class FinetuneTrainConfig:
+    steps: int | None = None  # optimizer steps; default: finetune.epochs over the training split
+    micro_batch_size: int = 8  # examples per rank per forward/backward
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    global_batch_size: int | None = None  # if set, must equal micro × accum × world size
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "global_batch_size"):
+            if getattr(self, key) is not None:
+                _positive(f"train.{key}", getattr(self, key))
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        _positive("train.grad_accum", self.grad_accum)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+
+
+@dataclass
+class FinetuneEvalConfig:
+    every: int = 0  # steps between validation passes (always one at the end); 0: only at the end
+
+
+@dataclass
+class FinetuneConfig:
+    """`pretrain finetune` / `python -m pretrain.finetune`: the model comes from `finetune.init`."""
+
+    run: RunSection = field(default_factory=RunSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
+    data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
+    train: FinetuneTrainConfig = field(default_factory=FinetuneTrainConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, weight_decay=0.01))
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_steps=10))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if not _is_set(self.finetune.init):
+            raise ConfigError(
+                "finetune.init is not set: name a checkpoint (run directory) or a Hugging Face Llama directory"
+            )
+        if not _is_set(self.data.train):
+            raise ConfigError(
+                "data.train is not set: name a .csv/.jsonl/.parquet file (or a split, with data.hub)"
+            )
+
+
+def _is_set(value: str | None) -> bool:
+    return value is not None and value != ""
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -415,9 +505,10 @@ def _first_line(exc: BaseException) -> str:
 def _schema(cls: type) -> DictConfig:
     """The typed, empty-of-derived-values config that YAML layers are merged onto."""
     schema = OmegaConf.structured(cls)
-    model = schema if cls is ModelConfig else schema.model
-    for name in ModelConfig.DERIVED:
-        model[name] = None
+    if cls is ModelConfig or "model" in schema:
+        model = schema if cls is ModelConfig else schema.model
+        for name in ModelConfig.DERIVED:
+            model[name] = None
     return schema
 
 
@@ -512,6 +603,21 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         merged = _merge_layer(merged, {"model": preset_data}, RunConfig, str(preset_path))
     merged = _merge_layer(merged, data, RunConfig, str(path))
     merged = _merge_layer(merged, cli, RunConfig, "override")
+    return _to_object(merged)
+
+
+def load_finetune_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> FinetuneConfig:
+    """Load a fine-tuning config: defaults ← file ← dotted overrides, then validate."""
+    path = Path(path)
+    data = read_yaml(path)
+    if "finetune" not in data:
+        raise ConfigError(
+            f"{path} has no finetune: section, so it is not a fine-tuning config: start from "
+            "configs/finetune/classification.yaml or configs/finetune/sft.yaml"
+        )
+    cli = parse_overrides(overrides)
+    merged = _merge_layer(_schema(FinetuneConfig), data, FinetuneConfig, str(path))
+    merged = _merge_layer(merged, cli, FinetuneConfig, "override")
     return _to_object(merged)
 
 

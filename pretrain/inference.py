@@ -32,16 +32,32 @@ class Trained:
     directory: Path
 
 
-def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Trained:
-    """A complete checkpoint (or a run directory's newest one) as an eval-mode model on the CPU."""
+def read_checkpoint(path: str | Path) -> tuple[Path, dict, dict[str, torch.Tensor]]:
+    """A complete checkpoint (or a run directory's newest): its directory, run_config.json, and
+    the fp32 weights consolidated from any ZeRO stage's shards."""
     directory = checkpoint.find_checkpoint(path)
     run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
-    model_cfg = ModelConfig(**run_config["model"])
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs and reports progress on stdout
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
-    model = Transformer.from_state_dict(model_cfg, state, dtype)
+    return directory, run_config, state
+
+
+def task_of(run_config: dict) -> str:
+    """`pretrain` for pretraining checkpoints, else the fine-tuning task (classification, sft)."""
+    return (run_config.get("finetune") or {}).get("task", "pretrain")
+
+
+def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Trained:
+    """A language-model checkpoint (pretrained, or fine-tuned with sft) as an eval-mode model on the CPU."""
+    directory, run_config, state = read_checkpoint(path)
+    if task_of(run_config) == "classification":
+        raise UserError(
+            f"{directory} is a classification fine-tune (no language-model head): "
+            "use `pretrain predict`, or the checkpoint it was fine-tuned from"
+        )
+    model = Transformer.from_state_dict(ModelConfig(**run_config["model"]), state, dtype)
     return Trained(model.eval(), Tokenizer.load(directory), run_config, directory)
 
 

@@ -290,6 +290,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         cfg, device = self.cfg, self.tok_embeddings.weight.device
+        self.rope_cos = self.rope_sin = self.pos_table = torch.empty(
+            0, device=device
+        )  # unused ones stay empty
         if cfg.positions == "rope":
             self.rope_cos, self.rope_sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device)
         if cfg.positions == "sinusoidal":

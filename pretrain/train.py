@@ -188,6 +188,7 @@ def train(cfg: RunConfig) -> dict:
             )
         if cfg.eval.every and state.step == 0:  # the baseline every curve starts from
             _log_eval(writer, summary, 0, evaluate(engine, data_dir, cfg, plan, env))
+            log_attention_probe(writer, engine, cfg, data_dir, 0, is_main)
         last_saved = state.step
         while state.step < cfg.train.steps:
             started = time.perf_counter()
@@ -272,6 +273,7 @@ def train(cfg: RunConfig) -> dict:
 
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 _log_eval(writer, summary, step, evaluate(engine, data_dir, cfg, plan, env))
+                log_attention_probe(writer, engine, cfg, data_dir, step, is_main)
 
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop_requested:
                 save(engine, cfg, env, state, loader.state_dict(), data_dir)
@@ -451,6 +453,24 @@ def evaluate(engine, data_dir: Path, cfg: RunConfig, plan: BatchPlan, env: DistE
     return (totals[0] / totals[1]).item()
 
 
+def log_attention_probe(
+    writer: MetricsWriter, engine, cfg: RunConfig, data_dir: Path, step: int, is_main: bool
+) -> None:
+    """`eval.attention_probe`: every rank runs the forward (ZeRO-3 gathers parameters collectively);
+    rank 0 draws the (layers × heads) grid into TensorBoard as `attention/probe`."""
+    if not cfg.eval.attention_probe:
+        return
+    from pretrain.attention import attention_maps, grid_image, piece_labels
+    from pretrain.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(data_dir / MODEL_FILE)
+    ids = [tokenizer.eos_id, *tokenizer.encode(cfg.eval.attention_probe)][: cfg.model.max_seq_len]
+    maps = attention_maps(engine.module, ids)
+    if is_main and writer.writer is not None:
+        image = grid_image(maps, piece_labels(tokenizer, ids), f"step {step}")
+        writer.writer.add_image("attention/probe", image, step, dataformats="HWC")
+
+
 def _log_eval(writer: MetricsWriter, summary: dict, step: int, loss: float) -> None:
     perplexity = math.exp(min(loss, 50.0))
     summary["eval"].append({"step": step, "loss": loss})
@@ -459,16 +479,36 @@ def _log_eval(writer: MetricsWriter, summary: dict, step: int, loss: float) -> N
 
 
 def save(engine, cfg: RunConfig, env: DistEnv, state: TrainState, data_state: dict, data_dir: Path) -> str:
-    """Every rank writes its part; rank 0 then marks the checkpoint complete and moves `latest`."""
+    """A pretraining checkpoint: DeepSpeed's files, train_state.json, run_config.json, the tokenizer."""
+    train_state = asdict(state) | {
+        "data": data_state,
+        "world_size": env.world_size,
+        "config_hash": config_hash(cfg),
+    }
+    return write_checkpoint(engine, Path(cfg.run.dir), state.step, env, train_state, asdict(cfg),
+                            data_dir / MODEL_FILE, cfg.checkpoint.keep)  # fmt: skip
+
+
+def write_checkpoint(
+    engine,
+    run_dir: Path,
+    step: int,
+    env: DistEnv,
+    train_state: dict,
+    run_config: dict,
+    tokenizer: Path,
+    keep: int,
+) -> str:
+    """Every rank writes its part; rank 0 then marks the checkpoint complete, moves `latest`, and
+    applies retention. Shared by pretraining and fine-tuning."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    run_dir = Path(cfg.run.dir)
     root = checkpoint.checkpoints_dir(run_dir)
-    tag = checkpoint.tag_for(state.step)
+    tag = checkpoint.tag_for(step)
     directory = root / tag
     if env.rank == 0 and directory.exists():  # left by an earlier attempt that did not finish
         shutil.rmtree(directory)
@@ -480,23 +520,14 @@ def save(engine, cfg: RunConfig, env: DistEnv, state: TrainState, data_state: di
     digest = params_digest(engine)
     atomic.write_json(directory / _rng_file(env.rank), _rng_state())
     if env.rank == 0:
-        atomic.write_json(
-            directory / checkpoint.TRAIN_STATE,
-            asdict(state)
-            | {
-                "data": data_state,
-                "world_size": env.world_size,
-                "config_hash": config_hash(cfg),
-                "params_sha256": digest,
-            },
-        )
-        atomic.write_json(directory / checkpoint.RUN_CONFIG, asdict(cfg))
-        shutil.copyfile(data_dir / MODEL_FILE, directory / MODEL_FILE)
+        atomic.write_json(directory / checkpoint.TRAIN_STATE, train_state | {"params_sha256": digest})
+        atomic.write_json(directory / checkpoint.RUN_CONFIG, run_config)
+        shutil.copyfile(tokenizer, directory / MODEL_FILE)
     dist.barrier()  # every rank has finished writing
     if env.rank == 0:
-        checkpoint.mark_complete(directory, {"tag": tag, "step": state.step, "world_size": env.world_size})
+        checkpoint.mark_complete(directory, {"tag": tag, "step": step, "world_size": env.world_size})
         checkpoint.set_latest(run_dir, tag)
-        checkpoint.apply_retention(run_dir, cfg.checkpoint.keep)
+        checkpoint.apply_retention(run_dir, keep)
     dist.barrier()
     return tag
 
@@ -604,28 +635,38 @@ def _read_json(path: Path) -> dict:
 # --------------------------------------------------------------------------- entry point
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pretrain.train", description="Train under DeepSpeed (see module docstring)."
-    )
-    parser.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+def entry_point(prog: str, description: str, config_help: str, run, argv: list[str] | None = None) -> int:
+    """The command line every launcher calls (`--config CFG [overrides...]`; launchers may add
+    --local_rank). `run(config_path, overrides)` returns the exit status; bad input is one line
+    from rank 0 and status 2 (`--debug`: the traceback)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True, help=config_help)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=4")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
     args = parser.parse_args(argv)
     try:
-        summary = train(load_config(args.config, args.overrides))
+        return run(args.config, args.overrides)
     except UserError as exc:
         if args.debug:
             raise
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _train_command(config: str, overrides: list[str]) -> int:
+    summary = train(load_config(config, overrides))
     if summary.get("stopped_by_monitor"):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
         return 3  # not a crash: the supervisor does not restart it
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return entry_point("pretrain.train", "Train under DeepSpeed (see module docstring).",
+                       "run config (configs/train/*.yaml)", _train_command, argv)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pretrain.config import (
     config_hash,
     load_any,
     load_config,
+    load_finetune_config,
     load_model_config,
     to_yaml,
 )
@@ -39,8 +40,16 @@ def test_gpt3_presets(name):
 
 def test_every_shipped_config_loads():
     assert {"tiny", *GPT3_TABLE} <= set(available_presets())
-    kinds = {type(load_any(path)) for path in sorted(REPO_CONFIG_DIR.rglob("*.yaml"))}
+    paths = sorted(REPO_CONFIG_DIR.rglob("*.yaml"))
+    kinds = {type(load_any(path)) for path in paths if path.parent.name != "finetune"}
     assert kinds == {RunConfig, ModelConfig}
+    finetune = [p for p in paths if p.parent.name == "finetune"]
+    assert {p.stem for p in finetune} == {"classification", "sft"}
+    for path in finetune:  # they name no model or data of their own: the run supplies both
+        cfg = load_finetune_config(path, ["finetune.init=runs/demo/run", "data.train=train.csv"])
+        assert cfg.finetune.task == path.stem
+    with pytest.raises(ConfigError, match="finetune.init is not set"):
+        load_finetune_config(finetune[0])
 
 
 def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:

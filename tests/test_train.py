@@ -181,10 +181,29 @@ def test_tensorboard_tags(reference):
         assert losses[step] == pytest.approx(record["train/loss"], rel=1e-6)
     assert [e.step for e in events.Scalars("eval/loss")] == [0, 3, 6]
     assert "config/text_summary" in events.Tags()["tensors"]
+    # The attention maps of eval.attention_probe, at every evaluation, as PNG images.
+    images = events.Images("attention/probe")
+    assert [i.step for i in images] == [0, 3, 6]
+    assert images[0].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" and images[0].width > 100
     # The per-group norms compose the global norm.
     at2 = metrics(reference)[2]
     groups = [v for k, v in at2.items() if k.startswith("train/grad_norm/")]
     assert math.sqrt(sum(g * g for g in groups)) == pytest.approx(at2["train/grad_norm"], rel=1e-3)
+
+
+def test_attention_command_draws_the_grid_and_the_head_view(tmp_path, reference):
+    import matplotlib.image
+
+    result = run_cli("attention", "--checkpoint", str(reference), "--text", "def main(): return 0", "--out",
+                     str(tmp_path / "maps" / "probe"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "2 layers x 4 heads" in result.stdout
+    png = matplotlib.image.imread(tmp_path / "maps" / "probe.png")
+    assert png.ndim == 3 and png.shape[0] > 100
+    page = (tmp_path / "maps" / "probe.html").read_text()
+    assert "<select" in page and "http" not in page
+    bad = run_cli("attention", "--checkpoint", str(reference), "--text", "", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
 def run_cli(*args):

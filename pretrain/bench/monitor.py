@@ -62,6 +62,8 @@ def _fake_checkpoint(run_dir: Path) -> None:
 
 def run(as_json: bool = False, quick: bool = False, d_model: int = 192, n_layers: int = 4) -> dict:
     torch.manual_seed(0)
+    if quick:  # a smoke test of the machinery, not a measurement
+        d_model, n_layers = 64, 2
     cfg = ModelConfig(vocab_size=4096, d_model=d_model, n_layers=n_layers, n_heads=4, max_seq_len=512)
     model = Transformer(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
