@@ -143,7 +143,9 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
 def cmd_bench_monitor(args: argparse.Namespace) -> int:
     from pretrain.bench.monitor import run
 
-    run(as_json=args.json, quick=args.quick)
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size} must be at least 1")
+    run(as_json=args.json, quick=args.quick, batch_size=args.batch_size)
     return 0
 
 
@@ -376,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_monitor.add_argument("--json", action="store_true", help="print one JSON object")
     bench_monitor.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
+    bench_monitor.add_argument(
+        "--batch-size",
+        type=int,
+        default=2,
+        help="512-token sequences per step (default 2: ~100 ms steps here)",
+    )
     bench_monitor.set_defaults(handler=cmd_bench_monitor)
 
     train = sub.add_parser(

@@ -248,3 +248,30 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, pretrained, sentiment, cap
     )
     fails(f"finetune.init={hf_dir}", f"data.train={train_csv}", message="tokenizer/vocabulary mismatch")
     assert not (tmp_path / "run").exists()  # nothing written for any of them
+
+
+@pytest.mark.slow
+def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncation(tmp_path, pretrained):
+    """finetune.init may be an exported Llama directory; labels may be integers; long examples
+    are truncated to finetune.max_length and counted."""
+    import datasets
+
+    export = subprocess.run([sys.executable, "-m", "pretrain", "export-hf", "--checkpoint", str(pretrained), "--out",
+                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    rows = sentiment_rows(32, 4)
+    for i, row in enumerate(rows):
+        row["label"] = int(row["label"] == "positive") * 7  # integers 0 and 7
+        if i % 4 == 0:
+            row["text"] = " ".join([row["text"]] * 6)  # about 40+ tokens: over max_length
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    run_dir = tmp_path / "run"
+    code = cli_main(["finetune", "--config", CLASSIFICATION, f"finetune.init={tmp_path / 'hf'}",
+                     f"data.train={tmp_path / 'train.parquet'}", f"data.validation={tmp_path / 'train.parquet'}",
+                     "finetune.max_length=24", f"run.dir={run_dir}", "train.steps=2", *TINY_FT])  # fmt: skip
+    assert code == 0
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["train_truncated"] == 8 and summary["validation_truncated"] == 8
+    run_config = json.loads((run_dir / "checkpoints" / "step_00000002" / "run_config.json").read_text())
+    assert run_config["labels"] == [0, 7] and run_config["init_source"].startswith("Hugging Face model")
+    assert set(json.loads((run_dir / "eval_results.json").read_text())) >= {"accuracy", "macro_f1"}

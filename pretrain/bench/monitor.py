@@ -60,14 +60,16 @@ def _fake_checkpoint(run_dir: Path) -> None:
     checkpoint.mark_complete(directory, {"step": 1})
 
 
-def run(as_json: bool = False, quick: bool = False, d_model: int = 192, n_layers: int = 4) -> dict:
+def run(
+    as_json: bool = False, quick: bool = False, d_model: int = 192, n_layers: int = 4, batch_size: int = 2
+) -> dict:
     torch.manual_seed(0)
     if quick:  # a smoke test of the machinery, not a measurement
         d_model, n_layers = 64, 2
     cfg = ModelConfig(vocab_size=4096, d_model=d_model, n_layers=n_layers, n_heads=4, max_seq_len=512)
     model = Transformer(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(0, cfg.vocab_size, (2, 513))
+    batch = torch.randint(0, cfg.vocab_size, (batch_size, 513))
     pairs = 10 if quick else 150
 
     def train_step() -> tuple[float, float]:
@@ -119,7 +121,7 @@ def run(as_json: bool = False, quick: bool = False, d_model: int = 192, n_layers
     paired = statistics.median(b - a for a, b in zip(plain, reported, strict=True))
     result = {
         "device": "cpu",
-        "model": f"d_model {d_model}, {n_layers} layers, 2 x 512 tokens",
+        "model": f"d_model {d_model}, {n_layers} layers, {batch_size} x 512 tokens",
         "step_ms_without_monitor": without * 1e3,
         "step_ms_with_monitor": with_ * 1e3,
         "overhead_pct": 100 * (with_ - without) / without,
