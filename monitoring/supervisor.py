@@ -27,6 +27,7 @@ state is in RUN_DIR/monitor/supervisor.json (a shared file system, as for checkp
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -34,10 +35,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from monitoring.service import append_event, monitor_dir, serve
+from monitoring.service import monitor_dir, serve
 from pretrain import atomic, checkpoint
 from pretrain.config import MonitorConfig
 
@@ -89,7 +90,6 @@ class Job:
 
     process: subprocess.Popen
     attempt: int
-    started_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def start(cls, command: list[str], attempt: int) -> Job:
@@ -256,10 +256,8 @@ class Supervisor:
             f"launch: restart {restarts}/{self.config.max_restarts} after {reason}, "
             f"from {resume or 'the beginning (no complete checkpoint yet)'}"
         )
-        if self.state is not None:
+        if self.state is not None:  # node 0: the service records it (events, /status, Prometheus)
             self.state.record_restart(event)
-        elif self.leader:
-            append_event(self.run_dir, event)
 
     def _set_state(self, state: str, attempt: int) -> None:
         if self.leader:
@@ -272,8 +270,6 @@ class Supervisor:
         """A follower restarts its ranks only while node 0's supervisor is still running the job."""
         if self.leader:
             return True
-        import json
-
         path = monitor_dir(self.run_dir) / SUPERVISOR_FILE
         try:
             return json.loads(path.read_text())["state"] == "running"

@@ -146,12 +146,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps)
-        for key in ("global_batch_size", "stop_at_step"):
-            if getattr(self, key) is not None:
-                _positive(f"train.{key}", getattr(self, key))
-        _positive("train.micro_batch_size", self.micro_batch_size)
-        _positive("train.grad_accum", self.grad_accum)
-        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _check_train_section(self, optional=("global_batch_size", "stop_at_step"))
+
+
+def _check_train_section(train, optional: tuple[str, ...]) -> None:
+    """The batch and clipping fields pretraining and fine-tuning share; `optional` ones may be None."""
+    for key in optional:
+        if getattr(train, key) is not None:
+            _positive(f"train.{key}", getattr(train, key))
+    _positive("train.micro_batch_size", train.micro_batch_size)
+    _positive("train.grad_accum", train.grad_accum)
+    _positive("train.grad_clip", train.grad_clip, allow_zero=True)
 
 
 @dataclass
@@ -381,12 +386,7 @@ class FinetuneTrainConfig:
     global_batch_size: int | None = None  # if set, must equal micro × accum × world size
 
     def __post_init__(self) -> None:
-        for key in ("steps", "global_batch_size"):
-            if getattr(self, key) is not None:
-                _positive(f"train.{key}", getattr(self, key))
-        _positive("train.micro_batch_size", self.micro_batch_size)
-        _positive("train.grad_accum", self.grad_accum)
-        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _check_train_section(self, optional=("steps", "global_batch_size"))
 
 
 @dataclass
@@ -619,6 +619,12 @@ def load_finetune_config(path: str | Path, overrides: list[str] | tuple[str, ...
     merged = _merge_layer(_schema(FinetuneConfig), data, FinetuneConfig, str(path))
     merged = _merge_layer(merged, cli, FinetuneConfig, "override")
     return _to_object(merged)
+
+
+def finetune_config_from_dict(values: dict[str, Any]) -> FinetuneConfig:
+    """A FinetuneConfig from a saved run_config.json (its extra keys, such as model, are ignored)."""
+    sections = {k: v for k, v in values.items() if k in {f.name for f in fields(FinetuneConfig)}}
+    return _to_object(_merge_layer(_schema(FinetuneConfig), sections, FinetuneConfig, "run_config.json"))
 
 
 def load_defaults(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -1,7 +1,7 @@
 """Fine-tuning pretrained decoders on downstream tasks, with the pretraining engine.
 
     deepspeed [--num_gpus N] --module pretrain.finetune --config CFG [overrides...]
-    accelerate launch [--num_processes N] -m pretrain.finetune --config CFG [overrides...]
+    accelerate launch --multi_gpu --num_processes N -m pretrain.finetune --config CFG [overrides...]
     pretrain finetune --config CFG [overrides...]                      (one process)
 
 Tasks (`finetune.task`):
@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 from pretrain import atomic, checkpoint
 from pretrain.classifier import SequenceClassifier
-from pretrain.config import FinetuneConfig, FinetuneDataConfig, ModelConfig, load_finetune_config, to_yaml
+from pretrain.config import (
+    FinetuneConfig,
+    FinetuneDataConfig,
+    ModelConfig,
+    finetune_config_from_dict,
+    load_finetune_config,
+    to_yaml,
+)
 from pretrain.engine import deepspeed_config, initialize, plan_batches, set_lr, zero_stage
 from pretrain.errors import UserError
 from pretrain.metrics import MetricsWriter
@@ -236,6 +243,11 @@ def encode_sft(dataset, cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: i
     return Encoded("sft", ids, None, prompt_lengths, truncated)
 
 
+def padding_id(tokenizer: Tokenizer) -> int:
+    """Our tokenizers reserve a pad id; one without (an imported model's) pads with EOS."""
+    return tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+
+
 def collate(encoded: Encoded, indices: list[int], pad_id: int, device) -> dict[str, torch.Tensor]:
     """Right-padded tensors for one micro-batch: classification (tokens, lengths, labels), or
     sft (tokens, targets) with the prompt and the padding masked out of the targets."""
@@ -405,7 +417,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
     writer = MetricsWriter(run_dir, steps, enabled=is_main, tensorboard=cfg.logging.tensorboard)
     run_config = asdict(cfg) | {"model": asdict(model_cfg), "labels": labels, "init_source": initial.source}
-    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+    pad_id = padding_id(tokenizer)
     summary = {"task": cfg.finetune.task, "world_size": env.world_size, "zero_stage": zero_stage(ds_config),
                "train_examples": len(train_data.ids), "train_truncated": train_data.truncated,
                "validation_examples": len(val_data.ids) if val_data else 0,
@@ -506,7 +518,7 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
     task = task_of(run_config)
     if task == "pretrain":
         raise UserError(f"{directory} is a pretraining checkpoint: fine-tune it first (`pretrain finetune`)")
-    cfg = load_finetune_config_from_dict(run_config)
+    cfg = finetune_config_from_dict(run_config)
     model_cfg = ModelConfig(**run_config["model"])
     tokenizer = Tokenizer.load(directory)
     rows = read_split(FinetuneDataConfig(**{**asdict(cfg.data), "hub": None}), input_path, "input")
@@ -525,7 +537,7 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
                 else rows
             )
             encoded = encode_classification(unlabelled, cfg, tokenizer, max_length, labels)
-            pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+            pad_id = padding_id(tokenizer)
             for start in range(0, len(encoded.ids), 32):
                 batch = collate(encoded, list(range(start, min(start + 32, len(encoded.ids)))), pad_id, "cpu")
                 probs = model(batch["tokens"], batch["lengths"]).logits.softmax(-1)
@@ -562,15 +574,6 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
         writer.writerows(flat)
         atomic.write_text(out, buffer.getvalue())
     return len(table)
-
-
-def load_finetune_config_from_dict(run_config: dict) -> FinetuneConfig:
-    from omegaconf import OmegaConf
-
-    from pretrain.config import _schema, _to_object
-
-    sections = {k: v for k, v in run_config.items() if k in FinetuneConfig.__dataclass_fields__}
-    return _to_object(OmegaConf.merge(_schema(FinetuneConfig), sections))
 
 
 # --------------------------------------------------------------------------- entry point

@@ -21,7 +21,6 @@ class MonitorClient:
     def __init__(self, run_dir: str | Path, timeout: float = 2.0):
         self.monitor_dir = Path(run_dir) / "monitor"
         self.timeout = timeout
-        self.url: str | None = None
         self.token: str | None = None
         self.connection: http.client.HTTPConnection | None = None  # kept alive between steps
         self.unreachable_since: int | None = None
@@ -29,9 +28,8 @@ class MonitorClient:
 
     def _connect(self) -> None:
         endpoint = json.loads((self.monitor_dir / "endpoint.json").read_text())
-        self.url = endpoint["url"].rstrip("/")
         self.token = (self.monitor_dir / "token").read_text().strip()
-        address = urllib.parse.urlsplit(self.url)
+        address = urllib.parse.urlsplit(endpoint["url"])
         self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=self.timeout)
 
     def _post(self, path: str, payload: dict) -> dict:

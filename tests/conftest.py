@@ -22,6 +22,22 @@ def small_model_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def random_weights_model(qkv_scale: float = 1.0, **overrides):
+    """A small model with every weight random, norms included (so no mapping error hides behind
+    ones); `qkv_scale` sharpens attention far from uniform."""
+    from pretrain.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(small_model_config(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif "qkv_proj" in name:
+                p.mul_(qkv_scale)
+    return model
+
+
 def write_synthetic_dataset(directory, train_shard_tokens, val_shard_tokens=(), dtype="<u4") -> dict:
     """A prepared-dataset directory whose token at position p of the concatenated split is p, so a
     window's first token names it; one shard per entry of the size lists."""

@@ -20,21 +20,12 @@ from pretrain.attention import (
 from pretrain.errors import UserError
 from pretrain.model import Transformer
 from pretrain.tokenizer import Tokenizer
-from tests.conftest import small_model_config
+from tests.conftest import random_weights_model
 
 
 def random_model(**overrides) -> Transformer:
-    """Weights scaled up so attention is far from uniform, and random norms, so a wrong head order,
-    scale or position would show."""
-    torch.manual_seed(0)
-    model = Transformer(small_model_config(**overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "qkv_proj" in name:
-                p.mul_(25)
-    return model
+    """Attention far from uniform, so a wrong head order, scale or position would show."""
+    return random_weights_model(qkv_scale=25, **overrides)
 
 
 def fake_maps(n_layers: int, n_heads: int, T: int, seed: int = 0) -> np.ndarray:

@@ -6,20 +6,13 @@ import torch
 from pretrain.errors import UserError
 from pretrain.hf import load_hf, save_hf
 from pretrain.model import Transformer
-from tests.conftest import small_model_config
+from tests.conftest import random_weights_model, small_model_config
 
 transformers = pytest.importorskip("transformers")  # in the `dev` extra; CI installs it
 
 
 def random_model(**overrides) -> Transformer:
-    """Our model with every weight random, norms included, so no mapping error can hide behind ones."""
-    torch.manual_seed(0)
-    model = Transformer(small_model_config(**overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-    return model.eval()
+    return random_weights_model(**overrides).eval()
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ class BatchLoader:
                 rows, ids = [], []
                 for _ in range(self.batch_size):
                     rows.append(next(windows, None))
-                    ids.append(getattr(self.stream, "last_window", None) if self.stream.shuffle else None)
+                    ids.append(self.stream.last_window if self.stream.shuffle else None)
                 if rows[-1] is None:  # a finite (validation) pass ran out: drop the partial batch
                     break
                 batch = torch.stack(rows)

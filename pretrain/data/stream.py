@@ -80,6 +80,7 @@ class WindowStream:
         self._local = 0
         self._block: np.ndarray | None = None  # window indices for local counts [_block_at, _block_at + len)
         self._block_at = 0
+        self.last_window: int | None = None  # index of the window __next__ served last
 
     # ----------------------------------------------------------------- iteration
 
