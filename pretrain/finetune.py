@@ -348,7 +348,7 @@ def evaluate(
 
 
 def finetune(cfg: FinetuneConfig) -> dict:
-    from pretrain.train import DistEnv, _as_float, _read_json, write_checkpoint
+    from pretrain.train import DistEnv, _as_float, _read_json, init_distributed, write_checkpoint
 
     env = DistEnv.from_environ()
     is_main = env.rank == 0
@@ -395,11 +395,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
     )
     resume_tag = checkpoint.resolve_resume(run_dir, cfg.checkpoint.resume)
 
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
+    init_distributed(env)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.run.seed)

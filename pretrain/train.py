@@ -99,6 +99,25 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def init_distributed(env: DistEnv) -> None:
+    """The process group (NCCL on GPUs, gloo on CPU), for training and fine-tuning alike.
+
+    On CPU, DeepSpeed's shared-memory all-reduce makes a 66 MB /dev/shm/deepspeed_allreduce_buffer_*
+    per rank and never unlinks it, so every job leaves them behind until the machine runs out of
+    memory. Once every rank has mapped its peers' buffers (they do so while the group starts; the
+    barrier waits for all), each rank unlinks its own name: the mappings stay valid, and the memory
+    goes when the processes exit, however they exit."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        return
+    dist.barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{env.rank}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def preflight(cfg: RunConfig, world_size: int) -> tuple[BatchPlan, dict, Path]:
     """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
     fault ranks. `pretrain launch` runs them too, before it starts the service or any process."""
@@ -131,11 +150,7 @@ def train(cfg: RunConfig) -> dict:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     _configure_determinism(cfg.run.deterministic)
 
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
+    init_distributed(env)
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
 
