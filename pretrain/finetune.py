@@ -49,8 +49,9 @@ from pretrain.config import (
 )
 from pretrain.engine import deepspeed_config, initialize, plan_batches, set_lr, zero_stage
 from pretrain.errors import UserError
+from pretrain.loss import IGNORE_INDEX
 from pretrain.metrics import MetricsWriter
-from pretrain.model import IGNORE_INDEX, Transformer
+from pretrain.model import Transformer
 from pretrain.schedules import lr_at
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
 

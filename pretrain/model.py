@@ -19,12 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
-
-IGNORE_INDEX = -100  # targets with this value are left out of the loss (padding, prompts)
+from pretrain.loss import linear_cross_entropy
 
 
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None when targets are given (the loss never forms them)
     loss: torch.Tensor | None  # mean cross-entropy over non-ignored targets, when targets are given
     attentions: tuple[torch.Tensor, ...] | None  # per layer (B, nh, T, T), when need_weights=True
 
@@ -193,6 +192,18 @@ class FeedForward(nn.Module):
 # --------------------------------------------------------------------------- block and model
 
 
+class LMHead(nn.Linear):
+    """The output projection. Given targets it returns the loss straight from the hidden states
+    (`pretrain/loss.py`: chunked, no full-vocabulary logits); otherwise the logits. The weight is
+    used only inside this module's forward, so ZeRO-3 gathers it here like any layer's."""
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(h)
+        return linear_cross_entropy(h.flatten(0, -2), self.weight, targets.flatten())
+
+
+
 class Block(nn.Module):
     """pre: x + f(norm(x)) (Llama, GPT-2+); post: norm(x + f(x)) (Vaswani et al.)."""
 
@@ -235,7 +246,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         # Post-norm blocks already end in a norm; pre-norm needs one before the head.
         self.norm = make_norm(cfg) if cfg.norm_placement == "pre" else nn.Identity()
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
         # Position tables are derived, not learned: kept out of the state dict.
@@ -340,11 +351,9 @@ class Transformer(nn.Module):
         need_weights: bool = False,
         cache: KVCache | None = None,
     ) -> ModelOutput:
-        """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), also the mean cross-entropy
-        over positions whose target is not IGNORE_INDEX (computed in fp32)."""
+        """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), instead the mean
+        cross-entropy over positions whose target is not IGNORE_INDEX (in fp32), and no logits."""
         h, attentions = self.hidden_states(tokens, need_weights, cache)
-        logits = self.lm_head(h)  # (B, T, V)
-        loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        return ModelOutput(logits, loss, attentions)
+            return ModelOutput(None, self.lm_head(h, targets), attentions)
+        return ModelOutput(self.lm_head(h), None, attentions)

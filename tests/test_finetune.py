@@ -14,7 +14,7 @@ import torch
 from pretrain.cli import main as cli_main
 from pretrain.config import REPO_CONFIG_DIR
 from pretrain.finetune import Encoded, _fit_pair, classification_metrics, collate
-from pretrain.model import IGNORE_INDEX
+from pretrain.loss import IGNORE_INDEX
 from tests.test_train import FAST, TINY, free_port
 
 CLASSIFICATION = str(REPO_CONFIG_DIR / "finetune" / "classification.yaml")

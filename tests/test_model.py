@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.model import IGNORE_INDEX, RMSNorm, Transformer, apply_rope, rope_tables
+from pretrain.loss import IGNORE_INDEX
+from pretrain.model import RMSNorm, Transformer, apply_rope, rope_tables
 from tests.conftest import small_model_config
 
 
@@ -32,7 +33,9 @@ def test_loss_ignores_masked_targets():
     targets = tokens.clone()
     targets[:, :4] = IGNORE_INDEX
     out = model(tokens, targets)
-    expected = F.cross_entropy(out.logits[:, 4:].reshape(-1, 97), tokens[:, 4:].reshape(-1))
+    assert out.logits is None  # the fused loss never forms them
+    logits = model(tokens).logits
+    expected = F.cross_entropy(logits[:, 4:].reshape(-1, 97), tokens[:, 4:].reshape(-1))
     torch.testing.assert_close(out.loss, expected)
 
 
@@ -183,8 +186,9 @@ def test_tied_embeddings_share_storage():
 def test_bf16_forward_backward():
     model = make_model().to(torch.bfloat16)
     tokens = torch.randint(0, 97, (2, 16))
+    assert model(tokens).logits.dtype == torch.bfloat16
     out = model(tokens[:, :-1], tokens[:, 1:])
-    assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    assert out.loss.dtype == torch.float32
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
