@@ -149,6 +149,33 @@ def cmd_bench_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from pretrain.bench.train import BenchSettings, run
+
+    settings = BenchSettings(
+        dtype=args.dtype,
+        zero_stage=args.zero_stage,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        compile=args.compile,
+    )
+    run(args.config, settings, as_json=args.json)
+    return 0
+
+
+def cmd_bench_ablation(args: argparse.Namespace) -> int:
+    from pretrain.bench.ablation import run
+
+    try:
+        lrs = tuple(float(v) for v in args.lrs.split(","))
+    except ValueError:
+        raise UserError(f"--lrs {args.lrs!r}: give comma-separated numbers, such as 1e-3,3e-3") from None
+    run(args.source, args.out, lrs, steps=args.steps, eval_every=args.eval_every, as_json=args.json)
+    return 0
+
+
 def cmd_finetune(args: argparse.Namespace) -> int:
     from pretrain.config import load_finetune_config
     from pretrain.finetune import finetune
@@ -385,6 +412,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="512-token sequences per step (default 2: ~100 ms steps here)",
     )
     bench_monitor.set_defaults(handler=cmd_bench_monitor)
+    bench_train = bench_sub.add_parser(
+        "train",
+        help="training tokens/s of our model vs transformers' LlamaForCausalLM, same engine and batch",
+    )
+    bench_train.add_argument(
+        "config", metavar="CONFIG", help="model preset (configs/model/*.yaml) or run config"
+    )
+    bench_train.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    bench_train.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    bench_train.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (default: max_seq_len, at most 2048)"
+    )
+    bench_train.add_argument("--micro-batch-size", type=int, default=8, help="sequences per step per rank")
+    bench_train.add_argument("--steps", type=int, default=20, help="measured steps per model (default 20)")
+    bench_train.add_argument("--warmup", type=int, default=3, help="unmeasured steps per model first")
+    bench_train.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the blocks of both models (default: the run config's engine.compile; off)",
+    )
+    bench_train.add_argument("--json", action="store_true", help="print one JSON object")
+    bench_train.set_defaults(handler=cmd_bench_train)
+    bench_ablation = bench_sub.add_parser(
+        "ablation",
+        help="Transformer++ vs the original Transformer recipe: compute to reach the same loss",
+    )
+    bench_ablation.add_argument("--source", default="builtin:pydoc", help="corpus (default builtin:pydoc)")
+    bench_ablation.add_argument("--out", default="runs/ablation", help="runs, curves and results go here")
+    bench_ablation.add_argument(
+        "--lrs", default="3e-4,1e-3,3e-3,1e-2", help="learning rates searched for each arm (comma-separated)"
+    )
+    bench_ablation.add_argument("--steps", type=int, help="training steps per run (default: the configs')")
+    bench_ablation.add_argument(
+        "--eval-every", type=int, help="steps between evaluations (default: the configs')"
+    )
+    bench_ablation.add_argument("--json", action="store_true", help="print one JSON object")
+    bench_ablation.set_defaults(handler=cmd_bench_ablation)
 
     train = sub.add_parser(
         "train", help="train in this process (multi-process: deepspeed --module pretrain.train)"

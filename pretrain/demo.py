@@ -22,29 +22,39 @@ from pretrain.config import config_dir
 from pretrain.errors import UserError
 
 
-def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
+def prepare_corpus(spec: str, out: Path, vocab_size: int = 4096, announce=print) -> tuple[Path, Path]:
+    """A tokenizer trained on the source and its token shards (95% train, 5% validation) under
+    `out`; both steps are skipped when their outputs exist. Returns (tokenizer_dir, data_dir)."""
     from pretrain.data import prepare_dataset, resolve_source
     from pretrain.tokenizer import MODEL_FILE, train_tokenizer
 
+    source = resolve_source(spec)
+    tokenizer_dir, data_dir = out / "tokenizer", out / "data"
+    if not (tokenizer_dir / MODEL_FILE).is_file():
+        announce(f"training a {vocab_size}-piece tokenizer on {source.description} -> {tokenizer_dir}")
+        train_tokenizer(source.documents(), tokenizer_dir, vocab_size=vocab_size)
+    else:
+        announce(f"tokenizer: {tokenizer_dir} (exists)")
+    announce(f"preparing token shards -> {data_dir}")
+    manifest = prepare_dataset(source, tokenizer_dir, data_dir, val_fraction=0.05, workers=2, progress=False)
+    announce(
+        f"{manifest['splits']['train']['tokens']:,} training and "
+        f"{manifest['splits']['validation']['tokens']:,} validation tokens"
+    )
+    return tokenizer_dir, data_dir
+
+
+def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out_dir} is a file: pass a directory")
-    source = resolve_source("builtin:pydoc")
-    tokenizer_dir, data_dir, run_dir = out / "tokenizer", out / "data", out / "run"
-    if not (tokenizer_dir / MODEL_FILE).is_file():
-        print(f"[1/3] training a 4096-piece tokenizer on {source.description} -> {tokenizer_dir}", flush=True)
-        train_tokenizer(source.documents(), tokenizer_dir, vocab_size=4096)
-    else:
-        print(f"[1/3] tokenizer: {tokenizer_dir} (exists)", flush=True)
-    print(f"[2/3] preparing token shards -> {data_dir}", flush=True)
-    manifest = prepare_dataset(source, tokenizer_dir, data_dir, val_fraction=0.05, workers=2, progress=False)
-    print(
-        f"      {manifest['splits']['train']['tokens']:,} training and "
-        f"{manifest['splits']['validation']['tokens']:,} validation tokens",
-        flush=True,
+    stages = iter(["[1/3]", "[2/3]", "     "])
+    _, data_dir = prepare_corpus(
+        "builtin:pydoc", out, announce=lambda line: print(f"{next(stages, '     ')} {line}", flush=True)
     )
+    run_dir = out / "run"
     nproc = local_process_count()
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh demo run every time

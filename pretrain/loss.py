@@ -35,9 +35,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = valid.sum().clamp(min=1).to(torch.float32)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        )
         for start in range(0, n, rows):
-            h, t, keep = hidden[start : start + rows], targets[start : start + rows], valid[start : start + rows]
+            h, t, keep = (
+                hidden[start : start + rows],
+                targets[start : start + rows],
+                valid[start : start + rows],
+            )
             safe = t.clamp(min=0)  # ignored rows gather any column, then contribute 0
             logits = (h @ weight.T).float()  # (rows, V)
             lse = torch.logsumexp(logits, dim=-1)

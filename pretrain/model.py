@@ -140,13 +140,13 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=2)
+        if rope is not None:  # q and k heads rotated together: one pass instead of two
+            cos, sin = rope
+            qk = apply_rope(qk, cos[:, None], sin[:, None])  # (B, T, nh + nkv, hd)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         causal = True
         if cache is not None:
             causal = cache.length == 0  # prefill is causal; a decoded token sees everything cached
@@ -159,7 +159,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
             )
-        y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, nh·hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh·hd)
         return self.o_proj(y), probs
 
 
@@ -201,7 +201,6 @@ class LMHead(nn.Linear):
         if targets is None:
             return super().forward(h)
         return linear_cross_entropy(h.flatten(0, -2), self.weight, targets.flatten())
-
 
 
 class Block(nn.Module):

@@ -1,0 +1,327 @@
+"""`pretrain bench train CONFIG`: our model's training step against `transformers.LlamaForCausalLM`.
+
+Both models are built from the same `ModelConfig` (the Hugging Face one through the exporter's
+`llama_config_dict`, with `attn_implementation="sdpa"`) and start from the same weights, so the
+first step's losses must agree: that is checked and printed, and is what makes the ratio a
+comparison of implementations rather than of workloads. Each is wrapped by the trainer's own
+`engine.initialize` (the same DeepSpeed engine, ZeRO stage, optimizer, dtype and compile switch)
+and trained on the same random batch. After warm-up the two alternate step by step, in the order
+A B B A, so drift on a shared machine falls on both; the figures are medians.
+
+Reported: tokens/s each and the ratio; the memory a step holds for its backward pass (saved
+activations, measured with autograd's saved-tensor hooks, on any device); on a GPU also the
+peak allocated during a step above what was resident before it, and the MFU against the device's
+nominal bf16 peak and against a bf16 matrix product measured here in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pretrain.config import (
+    ModelConfig,
+    RunConfig,
+    is_model_preset,
+    load_config,
+    load_defaults,
+    load_model_config,
+    read_yaml,
+)
+from pretrain.errors import UserError
+from pretrain.flops import current_device_peak_flops, flops_per_token, param_counts
+
+ZERO_STAGES = (0, 1, 2, 3)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    dtype: str = "bf16"
+    zero_stage: int = 1
+    seq_len: int | None = None  # default: the model's max_seq_len, at most 2048
+    micro_batch_size: int = 8
+    steps: int = 20  # measured steps per model
+    warmup: int = 3  # unmeasured steps per model first (compilation, allocator, caches)
+    compile: bool | None = None  # default: the run config's engine.compile (off for model presets)
+
+
+def load_run_config(path: str | Path, settings: BenchSettings) -> RunConfig:
+    """A model preset (configs/model/*.yaml) on top of the defaults, or a run config as it is."""
+    if is_model_preset(read_yaml(path)):
+        cfg = load_defaults()
+        cfg.model = load_model_config(path)
+    else:
+        cfg = load_config(path)
+    seq_len = settings.seq_len or min(cfg.model.max_seq_len, 2048)
+    if seq_len > cfg.model.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of {path}")
+    cfg.data.seq_len = seq_len
+    cfg.train = replace(
+        cfg.train, micro_batch_size=settings.micro_batch_size, grad_accum=1, global_batch_size=None
+    )
+    cfg.engine.activation_checkpointing = False
+    if settings.compile is not None:
+        cfg.engine.compile = settings.compile
+    return cfg
+
+
+def deepspeed_json(settings: BenchSettings, micro_batch_size: int, world_size: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch_size * world_size,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": settings.zero_stage},
+        "bf16": {"enabled": settings.dtype == "bf16"},
+        "steps_per_print": 10**9,
+    }
+
+
+def hf_model(cfg: ModelConfig, ours: torch.nn.Module) -> torch.nn.Module:
+    """transformers' Llama with the same configuration and the same weights as `ours`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrain.hf import llama_config_dict, to_llama_state_dict
+
+    values = llama_config_dict(cfg)
+    values.pop("torch_dtype")
+    model = LlamaForCausalLM(LlamaConfig(**values, attn_implementation="sdpa"))
+    missing, unexpected = model.load_state_dict(to_llama_state_dict(ours), strict=False)
+    if unexpected or [name for name in missing if name != "lm_head.weight"]:
+        raise RuntimeError(f"weights do not map onto LlamaForCausalLM: {missing} {unexpected}")
+    model.config.use_cache = False
+    return model
+
+
+def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: list[torch.Tensor]) -> int:
+    """Bytes the autograd graph holds for the backward pass after one forward: distinct storages
+    saved by any operation, parameters excluded."""
+    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = forward()
+    del loss
+    return sum(storages.values())
+
+
+def matmul_flops(dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of a large square matrix product in `dtype` on `device`, best of a few timings."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / 10)
+    return 2 * n**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Contender:
+    """One model in its DeepSpeed engine, with a step function and its timings."""
+
+    def __init__(self, name: str, engine, loss_of: Callable, batch: torch.Tensor):
+        self.name, self.engine, self.loss_of = name, engine, loss_of
+        self.inputs, self.targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.step_memory: list[int] = []
+
+    def forward(self) -> torch.Tensor:
+        return self.loss_of(self.engine, self.inputs, self.targets)
+
+    def step(self, measure: bool) -> None:
+        device = self.engine.device
+        _sync(device)
+        if device.type == "cuda":
+            resident = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        loss = self.forward()
+        self.engine.backward(loss)
+        self.engine.step()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        self.losses.append(loss.item())
+        if measure:
+            self.times.append(elapsed)
+            if device.type == "cuda":
+                self.step_memory.append(torch.cuda.max_memory_allocated(device) - resident)
+
+
+def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_json: bool = False) -> dict:
+    """Check the input, measure, then print the table (or the JSON object) on rank 0."""
+    if settings.dtype not in DTYPES:
+        raise UserError(f"--dtype {settings.dtype}: use one of {', '.join(DTYPES)}")
+    if settings.zero_stage not in ZERO_STAGES:
+        raise UserError(f"--zero-stage {settings.zero_stage}: use 0, 1, 2 or 3")
+    for name in ("micro_batch_size", "steps"):
+        if getattr(settings, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if settings.warmup < 0:
+        raise UserError("--warmup must be 0 or more")
+    cfg = load_run_config(config_path, settings)
+    # DeepSpeed logs and prints to stdout (its loggers bind the stream when imported): send all of
+    # that to stderr, so that stdout holds only the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        result = measure(cfg, settings)
+    result = {"config": str(config_path), **result}
+    if result["rank"] == 0:
+        print(json.dumps(result) if as_json else table(result))
+    return result
+
+
+def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
+    import deepspeed
+    import transformers
+
+    from pretrain.engine import initialize
+    from pretrain.model import Transformer
+    from pretrain.train import DistEnv, init_distributed
+
+    env = DistEnv.from_environ()
+    init_distributed(env)
+    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    ds = deepspeed_json(settings, settings.micro_batch_size, env.world_size)
+
+    torch.manual_seed(cfg.run.seed)
+    ours = Transformer(cfg.model)
+    hf = hf_model(cfg.model, ours)
+    batch = torch.randint(
+        0, cfg.model.vocab_size, (settings.micro_batch_size, cfg.data.seq_len + 1), device=device
+    )
+    ours_engine, _ = initialize(ours, cfg, dict(ds))
+    hf_engine, _ = initialize(_HFBlocks(hf), cfg, dict(ds))
+    contenders = [
+        Contender("ours", ours_engine, lambda e, x, y: e(x, y).loss, batch),
+        Contender("hf", hf_engine, lambda e, x, y: e(input_ids=x, labels=y, shift_labels=y).loss, batch),
+    ]
+    # Activation memory first, before any step has changed the weights.
+    activations = {
+        c.name: saved_activation_bytes(c.forward, list(c.engine.module.parameters())) for c in contenders
+    }
+    first_losses = {}
+    for c in contenders:
+        c.step(measure=False)
+        first_losses[c.name] = c.losses[0]
+    for _ in range(settings.warmup):
+        for c in contenders:
+            c.step(measure=False)
+    for i in range(settings.steps):
+        for c in contenders if i % 2 == 0 else reversed(contenders):
+            c.step(measure=True)
+
+    tokens_per_step = settings.micro_batch_size * cfg.data.seq_len  # per rank
+    result: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": env.world_size,
+        "rank": env.rank,
+        "dtype": settings.dtype,
+        "zero_stage": settings.zero_stage,
+        "compile": cfg.engine.compile,
+        "seq_len": cfg.data.seq_len,
+        "micro_batch_size": settings.micro_batch_size,
+        "steps": settings.steps,
+        "params": param_counts(cfg.model).total,
+        "versions": {
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+    flops = flops_per_token(cfg.model, cfg.data.seq_len).total
+    peak = current_device_peak_flops() if settings.dtype == "bf16" else None
+    measured = matmul_flops(DTYPES[settings.dtype], device)
+    result["flops_per_token"] = flops
+    result["nominal_peak_flops"] = peak
+    result["measured_matmul_flops"] = measured
+    for c in contenders:
+        step_time = statistics.median(c.times)
+        tokens_per_sec = tokens_per_step / step_time  # per rank
+        result[f"{c.name}_step_ms"] = step_time * 1000
+        result[f"{c.name}_tokens_per_sec"] = tokens_per_sec
+        result[f"{c.name}_first_loss"] = first_losses[c.name]
+        result[f"{c.name}_activation_bytes"] = activations[c.name]
+        result[f"{c.name}_step_peak_memory_bytes"] = max(c.step_memory) if c.step_memory else None
+        result[f"{c.name}_mfu"] = tokens_per_sec * flops / peak if peak else None
+        result[f"{c.name}_mfu_of_measured_matmul"] = tokens_per_sec * flops / measured
+    result["ratio"] = result["ours_tokens_per_sec"] / result["hf_tokens_per_sec"]
+    result["first_loss_difference"] = abs(first_losses["ours"] - first_losses["hf"])
+    return result
+
+
+class _HFBlocks(torch.nn.Module):
+    """LlamaForCausalLM seen with a `layers` attribute, so `engine.initialize` compiles (or
+    checkpoints) its decoder layers exactly as it does our blocks. Parameter names are unchanged
+    below `model.`; nothing is saved from this wrapper."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.layers = model.model.layers
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+
+def _bytes(value: int | None) -> str:
+    return "—" if value is None else f"{value / 2**20:,.0f} MiB"
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def table(r: dict) -> str:
+    rows = [
+        ("tokens/s (per rank)", lambda n: f"{r[f'{n}_tokens_per_sec']:,.0f}"),
+        ("step time, median", lambda n: f"{r[f'{n}_step_ms']:,.1f} ms"),
+        ("saved activations", lambda n: _bytes(r[f"{n}_activation_bytes"])),
+        ("step peak above resident", lambda n: _bytes(r[f"{n}_step_peak_memory_bytes"])),
+        ("MFU of nominal peak", lambda n: _percent(r[f"{n}_mfu"])),
+        ("MFU of measured matmul", lambda n: _percent(r[f"{n}_mfu_of_measured_matmul"])),
+        ("first-step loss", lambda n: f"{r[f'{n}_first_loss']:.4f}"),
+    ]
+    zero = f"ZeRO-{r['zero_stage']}"
+    lines = [
+        f"{r['config']}: {r['params'] / 1e6:.1f}M parameters, {r['micro_batch_size']} x {r['seq_len']} tokens "
+        f"per rank x {r['world_size']} rank(s), {r['dtype']}, DeepSpeed {zero}, "
+        f"compile {'on' if r['compile'] else 'off'}, {r['steps']} interleaved steps each, on {r['device']}",
+        "",
+        f"{'':<26}{'ours':>14}{'transformers':>16}",
+    ]
+    lines += [f"{label:<26}{cell('ours'):>14}{cell('hf'):>16}" for label, cell in rows]
+    peak = r["nominal_peak_flops"]
+    lines += [
+        "",
+        f"ours / transformers: {r['ratio']:.2f}x tokens/s",
+        f"matrix product here: {r['measured_matmul_flops'] / 1e12:.2f} TFLOP/s {r['dtype']}"
+        + (f" (nominal peak {peak / 1e12:.0f})" if peak else ""),
+        f"versions: torch {r['versions']['torch']}, deepspeed {r['versions']['deepspeed']}, "
+        f"transformers {r['versions']['transformers']}",
+    ]
+    return "\n".join(lines)
