@@ -65,6 +65,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
         report["tokens_per_sec"] = args.tokens_per_sec
         report["peak_flops"] = peak
         report["mfu"] = mfu(args.tokens_per_sec, report["flops_per_token"], peak)
+    if args.scale is not None:
+        report["scaling"] = _scaling(args, report, peak)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -82,7 +84,75 @@ def cmd_flops(args: argparse.Namespace) -> int:
         print(
             f"MFU at {args.tokens_per_sec:,.0f} tokens/s per device: {100 * report['mfu']:.1f}% of {peak / 1e12:.0f} TFLOP/s"
         )
+    if "scaling" in report:
+        _print_scaling(report["scaling"])
     return 0
+
+
+def _scaling(args: argparse.Namespace, report: dict, peak: float | None) -> dict:
+    """`pretrain flops --scale`: ZeRO data parallelism projected from one GPU (pretrain/scaling.py)."""
+    from dataclasses import asdict
+
+    from pretrain.scaling import Interconnect, project
+
+    try:
+        counts = [int(v) for v in args.scale.split(",")]
+    except ValueError:
+        raise UserError(f"--scale {args.scale!r}: give GPU counts such as 8,64,512") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"--scale {args.scale!r}: GPU counts must be at least 1")
+    if peak is None:
+        raise UserError("--scale needs --device NAME or --peak-flops F (the per-GPU peak)")
+    single = report.get("mfu", args.single_gpu_mfu)
+    if single is None or not 0 < single <= 1:
+        raise UserError(
+            "--scale needs the one-GPU MFU: --tokens-per-sec (measured) or --single-gpu-mfu in (0, 1]"
+        )
+    for flag, value in (
+        ("--global-batch-tokens", args.global_batch_tokens),
+        ("--inter-node-gbs", args.inter_node_gbs),
+    ):
+        if not value > 0:
+            raise UserError(f"{flag} {value} must be positive")
+    net = Interconnect(inter_node_bytes_per_sec=args.inter_node_gbs * 1e9)
+    rows = [
+        project(
+            report["params"],
+            report["flops_per_token"],
+            n,
+            args.global_batch_tokens,
+            single,
+            peak,
+            args.zero_stage,
+            net,
+        )
+        for n in counts
+    ]
+    return {
+        "single_gpu_mfu": single,
+        "global_batch_tokens": args.global_batch_tokens,
+        "zero_stage": args.zero_stage,
+        "interconnect": asdict(net),
+        "projections": [asdict(r) for r in rows],
+    }
+
+
+def _print_scaling(scaling: dict) -> None:
+    net = scaling["interconnect"]
+    print(
+        f"ZeRO-{scaling['zero_stage']} data parallelism, global batch {scaling['global_batch_tokens']:,} tokens, "
+        f"one-GPU MFU {100 * scaling['single_gpu_mfu']:.0f}%, bus bandwidth {net['intra_node_bytes_per_sec'] / 1e9:.0f} GB/s "
+        f"within {net['gpus_per_node']}-GPU nodes, {net['inter_node_bytes_per_sec'] / 1e9:.0f} GB/s per GPU across them:"
+    )
+    print(
+        f"  {'GPUs':>5} {'tokens/GPU/step':>16} {'compute':>9} {'comm':>9} {'exposed':>9} {'MFU':>6} {'tokens/s':>12}"
+    )
+    for r in scaling["projections"]:
+        print(
+            f"  {r['gpus']:>5} {r['tokens_per_gpu_per_step']:>16,.0f} {1000 * r['compute_seconds']:>7.0f}ms "
+            f"{1000 * r['communication_seconds']:>7.0f}ms {1000 * r['exposed_seconds']:>7.0f}ms "
+            f"{100 * r['mfu']:>5.1f}% {r['tokens_per_sec']:>12,.0f}"
+        )
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
@@ -338,6 +408,24 @@ def build_parser() -> argparse.ArgumentParser:
     peak = flops.add_mutually_exclusive_group()
     peak.add_argument("--device", help="device name for the peak (H100, H200, A100)")
     peak.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, instead of the table")
+    scaling = flops.add_argument_group("scaling on paper (ZeRO data parallelism, pretrain/scaling.py)")
+    scaling.add_argument("--scale", metavar="GPUS", help="project to these GPU counts, e.g. 8,64,512")
+    scaling.add_argument(
+        "--single-gpu-mfu", type=float, help="one GPU's MFU (or measure it: --tokens-per-sec)"
+    )
+    scaling.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        default=2**20,
+        help="tokens per optimizer step, all GPUs (default 2^20)",
+    )
+    scaling.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1)
+    scaling.add_argument(
+        "--inter-node-gbs",
+        type=float,
+        default=40.0,
+        help="bus bandwidth per GPU across nodes, GB/s (default 40)",
+    )
     flops.set_defaults(handler=cmd_flops)
 
     tokenizer = sub.add_parser("tokenizer", help="train SentencePiece tokenizers")
