@@ -633,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    # The DeepSpeed launcher appends --local_rank=N (also in the LOCAL_RANK variable, which is read).
+    argv = [a for a in argv if not a.startswith(("--local_rank=", "--local-rank="))]
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

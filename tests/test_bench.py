@@ -151,3 +151,9 @@ def test_bench_ablation_runs_both_arms_and_writes_the_curves(tmp_path):
     # Finished runs are not repeated: a second call only re-reads them.
     again = run(*args, "--steps", "3", "--eval-every", "3", "--json")
     assert again.returncode == 0 and "lr=0.003 ->" not in again.stderr
+
+
+def test_the_deepspeed_launchers_local_rank_argument_is_accepted(small_preset):
+    """`deepspeed --module pretrain bench train ...` appends --local_rank=N to every rank's argv."""
+    result = run("bench", "train", str(small_preset), "--local_rank=1", "--seq-len", "4096")
+    assert_one_line_error(result, "exceeds model.max_seq_len=512")
