@@ -530,7 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ablation.add_argument("--source", default="builtin:pydoc", help="corpus (default builtin:pydoc)")
     bench_ablation.add_argument("--out", default="runs/ablation", help="runs, curves and results go here")
     bench_ablation.add_argument(
-        "--lrs", default="3e-4,1e-3,3e-3,1e-2", help="learning rates searched for each arm (comma-separated)"
+        "--lrs",
+        default="1e-4,3e-4,1e-3,3e-3,1e-2",
+        help="learning rates searched for each arm (comma-separated)",
     )
     bench_ablation.add_argument("--steps", type=int, help="training steps per run (default: the configs')")
     bench_ablation.add_argument(

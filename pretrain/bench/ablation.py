@@ -32,7 +32,7 @@ ARMS = {
     "transformer_pp": "Transformer++ (pre-RMSNorm, RoPE, SwiGLU)",
     "original": "original (post-LN, sinusoidal, ReLU)",
 }
-DEFAULT_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
+DEFAULT_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 
 
 def corpus_name(spec: str) -> str:
