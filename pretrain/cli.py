@@ -510,9 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bench_train.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     bench_train.add_argument(
-        "--seq-len", type=int, help="tokens per sequence (default: max_seq_len, at most 2048)"
+        "--seq-len",
+        type=int,
+        help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)",
     )
-    bench_train.add_argument("--micro-batch-size", type=int, default=8, help="sequences per step per rank")
+    bench_train.add_argument(
+        "--micro-batch-size", type=int, help="sequences per step per rank (default: the run config's; 8)"
+    )
     bench_train.add_argument("--steps", type=int, default=20, help="measured steps per model (default 20)")
     bench_train.add_argument("--warmup", type=int, default=3, help="unmeasured steps per model first")
     bench_train.add_argument(

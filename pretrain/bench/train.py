@@ -47,8 +47,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 class BenchSettings:
     dtype: str = "bf16"
     zero_stage: int = 1
-    seq_len: int | None = None  # default: the model's max_seq_len, at most 2048
-    micro_batch_size: int = 8
+    seq_len: int | None = None  # default: a run config's data.seq_len; a preset's max_seq_len, at most 2048
+    micro_batch_size: int | None = None  # default: a run config's train.micro_batch_size; 8 for a preset
     steps: int = 20  # measured steps per model
     warmup: int = 3  # unmeasured steps per model first (compilation, allocator, caches)
     compile: bool | None = None  # default: the run config's engine.compile (off for model presets)
@@ -59,15 +59,18 @@ def load_run_config(path: str | Path, settings: BenchSettings) -> RunConfig:
     if is_model_preset(read_yaml(path)):
         cfg = load_defaults()
         cfg.model = load_model_config(path)
+        seq_len, micro_batch_size = min(cfg.model.max_seq_len, 2048), 8
     else:
         cfg = load_config(path)
-    seq_len = settings.seq_len or min(cfg.model.max_seq_len, 2048)
-    if seq_len > cfg.model.max_seq_len:
-        raise UserError(f"--seq-len {seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} of {path}")
+        seq_len, micro_batch_size = cfg.data.seq_len, cfg.train.micro_batch_size
+    seq_len = settings.seq_len if settings.seq_len is not None else seq_len
+    if not 1 <= seq_len <= cfg.model.max_seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} must be in [1, model.max_seq_len={cfg.model.max_seq_len}] for {path}"
+        )
+    micro_batch_size = settings.micro_batch_size or micro_batch_size
     cfg.data.seq_len = seq_len
-    cfg.train = replace(
-        cfg.train, micro_batch_size=settings.micro_batch_size, grad_accum=1, global_batch_size=None
-    )
+    cfg.train = replace(cfg.train, micro_batch_size=micro_batch_size, grad_accum=1, global_batch_size=None)
     cfg.engine.activation_checkpointing = False
     if settings.compile is not None:
         cfg.engine.compile = settings.compile
@@ -180,7 +183,8 @@ def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_j
     if settings.zero_stage not in ZERO_STAGES:
         raise UserError(f"--zero-stage {settings.zero_stage}: use 0, 1, 2 or 3")
     for name in ("micro_batch_size", "steps"):
-        if getattr(settings, name) < 1:
+        value = getattr(settings, name)
+        if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if settings.warmup < 0:
         raise UserError("--warmup must be 0 or more")
@@ -206,13 +210,13 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     env = DistEnv.from_environ()
     init_distributed(env)
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    ds = deepspeed_json(settings, settings.micro_batch_size, env.world_size)
+    ds = deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size)
 
     torch.manual_seed(cfg.run.seed)
     ours = Transformer(cfg.model)
     hf = hf_model(cfg.model, ours)
     batch = torch.randint(
-        0, cfg.model.vocab_size, (settings.micro_batch_size, cfg.data.seq_len + 1), device=device
+        0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device
     )
     ours_engine, _ = initialize(ours, cfg, dict(ds))
     hf_engine, _ = initialize(_HFBlocks(hf), cfg, dict(ds))
@@ -235,7 +239,7 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
         for c in contenders if i % 2 == 0 else reversed(contenders):
             c.step(measure=True)
 
-    tokens_per_step = settings.micro_batch_size * cfg.data.seq_len  # per rank
+    tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len  # per rank
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": env.world_size,
@@ -244,7 +248,7 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
         "zero_stage": settings.zero_stage,
         "compile": cfg.engine.compile,
         "seq_len": cfg.data.seq_len,
-        "micro_batch_size": settings.micro_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
         "steps": settings.steps,
         "params": param_counts(cfg.model).total,
         "versions": {
