@@ -50,7 +50,7 @@ def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out_dir} is a file: pass a directory")
-    stages = iter(["[1/3]", "[2/3]", "     "])
+    stages = iter(["[1/3]", "[2/3]"])  # then the counts, indented under them
     _, data_dir = prepare_corpus(
         "builtin:pydoc", out, announce=lambda line: print(f"{next(stages, '     ')} {line}", flush=True)
     )

@@ -71,8 +71,9 @@ def train_run(
     return json.loads(summary.read_text())["eval"]
 
 
-def final_loss(curve: list[dict]) -> float:
-    loss = curve[-1]["loss"] if curve else math.inf
+def final_loss(curve: list[list[float]]) -> float:
+    """The last evaluation loss of a (tokens, loss) curve; inf for a run that failed or diverged."""
+    loss = curve[-1][1] if curve else math.inf
     return loss if math.isfinite(loss) else math.inf
 
 
@@ -102,19 +103,19 @@ def run(
     _, data_dir = prepare_corpus(source, out, announce=lambda line: print(line, file=sys.stderr, flush=True))
     result: dict = {"source": source, "lrs": list(lrs), "arms": {}}
     for arm, label in ARMS.items():
-        cfg = load_config(arm_config(arm), [f"train.steps={steps}"] if steps else [])
+        cfg = load_config(arm_config(arm))
         tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len
         runs = {}
         for lr in lrs:
             curve = train_run(arm, lr, out / arm / f"lr{lr:g}", data_dir, steps, eval_every)
             runs[f"{lr:g}"] = [[e["step"] * tokens_per_step, e["loss"]] for e in curve]
-        best = min(runs, key=lambda lr: final_loss([{"loss": c[-1][1]}] if (c := runs[lr]) else []))
+        best = min(runs, key=lambda lr: final_loss(runs[lr]))
         result["arms"][arm] = {
             "label": label,
             "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len).total,
             "runs": runs,
             "best_lr": float(best),
-            "best_final_loss": runs[best][-1][1] if runs[best] else math.inf,
+            "best_final_loss": final_loss(runs[best]),
         }
     arms = result["arms"]
     target = max(a["best_final_loss"] for a in arms.values())

@@ -151,13 +151,13 @@ class Contender:
         self.name, self.engine, self.loss_of = name, engine, loss_of
         self.inputs, self.targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         self.times: list[float] = []
-        self.losses: list[float] = []
         self.step_memory: list[int] = []
 
     def forward(self) -> torch.Tensor:
         return self.loss_of(self.engine, self.inputs, self.targets)
 
-    def step(self, measure: bool) -> None:
+    def step(self, measure: bool) -> float:
+        """One optimizer step; returns its loss."""
         device = self.engine.device
         _sync(device)
         if device.type == "cuda":
@@ -169,11 +169,11 @@ class Contender:
         self.engine.step()
         _sync(device)
         elapsed = time.perf_counter() - start
-        self.losses.append(loss.item())
         if measure:
             self.times.append(elapsed)
             if device.type == "cuda":
                 self.step_memory.append(torch.cuda.max_memory_allocated(device) - resident)
+        return loss.item()
 
 
 def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_json: bool = False) -> dict:
@@ -228,10 +228,7 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     activations = {
         c.name: saved_activation_bytes(c.forward, list(c.engine.module.parameters())) for c in contenders
     }
-    first_losses = {}
-    for c in contenders:
-        c.step(measure=False)
-        first_losses[c.name] = c.losses[0]
+    first_losses = {c.name: c.step(measure=False) for c in contenders}
     for _ in range(settings.warmup):
         for c in contenders:
             c.step(measure=False)
