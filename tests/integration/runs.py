@@ -1,0 +1,50 @@
+"""Helpers for the integration tier: real DeepSpeed jobs of 1-2 processes on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pretrain.config import REPO_CONFIG_DIR
+from pretrain.train import free_port
+
+TINY = str(REPO_CONFIG_DIR / "train" / "tiny.yaml")
+FAST = [
+    "model.vocab_size=512", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+    "train.micro_batch_size=2", "optim.lr=3e-3", "schedule.warmup_steps=2", "eval.batches=2",
+    "logging.every=1", "logging.layer_grad_norms_every=2", "run.deterministic=true",
+]  # fmt: skip
+
+
+def launcher(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+            "--master_port", str(free_port()), "--module", "pretrain.train"]  # fmt: skip
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), "-m", "pretrain.train"]  # fmt: skip
+
+
+def train(command, run_dir, data_dir, *overrides, check=True) -> subprocess.CompletedProcess:
+    args = [*command, "--config", TINY, f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, *overrides]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def metrics(run_dir) -> dict[int, dict]:
+    """Per step, the last record written (a resumed run appends)."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records}
+
+
+def train_state(run_dir, step) -> dict:
+    return json.loads((Path(run_dir) / "checkpoints" / f"step_{step:08d}" / "train_state.json").read_text())
+
+
+def events(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
