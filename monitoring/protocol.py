@@ -1,19 +1,56 @@
-"""The messages the trainer (rank 0) and the monitoring service exchange, as JSON objects.
+"""What the trainer (rank 0) and the monitoring service share: the messages, the monitor's files
+in the run directory, and the events file. The trainer imports nothing else from `monitoring`.
 
 Trainer → service, once per optimizer step: a `StepMetrics`.
 Service → trainer, in the answer: an `Action` (`continue`; `rollback` to a checkpoint with a new
 data seed and an lr scale; or `stop`, when the circuit breaker trips), which rank 0 broadcasts so
 every rank acts at the same step boundary. Both are plain JSON so either side can be replaced or
 inspected with curl. Unknown fields are refused, so a typo never passes silently.
+
+    RUN_DIR/events.jsonl            append-only, one JSON object per line with `type` and `step`
+    RUN_DIR/monitor/endpoint.json   where the service listens ({"url": ..., "pid": ...})
+    RUN_DIR/monitor/token           the bearer token for requests that change state (mode 0600)
+    RUN_DIR/monitor/supervisor.json the supervisor's view of the job (`pretrain launch`)
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import time
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 PROTOCOL_VERSION = 1
+ACTIONS = ("continue", "rollback", "stop")  # what the service may answer; their order is the wire code
+
+MONITOR_DIR = "monitor"
+ENDPOINT_FILE = "endpoint.json"
+TOKEN_FILE = "token"
+SUPERVISOR_FILE = "supervisor.json"
+EVENTS_FILE = "events.jsonl"
+
+
+def monitor_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / MONITOR_DIR
+
+
+def append_event(run_dir: str | Path, event: dict, *, sync: bool = True) -> None:
+    """events.jsonl: append-only, one JSON object per line with at least `type` and `step`.
+    `sync`: fsync, for the rare events (rollbacks, restarts) that must survive a crash."""
+    event = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
+    with open(Path(run_dir) / EVENTS_FILE, "a") as f:
+        f.write(json.dumps({"time": time.time(), **event}, allow_nan=False) + "\n")
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / EVENTS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 class ProtocolError(ValueError):
@@ -91,9 +128,10 @@ class StepMetrics:
 
 @dataclass(frozen=True)
 class Action:
-    """`continue`, or `rollback` to checkpoint `tag` with data seed `seed` and lr scaled by `lr_scale`."""
+    """`continue`, or `rollback` to checkpoint `tag` with data seed `seed` and lr scaled by `lr_scale`,
+    or `stop`. On the wire the kind is the field `action`."""
 
-    action: str = "continue"
+    kind: str = "continue"
     tag: str | None = None
     seed: int | None = None
     lr_scale: float = 1.0
@@ -106,15 +144,16 @@ class Action:
                 raise ProtocolError(f"{name!r} must be a {types.__name__}, got {value!r}")
         if isinstance(self.lr_scale, bool) or not isinstance(self.lr_scale, int | float):
             raise ProtocolError(f"'lr_scale' must be a number, got {self.lr_scale!r}")
-        if self.action not in ("continue", "rollback", "stop"):
-            raise ProtocolError(f"unknown action {self.action!r}")
-        if self.action == "rollback" and (not self.tag or self.seed is None):
+        if self.kind not in ACTIONS:
+            raise ProtocolError(f"unknown action {self.kind!r}")
+        if self.kind == "rollback" and (not self.tag or self.seed is None):
             raise ProtocolError("a rollback needs a checkpoint 'tag' and a data 'seed'")
         if not self.lr_scale > 0:
             raise ProtocolError(f"'lr_scale' must be positive, got {self.lr_scale}")
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        fields_ = {k: v for k, v in asdict(self).items() if v is not None and k != "kind"}
+        return {"action": self.kind, **fields_}
 
     @classmethod
     def from_json(cls, payload: Any) -> Action:
@@ -123,7 +162,8 @@ class Action:
         unknown = set(payload) - {"action", "tag", "seed", "lr_scale", "reason"}
         if unknown:
             raise ProtocolError(f"unknown action fields {sorted(unknown)}")
-        return cls(**payload)
+        fields_ = {k: v for k, v in payload.items() if k != "action"}
+        return cls(kind=payload.get("action", "continue"), **fields_)
 
 
 CONTINUE = Action()

@@ -14,9 +14,9 @@ norm, the action answered), so the file alone tells which steps ran, and which r
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import json
-import math
 import os
 import secrets
 import threading
@@ -28,18 +28,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from monitoring.policy import Policy
-from monitoring.protocol import ProtocolError, StepMetrics
+from monitoring.protocol import (
+    ENDPOINT_FILE,
+    TOKEN_FILE,
+    ProtocolError,
+    StepMetrics,
+    append_event,
+    monitor_dir,
+)
 from pretrain import atomic
 from pretrain.config import MonitorConfig
-
-MONITOR_DIR = "monitor"
-TOKEN_FILE = "token"
-ENDPOINT_FILE = "endpoint.json"
-EVENTS_FILE = "events.jsonl"
-
-
-def monitor_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / MONITOR_DIR
 
 
 def ensure_token(run_dir: str | Path) -> str:
@@ -52,17 +50,6 @@ def ensure_token(run_dir: str | Path) -> str:
             f.write(secrets.token_urlsafe(32))
     os.chmod(path, 0o600)
     return path.read_text().strip()
-
-
-def append_event(run_dir: str | Path, event: dict, *, sync: bool = True) -> None:
-    """events.jsonl: append-only, one JSON object per line with at least `type` and `step`.
-    `sync`: fsync, for the rare events (rollbacks, restarts) that must survive a crash."""
-    event = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
-    with open(Path(run_dir) / EVENTS_FILE, "a") as f:
-        f.write(json.dumps({"time": time.time(), **event}, allow_nan=False) + "\n")
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
 
 
 class MonitorState:
@@ -108,7 +95,7 @@ class MonitorState:
             if self.watch is not None:
                 self.watch.step(time.monotonic())
             append_event(self.run_dir, {"type": "step", "step": metrics.step, "loss": metrics.loss,
-                                        "grad_norm": metrics.grad_norm, "action": action.action}, sync=False)  # fmt: skip
+                                        "grad_norm": metrics.grad_norm, "action": action.kind}, sync=False)  # fmt: skip
             self.g_step.set(metrics.step)
             for gauge, value in (
                 (self.g_loss, metrics.loss),
@@ -124,10 +111,10 @@ class MonitorState:
                     self.g_band.labels(series).set(band["threshold"])
             if incident is not None:
                 self.c_anomalies.labels(incident.series, incident.verdict.rule).inc()
-            if action.action == "rollback":
+            if action.kind == "rollback":
                 self.c_rollbacks.inc()
                 append_event(self.run_dir, {"type": "rollback", **self.policy.rollbacks[-1]})
-            elif action.action == "stop" and incident is not None:
+            elif action.kind == "stop" and incident is not None:
                 append_event(
                     self.run_dir, {"type": "circuit_breaker", "step": metrics.step, "reason": action.reason}
                 )
@@ -226,6 +213,24 @@ def serve(
         monitor_dir(run_dir) / ENDPOINT_FILE, {"url": f"http://{host}:{port}", "pid": os.getpid()}
     )
     return server, state
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line of `pretrain monitor` and `python -m monitoring`."""
+    parser.add_argument("--run-dir", required=True, help="the run directory to watch (run.dir)")
+    parser.add_argument(
+        "--config", help="run config whose monitor section sets the detector (default: defaults)"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. monitor.grad_norm_sigma=8")
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    from pretrain.config import load_config, load_defaults
+
+    cfg = load_config(args.config, args.overrides) if args.config else load_defaults(args.overrides)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    run_service(args.run_dir, cfg.monitor, base_seed=cfg.run.seed)
+    return 0
 
 
 def run_service(run_dir: str | Path, config: MonitorConfig, base_seed: int = 0) -> None:

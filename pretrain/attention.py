@@ -314,7 +314,7 @@ def render(checkpoint: str, text: str, out_prefix: str) -> dict:
         raise UserError("the text is empty: give some text to visualize")
     trained = load_trained(checkpoint)
     tokenizer = trained.tokenizer
-    ids = [tokenizer.eos_id, *tokenizer.encode(text)]  # EOS: "a new document starts here", as in training
+    ids = tokenizer.encode_document(text)
     maps = attention_maps(trained.model, ids)
     labels = piece_labels(tokenizer, ids)
     title = f"{trained.directory}: {len(ids)} tokens"

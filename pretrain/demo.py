@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from monitoring.supervisor import launch, local_process_count
+from pretrain.cli.launch import launch, local_process_count
 from pretrain.config import config_dir
 from pretrain.errors import UserError
 

@@ -1,16 +1,58 @@
-"""Errors meant for people.
+"""Errors meant for people, and the one table of exit statuses.
 
-A `UserError` is bad input (a missing file, a bad config, an unknown preset). The CLI prints its
-message as one line on stderr and exits with status 2; `--debug` shows the traceback instead.
-Everything else is a bug and keeps its traceback.
+A `UserError` is bad input (a missing file, a bad config, an unknown preset). Every command and
+module entry runs through `run_main`, which prints its message as one line on stderr (from rank 0
+only, when several ranks run the same command) and exits with status 2; `--debug` shows the
+traceback instead. Everything else is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """What a job's exit status means to a person and to the supervisor (`pretrain launch`), which
+    restarts a job after any status but DONE, BAD_INPUT and STOPPED_BY_MONITOR."""
+
+    DONE = 0
+    FAILED = 1
+    BAD_INPUT = 2  # a restart would fail the same way
+    STOPPED_BY_MONITOR = 3  # the circuit breaker refused the run: not a crash
+    INTERRUPTED = 130  # Ctrl-C
 
 
 class UserError(Exception):
     """Bad input: the message names the problem and says what to do."""
 
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class ConfigError(UserError):
     """A run or model config that cannot be used as written."""
+
+
+def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pretrain") -> int:
+    """Run a command; bad input becomes one line on stderr and status 2, Ctrl-C status 130."""
+    try:
+        return int(handler())
+    except UserError as exc:
+        if debug:
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank found the same problem: say it once
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and status 2) like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(ExitCode.BAD_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

@@ -12,9 +12,11 @@ MFU = achieved FLOPs/s ÷ the device's peak dense bf16 FLOPs/s. It never counts 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from pretrain.config import ModelConfig
+from pretrain.errors import UserError
 
 # Dense bf16 tensor-core peaks in FLOP/s (no sparsity), from the vendors' datasheets.
 PEAK_FLOPS = {
@@ -115,11 +117,31 @@ def current_device_peak_flops() -> float | None:
     return peak_flops_for(torch.cuda.get_device_name())
 
 
-def flops_report(cfg: ModelConfig, seq_len: int) -> dict:
-    """Everything `pretrain flops --json` prints."""
+def flops_report(
+    cfg: ModelConfig,
+    seq_len: int,
+    tokens_per_sec: float | None = None,
+    device: str | None = None,
+    peak_flops: float | None = None,
+) -> dict:
+    """Everything `pretrain flops --json` prints: counts and FLOPs per token; with a measured
+    tokens/s and a peak (a device name from PEAK_FLOPS, or a number), the MFU."""
+    for flag, value in (
+        ("--seq-len", seq_len),
+        ("--tokens-per-sec", tokens_per_sec),
+        ("--peak-flops", peak_flops),
+    ):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(f"{flag} {value} must be a positive number")
+    if device is not None:
+        peak_flops = peak_flops_for(device)
+        if peak_flops is None:
+            raise UserError(
+                f"--device {device!r}: no known peak; use one of {', '.join(PEAK_FLOPS)} or --peak-flops"
+            )
     counts = param_counts(cfg)
     breakdown = flops_per_token(cfg, seq_len, counts)
-    return {
+    report = {
         "params": counts.total,
         "non_embedding_params": counts.non_embedding,
         "matmul_params": matmul_params(cfg, counts),
@@ -127,4 +149,31 @@ def flops_report(cfg: ModelConfig, seq_len: int) -> dict:
         "flops_per_token": breakdown.total,
         "breakdown": asdict(breakdown),
         "param_breakdown": asdict(counts),
+        "model": cfg.preset,
+        "peak_flops": peak_flops,
     }
+    if tokens_per_sec is not None:
+        if peak_flops is None:
+            raise UserError("--tokens-per-sec needs --device NAME or --peak-flops F to compute MFU")
+        report |= {"tokens_per_sec": tokens_per_sec, "mfu": mfu(tokens_per_sec, breakdown.total, peak_flops)}
+    return report
+
+
+def format_report(report: dict) -> str:
+    """`pretrain flops` without --json: the report as lines for people."""
+    total = report["flops_per_token"]
+    lines = [
+        f"model {report['model']}: {report['params'] / 1e6:.1f}M params "
+        f"({report['non_embedding_params'] / 1e6:.1f}M non-embedding), seq_len {report['seq_len']}",
+        f"training FLOPs per token: {total / 1e6:.1f}M  (6·N with N = {report['matmul_params'] / 1e6:.1f}M, plus attention)",
+    ]
+    lines += [
+        f"  {part:<24} {value / 1e6:>12.1f}M  {100 * value / total:5.1f}%"
+        for part, value in report["breakdown"].items()
+    ]
+    if "mfu" in report:
+        lines.append(
+            f"MFU at {report['tokens_per_sec']:,.0f} tokens/s per device: "
+            f"{100 * report['mfu']:.1f}% of {report['peak_flops'] / 1e12:.0f} TFLOP/s"
+        )
+    return "\n".join(lines)

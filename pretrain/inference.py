@@ -1,4 +1,4 @@
-"""Using trained checkpoints without DeepSpeed engines: load, evaluate perplexity, sample.
+"""Using trained checkpoints without DeepSpeed engines: load, evaluate perplexity, sample, export.
 
 `load_trained` consolidates any ZeRO stage's shards into fp32 weights with DeepSpeed's own
 `zero_to_fp32` tool and rebuilds the model from the checkpoint's run_config.json; the tokenizer
@@ -88,6 +88,42 @@ def perplexity(
         raise UserError(f"the validation split of {data_dir} holds no window of {seq_len + 1} tokens")
     loss = total / count
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count, "checkpoint": str(trained.directory)}
+
+
+def continue_text(
+    checkpoint_path: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = 0.95,
+    seed: int = 0,
+) -> str:
+    """`pretrain generate`: the text a checkpoint writes after `prompt` (a new document)."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    trained = load_trained(checkpoint_path)
+    tok = trained.tokenizer
+    generator = torch.Generator().manual_seed(seed)
+    ids = generate(trained.model, tok.encode_document(prompt), max_new_tokens, temperature, top_k, top_p,
+                   tok.eos_id, generator)  # fmt: skip
+    return tok.decode(ids)
+
+
+def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float32") -> tuple[Path, Path]:
+    """`pretrain export-hf`: a checkpoint as a Hugging Face Llama directory (config.json,
+    model.safetensors) with the SentencePiece tokenizer beside it; returns (checkpoint, out)."""
+    import shutil
+
+    from pretrain.hf import save_hf
+    from pretrain.tokenizer import MODEL_FILE
+
+    trained = load_trained(checkpoint_path)
+    tok = trained.tokenizer
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    directory = save_hf(trained.model, out, token_ids=ids, dtype=getattr(torch, dtype))
+    shutil.copyfile(tok.path, directory / MODEL_FILE)
+    return trained.directory, directory
 
 
 @torch.no_grad()

@@ -55,6 +55,11 @@ class MetricsWriter:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
 
+    def image(self, tag: str, image, step: int) -> None:
+        """An RGB image, (height, width, 3)."""
+        if self.writer is not None:
+            self.writer.add_image(tag, image, step, dataformats="HWC")
+
     def console(self, step: int, values: dict[str, float]) -> None:
         """One line per logging step: step, loss, tokens/s and ETA (rank 0 only)."""
         if not self.enabled:

@@ -22,7 +22,9 @@ printed with the result: NVLink within a node, the per-GPU network share across 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+from pretrain.errors import UserError
 
 BYTES_PER_ELEMENT = 2  # bf16 gradients and parameters on the wire
 
@@ -83,3 +85,63 @@ def project(
         mfu=single_gpu_mfu * compute / step,
         tokens_per_sec=global_batch_tokens / step,
     )
+
+
+def scaling_report(
+    report: dict,
+    gpu_counts: str,
+    single_gpu_mfu: float | None = None,
+    global_batch_tokens: int = 2**20,
+    zero_stage: int = 1,
+    inter_node_gbs: float = 40.0,
+) -> dict:
+    """`pretrain flops --scale`: projections to `gpu_counts` ("8,64,512") from a flops report that
+    holds the per-GPU peak and, measured or given, the one-GPU MFU."""
+    try:
+        counts = [int(v) for v in gpu_counts.split(",")]
+    except ValueError:
+        raise UserError(f"--scale {gpu_counts!r}: give GPU counts such as 8,64,512") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"--scale {gpu_counts!r}: GPU counts must be at least 1")
+    peak = report.get("peak_flops")
+    if peak is None:
+        raise UserError("--scale needs --device NAME or --peak-flops F (the per-GPU peak)")
+    single = report.get("mfu", single_gpu_mfu)
+    if single is None or not 0 < single <= 1:
+        raise UserError(
+            "--scale needs the one-GPU MFU: --tokens-per-sec (measured) or --single-gpu-mfu in (0, 1]"
+        )
+    for flag, value in (("--global-batch-tokens", global_batch_tokens), ("--inter-node-gbs", inter_node_gbs)):
+        if not value > 0:
+            raise UserError(f"{flag} {value} must be positive")
+    net = Interconnect(inter_node_bytes_per_sec=inter_node_gbs * 1e9)
+    rows = [
+        project(
+            report["params"], report["flops_per_token"], n, global_batch_tokens, single, peak, zero_stage, net
+        )
+        for n in counts
+    ]
+    return {
+        "single_gpu_mfu": single,
+        "global_batch_tokens": global_batch_tokens,
+        "zero_stage": zero_stage,
+        "interconnect": asdict(net),
+        "projections": [asdict(r) for r in rows],
+    }
+
+
+def format_scaling(scaling: dict) -> str:
+    net = scaling["interconnect"]
+    lines = [
+        f"ZeRO-{scaling['zero_stage']} data parallelism, global batch {scaling['global_batch_tokens']:,} tokens, "
+        f"one-GPU MFU {100 * scaling['single_gpu_mfu']:.0f}%, bus bandwidth {net['intra_node_bytes_per_sec'] / 1e9:.0f} GB/s "
+        f"within {net['gpus_per_node']}-GPU nodes, {net['inter_node_bytes_per_sec'] / 1e9:.0f} GB/s per GPU across them:",
+        f"  {'GPUs':>5} {'tokens/GPU/step':>16} {'compute':>9} {'comm':>9} {'exposed':>9} {'MFU':>6} {'tokens/s':>12}",
+    ]
+    for r in scaling["projections"]:
+        lines.append(
+            f"  {r['gpus']:>5} {r['tokens_per_gpu_per_step']:>16,.0f} {1000 * r['compute_seconds']:>7.0f}ms "
+            f"{1000 * r['communication_seconds']:>7.0f}ms {1000 * r['exposed_seconds']:>7.0f}ms "
+            f"{100 * r['mfu']:>5.1f}% {r['tokens_per_sec']:>12,.0f}"
+        )
+    return "\n".join(lines)

@@ -96,6 +96,14 @@ class Tokenizer:
         """One thread by default: callers that want parallelism run several processes."""
         return self.processor.encode(texts, num_threads=threads)
 
+    def encode_document(self, text: str) -> list[int]:
+        """EOS, then the text. `prepare` ends every document with EOS, so in training EOS means "a
+        new document starts here": prompts, probes and fine-tuning examples start the same way."""
+        return [self.eos_id, *self.encode(text)]
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        return [[self.eos_id, *ids] for ids in self.encode_batch(texts)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.processor.decode(list(ids))
 
@@ -181,3 +189,25 @@ def train_tokenizer(
     tokenizer = Tokenizer.load(out_dir)
     atomic.write_json(out_dir / META_FILE, tokenizer.meta() | {"model_type": model_type})
     return tokenizer
+
+
+def train_tokenizer_on(
+    specs: list[str],
+    out_dir: str | Path,
+    vocab_size: int,
+    model_type: str = "bpe",
+    sample_sentences: int = 2_000_000,
+    text_field: str = "text",
+    overwrite: bool = False,
+    announce=print,
+) -> Tokenizer:
+    """`pretrain tokenizer train`: a tokenizer trained on sources (files, globs, a Hub dataset,
+    builtin:pydoc); an existing one in `out_dir` is replaced only with `overwrite`."""
+    from pretrain.data.sources import resolve_source
+
+    out_dir = Path(out_dir)
+    if (out_dir / MODEL_FILE).exists() and not overwrite:
+        raise UserError(f"{out_dir / MODEL_FILE} exists: choose another --out, or pass --overwrite")
+    source = resolve_source(specs, text_field=text_field)
+    announce(f"training a {model_type} tokenizer of {vocab_size} pieces on {source.description}")
+    return train_tokenizer(source.documents(), out_dir, vocab_size, model_type, sample_sentences)

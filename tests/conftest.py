@@ -1,4 +1,10 @@
 import json
+import os
+
+# The Hub is out of reach for tests (and for this machine): fail fast instead of retrying the network.
+# Set before anything imports `datasets` or `huggingface_hub`, which read it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 import torch

@@ -85,6 +85,14 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | No
     return None
 
 
+def parse_lrs(text: str) -> tuple[float, ...]:
+    """`--lrs 1e-3,3e-3` as numbers."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"--lrs {text!r}: give comma-separated numbers, such as 1e-3,3e-3") from None
+
+
 def run(
     source: str = "builtin:pydoc",
     out: str | Path = "runs/ablation",

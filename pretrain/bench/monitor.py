@@ -23,8 +23,9 @@ import torch
 
 from monitoring.protocol import StepMetrics
 from pretrain.config import ModelConfig
+from pretrain.errors import UserError
 from pretrain.model import Transformer
-from pretrain.monitor_client import MonitorClient
+from pretrain.monitor_link import MonitorClient
 
 
 def _start_service(run_dir: Path) -> subprocess.Popen:
@@ -63,6 +64,8 @@ def _fake_checkpoint(run_dir: Path) -> None:
 def run(
     as_json: bool = False, quick: bool = False, d_model: int = 192, n_layers: int = 4, batch_size: int = 2
 ) -> dict:
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size} must be at least 1")
     torch.manual_seed(0)
     if quick:  # a smoke test of the machinery, not a measurement
         d_model, n_layers = 64, 2
@@ -92,7 +95,7 @@ def run(
                 started = time.perf_counter()
                 action = client.report(StepMetrics(step, loss, grad_norm, 1e-4, step_time, step * 2048))
                 round_trips.append(time.perf_counter() - started)
-                return action.action
+                return action.kind
 
             for _ in range(3):  # warm-up: allocator, autocast caches, the first connection
                 step += 1

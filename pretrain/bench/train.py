@@ -203,9 +203,9 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     import deepspeed
     import transformers
 
+    from pretrain.distributed import DistEnv, init_distributed
     from pretrain.engine import initialize
     from pretrain.model import Transformer
-    from pretrain.train import DistEnv, init_distributed
 
     env = DistEnv.from_environ()
     init_distributed(env)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from tests.integration.golden import run_golden
@@ -9,3 +11,11 @@ def golden_run(tmp_path_factory, train_data):
     run_dir = tmp_path_factory.mktemp("golden")
     run_golden(run_dir, train_data)
     return run_dir
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything in this tier is `slow` (real processes): `-m "not slow"` is the unit tier."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)

@@ -57,7 +57,9 @@ def _record() -> None:
         train_tokenizer((topics[k] for k in sorted(topics)), tmp / "tokenizer", vocab_size=512)
         corpus = tmp / "topics.jsonl"
         corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
-        prepare_dataset(resolve_source(str(corpus)), tmp / "tokenizer", tmp / "data", val_fraction=0.1, progress=False)
+        prepare_dataset(
+            resolve_source(str(corpus)), tmp / "tokenizer", tmp / "data", val_fraction=0.1, progress=False
+        )
         run_golden(tmp / "run", tmp / "data")
         GOLDEN_FILE.write_text(json.dumps(summarize(tmp / "run", tmp / "data"), indent=1) + "\n")
     print(f"wrote {GOLDEN_FILE}", file=sys.stderr)

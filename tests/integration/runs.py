@@ -7,15 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.config import REPO_CONFIG_DIR
-from pretrain.train import free_port
+from pretrain.distributed import free_port
+from tests.helpers import FAST, TINY
 
-TINY = str(REPO_CONFIG_DIR / "train" / "tiny.yaml")
-FAST = [
-    "model.vocab_size=512", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-    "train.micro_batch_size=2", "optim.lr=3e-3", "schedule.warmup_steps=2", "eval.batches=2",
-    "logging.every=1", "logging.layer_grad_norms_every=2", "run.deterministic=true",
-]  # fmt: skip
+__all__ = ["FAST", "TINY", "events", "launcher", "metrics", "torchrun", "train", "train_state"]
 
 
 def launcher(nproc: int) -> list[str]:

@@ -1,0 +1,66 @@
+"""Checkpoints: one package owns their layout, writing, completion, loading, universal conversion,
+RNG state, retention and pins.
+
+    layout.py        tags, directories, the completion marker, `latest`, finding one to resume
+    retention.py     keep the newest N, pins, moving an abandoned timeline aside
+    rng.py           each rank's generator states as JSON
+    checkpointer.py  save and load with a DeepSpeed engine: the one interface for the state a run
+                     saves (step, tokens, lr scale, the data stream, RNG)
+
+The names of layout.py and retention.py are importable from here without torch (the monitoring
+service reads checkpoints this way); the checkpointer is imported from its module.
+"""
+
+from pretrain.checkpoint.layout import (
+    COMPLETE,
+    LATEST,
+    RUN_CONFIG,
+    TAG_PATTERN,
+    TRAIN_STATE,
+    check_complete,
+    checkpoints_dir,
+    find_checkpoint,
+    mark_complete,
+    newest_complete,
+    read_latest,
+    resolve_resume,
+    set_latest,
+    step_of,
+    tag_for,
+    tags_on_disk,
+    validate_tag,
+)
+from pretrain.checkpoint.retention import (
+    abandon_after,
+    apply_retention,
+    pin,
+    pinned,
+    pins_dir,
+    unpin,
+)
+
+__all__ = [
+    "COMPLETE",
+    "LATEST",
+    "RUN_CONFIG",
+    "TAG_PATTERN",
+    "TRAIN_STATE",
+    "abandon_after",
+    "apply_retention",
+    "check_complete",
+    "checkpoints_dir",
+    "find_checkpoint",
+    "mark_complete",
+    "newest_complete",
+    "pin",
+    "pinned",
+    "pins_dir",
+    "read_latest",
+    "resolve_resume",
+    "set_latest",
+    "step_of",
+    "tag_for",
+    "tags_on_disk",
+    "unpin",
+    "validate_tag",
+]

@@ -1,0 +1,41 @@
+"""The `pretrain` command (also `python -m pretrain`, `python -m pretrain.train`, `python -m
+pretrain.finetune`): the one entry point of every command.
+
+Each subcommand parses its arguments, calls one library function and prints. Bad input raises
+`UserError`, which becomes one line on stderr and exit status 2 (`pretrain.errors.run_main`);
+`--debug` (anywhere on the command line) shows the traceback instead. Exit statuses are
+`pretrain.errors.ExitCode`: 0 done, 2 bad input, 3 stopped by the monitor.
+
+    data.py         tokenizer train, data prepare
+    training.py     train, finetune, launch, monitor, demo
+    checkpoints.py  eval, generate, export-hf, predict, attention
+    inspect.py      config show, flops
+    bench.py        bench data / monitor / train / ablation
+    launch.py       what `pretrain launch` wires together
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pretrain.cli import bench, checkpoints, data, inspect, training
+from pretrain.errors import CommandParser, run_main
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="pretrain", description="Llama-style pretraining with DeepSpeed ZeRO.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
+    for group in (inspect, data, bench, training, checkpoints):
+        group.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    # The DeepSpeed launcher appends --local_rank=N (also in the LOCAL_RANK variable, which is read).
+    argv = [a for a in argv if not a.startswith(("--local_rank=", "--local-rank="))]
+    args = build_parser().parse_args(argv)
+    return run_main(lambda: args.handler(args), debug=debug)

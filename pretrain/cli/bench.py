@@ -1,0 +1,95 @@
+"""`pretrain bench data / monitor / train / ablation`: benchmarks that print figures."""
+
+from __future__ import annotations
+
+import argparse
+
+from pretrain.errors import CommandParser
+
+
+def cmd_bench_data(args: argparse.Namespace) -> int:
+    from pretrain.bench.data import run
+
+    run(as_json=args.json, quick=args.quick)
+    return 0
+
+
+def cmd_bench_monitor(args: argparse.Namespace) -> int:
+    from pretrain.bench.monitor import run
+
+    run(as_json=args.json, quick=args.quick, batch_size=args.batch_size)
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from pretrain.bench.train import BenchSettings, run
+
+    settings = BenchSettings(dtype=args.dtype, zero_stage=args.zero_stage, seq_len=args.seq_len,
+                             micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup,
+                             compile=args.compile)  # fmt: skip
+    run(args.config, settings, as_json=args.json)
+    return 0
+
+
+def cmd_bench_ablation(args: argparse.Namespace) -> int:
+    from pretrain.bench.ablation import parse_lrs, run
+
+    run(
+        args.source,
+        args.out,
+        parse_lrs(args.lrs),
+        steps=args.steps,
+        eval_every=args.eval_every,
+        as_json=args.json,
+    )
+    return 0
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    whats = bench.add_subparsers(
+        dest="bench_command", required=True, parser_class=CommandParser, metavar="WHAT"
+    )
+    data = whats.add_parser("data", help="window-stream and prepare throughput")
+    data.add_argument("--json", action="store_true", help="print one JSON object")
+    data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
+    data.set_defaults(handler=cmd_bench_data)
+
+    monitor = whats.add_parser(
+        "monitor", help="step time with and without the monitoring service; how fast a spike is acted on"
+    )
+    monitor.add_argument("--json", action="store_true", help="print one JSON object")
+    monitor.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
+    monitor.add_argument("--batch-size", type=int, default=2,
+                         help="512-token sequences per step (default 2: ~100 ms steps here)")  # fmt: skip
+    monitor.set_defaults(handler=cmd_bench_monitor)
+
+    train = whats.add_parser(
+        "train",
+        help="training tokens/s of our model vs transformers' LlamaForCausalLM, same engine and batch",
+    )
+    train.add_argument("config", metavar="CONFIG", help="model preset (configs/model/*.yaml) or run config")
+    train.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    train.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    train.add_argument("--seq-len", type=int,
+                       help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)")  # fmt: skip
+    train.add_argument("--micro-batch-size", type=int,
+                       help="sequences per step per rank (default: the run config's; 8)")  # fmt: skip
+    train.add_argument("--steps", type=int, default=20, help="measured steps per model (default 20)")
+    train.add_argument("--warmup", type=int, default=3, help="unmeasured steps per model first")
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch.compile the blocks of both models (default: the run config's engine.compile; off)")  # fmt: skip
+    train.add_argument("--json", action="store_true", help="print one JSON object")
+    train.set_defaults(handler=cmd_bench_train)
+
+    ablation = whats.add_parser(
+        "ablation", help="Transformer++ vs the original Transformer recipe: compute to reach the same loss"
+    )
+    ablation.add_argument("--source", default="builtin:pydoc", help="corpus (default builtin:pydoc)")
+    ablation.add_argument("--out", default="runs/ablation", help="runs, curves and results go here")
+    ablation.add_argument("--lrs", default="1e-4,3e-4,1e-3,3e-3,1e-2",
+                          help="learning rates searched for each arm (comma-separated)")  # fmt: skip
+    ablation.add_argument("--steps", type=int, help="training steps per run (default: the configs')")
+    ablation.add_argument("--eval-every", type=int, help="steps between evaluations (default: the configs')")
+    ablation.add_argument("--json", action="store_true", help="print one JSON object")
+    ablation.set_defaults(handler=cmd_bench_ablation)

@@ -1,0 +1,98 @@
+"""Commands that read trained checkpoints: `eval`, `generate`, `export-hf`, `predict`, `attention`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pretrain.inference import load_trained, perplexity
+
+    result = perplexity(load_trained(args.checkpoint), args.data, args.batch_size, args.max_batches)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['checkpoint']}: validation loss {result['loss']:.4f}, "
+              f"perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens")  # fmt: skip
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pretrain.inference import continue_text
+
+    text = continue_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                         args.top_k, args.top_p, args.seed)  # fmt: skip
+    print(args.prompt + text)
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from pretrain.inference import export_hf
+
+    source, out = export_hf(args.checkpoint, args.out, args.dtype)
+    print(f"exported {source} to {out} (config.json, model.safetensors, tokenizer.model)")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from pretrain.finetune import predict
+
+    count = predict(args.checkpoint, args.input, args.out, args.max_new_tokens)
+    print(f"wrote {count} predictions to {args.out}")
+    return 0
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    from pretrain.attention import render
+
+    result = render(args.checkpoint, args.text, args.out)
+    print(f"{result['layers']} layers x {result['heads']} heads over {result['tokens']} tokens: "
+          f"{result['png']} (grid), {result['html']} (interactive head view)")  # fmt: skip
+    return 0
+
+
+def _with_checkpoint(sub, name: str, help: str) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
+    )
+    return parser
+
+
+def register(sub) -> None:
+    evaluate = _with_checkpoint(sub, "eval", "validation loss and perplexity of a checkpoint")
+    evaluate.add_argument("--data", required=True, help="prepared dataset (its validation split is used)")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(handler=cmd_eval)
+
+    gen = _with_checkpoint(sub, "generate", "sample text from a checkpoint (KV cache)")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=int, default=50, help="0 disables")
+    gen.add_argument("--top-p", type=float, default=0.95, help="1.0 disables")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(handler=cmd_generate)
+
+    export = _with_checkpoint(sub, "export-hf", "write a checkpoint as a Hugging Face Llama directory")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    export.set_defaults(handler=cmd_export_hf)
+
+    predict = _with_checkpoint(sub, "predict", "labels (classification) or completions (sft) for a file")
+    predict.add_argument("--input", required=True, help=".csv/.jsonl/.parquet with the fine-tuning columns")
+    predict.add_argument(
+        "--out", required=True, help="output .jsonl or .csv (the input rows plus predictions)"
+    )
+    predict.add_argument("--max-new-tokens", type=int, default=64, help="sft: tokens per completion")
+    predict.set_defaults(handler=cmd_predict)
+
+    attention = _with_checkpoint(
+        sub, "attention", "attention maps of a text: a PNG grid and an HTML head view"
+    )
+    attention.add_argument("--text", required=True, help="the text to look at")
+    attention.add_argument("--out", required=True, help="output prefix: writes PREFIX.png and PREFIX.html")
+    attention.set_defaults(handler=cmd_attention)

@@ -1,0 +1,90 @@
+"""`pretrain tokenizer train` and `pretrain data prepare`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from pretrain.errors import CommandParser
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from pretrain.tokenizer import train_tokenizer_on
+
+    tokenizer = train_tokenizer_on(
+        args.input or args.source, args.out, args.vocab_size, model_type=args.model_type,
+        sample_sentences=args.sample_sentences, text_field=args.text_field, overwrite=args.overwrite,
+        announce=lambda line: print(line, file=sys.stderr),
+    )  # fmt: skip
+    print(f"wrote {tokenizer.path} (vocab {tokenizer.vocab_size}, sha256 {tokenizer.sha256[:12]}...)")
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from pretrain.data.prepare import prepare
+    from pretrain.data.sources import resolve_source
+
+    manifest, written = prepare(
+        resolve_source(args.source, text_field=args.text_field), args.tokenizer, args.out,
+        val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
+        overwrite=args.overwrite, progress=not args.no_progress,
+    )  # fmt: skip
+    if not written:
+        return 0  # prepare said "... already holds this dataset; nothing to do"
+    for name, split in manifest["splits"].items():
+        print(
+            f"{name}: {split['documents']:,} documents, {split['tokens']:,} tokens in {len(split['shards'])} shard(s)"
+        )
+    print(f"wrote {Path(args.out) / 'manifest.json'} (corpus fingerprint {manifest['fingerprint']})")
+    return 0
+
+
+def register(sub) -> None:
+    tokenizer = sub.add_parser("tokenizer", help="train SentencePiece tokenizers")
+    actions = tokenizer.add_subparsers(
+        dest="tokenizer_command", required=True, parser_class=CommandParser, metavar="ACTION"
+    )
+    train = actions.add_parser("train", help="train a byte-fallback SentencePiece model")
+    inputs = train.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(
+        "--input", nargs="+", metavar="PATH", help="text files or globs (.txt, .jsonl, .parquet)"
+    )
+    inputs.add_argument(
+        "--source", nargs="+", metavar="SRC", help="files/globs, a Hub dataset name, or builtin:pydoc"
+    )
+    train.add_argument("--vocab-size", type=int, required=True, help="number of pieces")
+    train.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    train.add_argument("--out", required=True, help="output directory (tokenizer.model, tokenizer_meta.json)")
+    train.add_argument(
+        "--text-field", default="text", help="field holding the text in .jsonl/.parquet/Hub data"
+    )
+    train.add_argument(
+        "--sample-sentences", type=int, default=2_000_000, help="sentences sampled for training"
+    )
+    train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
+    train.set_defaults(handler=cmd_tokenizer_train)
+
+    data = sub.add_parser("data", help="prepare token shards")
+    actions = data.add_subparsers(
+        dest="data_command", required=True, parser_class=CommandParser, metavar="ACTION"
+    )
+    prep = actions.add_parser("prepare", help="tokenize a corpus into shards + manifest.json")
+    prep.add_argument("--source", nargs="+", required=True, metavar="SRC",
+                      help="files/globs, a Hub dataset name, or builtin:pydoc")  # fmt: skip
+    prep.add_argument("--tokenizer", required=True, help="tokenizer directory or tokenizer.model")
+    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument(
+        "--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)"
+    )
+    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard (default 2^27)")
+    prep.add_argument(
+        "--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="tokenizer processes"
+    )
+    prep.add_argument(
+        "--text-field", default="text", help="field holding the text in .jsonl/.parquet/Hub data"
+    )
+    prep.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.set_defaults(handler=cmd_data_prepare)

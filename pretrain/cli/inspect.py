@@ -1,0 +1,74 @@
+"""`pretrain config show` and `pretrain flops`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pretrain.errors import CommandParser
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from pretrain.config import load_any, to_yaml
+
+    print(to_yaml(load_any(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    from pretrain.config import RunConfig, load_any
+    from pretrain.flops import flops_report, format_report
+    from pretrain.scaling import format_scaling, scaling_report
+
+    cfg = load_any(args.config, args.overrides)
+    model_cfg, seq_len = (
+        (cfg.model, cfg.data.seq_len) if isinstance(cfg, RunConfig) else (cfg, cfg.max_seq_len)
+    )
+    seq_len = args.seq_len if args.seq_len is not None else seq_len
+    report = flops_report(model_cfg, seq_len, args.tokens_per_sec, args.device, args.peak_flops)
+    if args.scale is not None:
+        report["scaling"] = scaling_report(report, args.scale, args.single_gpu_mfu, args.global_batch_tokens,
+                                           args.zero_stage, args.inter_node_gbs)  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            format_report(report) + ("\n" + format_scaling(report["scaling"]) if "scaling" in report else "")
+        )
+    return 0
+
+
+def register(sub) -> None:
+    config = sub.add_parser("config", help="inspect run configs")
+    actions = config.add_subparsers(
+        dest="config_command", required=True, parser_class=CommandParser, metavar="ACTION"
+    )
+    show = actions.add_parser("show", help="print the resolved config (defaults ← preset ← file ← overrides)")
+    show.add_argument(
+        "config", help="run config (configs/train/*.yaml) or model preset (configs/model/*.yaml)"
+    )
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
+    show.set_defaults(handler=cmd_config_show)
+
+    flops = sub.add_parser("flops", help="parameter counts, training FLOPs per token, and MFU")
+    flops.add_argument("config", help="run config or model preset")
+    flops.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
+    flops.add_argument(
+        "--seq-len", type=int, help="sequence length (default: data.seq_len, or the preset's max_seq_len)"
+    )
+    flops.add_argument("--json", action="store_true", help="print one JSON object")
+    flops.add_argument("--tokens-per-sec", type=float, help="measured tokens/s per device, to compute MFU")
+    peak = flops.add_mutually_exclusive_group()
+    peak.add_argument("--device", help="device name for the peak (H100, H200, A100)")
+    peak.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, instead of the table")
+    scaling = flops.add_argument_group("scaling on paper (ZeRO data parallelism, pretrain/scaling.py)")
+    scaling.add_argument("--scale", metavar="GPUS", help="project to these GPU counts, e.g. 8,64,512")
+    scaling.add_argument(
+        "--single-gpu-mfu", type=float, help="one GPU's MFU (or measure it: --tokens-per-sec)"
+    )
+    scaling.add_argument("--global-batch-tokens", type=int, default=2**20,
+                         help="tokens per optimizer step, all GPUs (default 2^20)")  # fmt: skip
+    scaling.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1)
+    scaling.add_argument("--inter-node-gbs", type=float, default=40.0,
+                         help="bus bandwidth per GPU across nodes, GB/s (default 40)")  # fmt: skip
+    flops.set_defaults(handler=cmd_flops)

@@ -1,0 +1,108 @@
+"""`pretrain launch`: check the run as its job would, then run the DeepSpeed launcher under the
+supervisor and the monitoring service (`monitoring/supervisor.py`).
+
+    pretrain launch --config CFG [--nproc N] [--hostfile H] [--no-ssh --node-rank K] [overrides...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from monitoring.supervisor import Supervisor
+from pretrain.config import load_config
+from pretrain.distributed import free_port
+from pretrain.errors import UserError
+from pretrain.pretraining import preflight
+
+
+def launcher_command(
+    module_args: list[str],
+    *,
+    nproc: int | None,
+    hostfile: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    no_ssh: bool = False,
+    node_rank: int = 0,
+) -> list[str]:
+    """The DeepSpeed launcher running `python -m pretrain.train MODULE_ARGS` on this node or a hostfile's."""
+    command = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if hostfile:
+        command += ["--hostfile", hostfile]
+        if master_addr:
+            command += ["--master_addr", master_addr]
+    if no_ssh:
+        command += ["--no_ssh", "--node_rank", str(node_rank)]
+    if nproc is not None:
+        command += ["--num_gpus", str(nproc)]
+    port = master_port or (29500 if hostfile else free_port())
+    return [*command, "--master_port", str(port), "--module", "pretrain.train", *module_args]
+
+
+def local_process_count() -> int:
+    """Every local GPU, or 2 CPU processes when there is none."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def read_hostfile(path: str) -> dict[str, int]:
+    """host → slots, through DeepSpeed's own parser; one clear error for a bad file."""
+    if not Path(path).is_file():
+        raise UserError(f"--hostfile {path} does not exist: pass a file of 'HOST slots=N' lines")
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    try:
+        hosts = fetch_hostfile(path)
+    except ValueError as exc:
+        raise UserError(f"--hostfile {path}: {exc}") from None
+    if not hosts:
+        raise UserError(f"--hostfile {path} lists no hosts: add 'HOST slots=N' lines")
+    return dict(hosts)
+
+
+def launch(
+    config_path: str,
+    overrides: list[str],
+    *,
+    nproc: int | None = None,
+    hostfile: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    no_ssh: bool = False,
+    node_rank: int = 0,
+    log=None,
+) -> int:
+    """Check the run as its job would, then supervise it under the service; the job's exit status."""
+    log = log or (lambda line: print(line, flush=True))
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc {nproc} must be at least 1")
+    if no_ssh and not hostfile:
+        raise UserError("--no-ssh needs --hostfile (the launcher reads the node list from it)")
+    if node_rank < 0 or (node_rank > 0 and not no_ssh):
+        raise UserError(f"--node-rank {node_rank}: only with --no-ssh, from 0 to the number of hosts - 1")
+    cfg = load_config(config_path, overrides)
+    hosts = read_hostfile(hostfile) if hostfile else None
+    if hosts is not None and node_rank >= len(hosts):
+        raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
+    per_node = nproc if nproc is not None or hosts else local_process_count()
+    world_size = sum(per_node or slots for slots in hosts.values()) if hosts else per_node
+    preflight(cfg, world_size)
+    if master_addr is None and hosts:
+        master_addr = next(iter(hosts))
+
+    module_args = ["--config", str(config_path), *overrides, "monitor.enabled=true"]
+
+    def make_command() -> list[str]:
+        return launcher_command(module_args, nproc=per_node, hostfile=hostfile, master_addr=master_addr,
+                                master_port=master_port, no_ssh=no_ssh, node_rank=node_rank)  # fmt: skip
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(
+        make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed, log=log
+    )
+    where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
+    log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
+    return supervisor.run()

@@ -1,0 +1,95 @@
+"""`pretrain train`, `finetune`, `launch`, `monitor` and `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pretrain.errors import ExitCode
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pretrain.config import load_config
+    from pretrain.pretraining import pretrain
+
+    summary = pretrain(load_config(args.config, args.overrides))
+    if summary.get("stopped_by_monitor"):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
+        return ExitCode.STOPPED_BY_MONITOR  # not a crash: the supervisor does not restart it
+    return ExitCode.DONE
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from pretrain.config import load_finetune_config
+    from pretrain.finetune import finetune
+
+    finetune(load_finetune_config(args.config, args.overrides))
+    return ExitCode.DONE
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pretrain.cli.launch import launch
+
+    return launch(args.config, args.overrides, nproc=args.nproc, hostfile=args.hostfile, master_addr=args.master_addr,
+                  master_port=args.master_port, no_ssh=args.no_ssh, node_rank=args.node_rank)  # fmt: skip
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from monitoring.service import serve_from_args
+
+    return serve_from_args(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pretrain.demo import run_demo
+
+    return run_demo(out_dir=args.out, steps=args.steps)
+
+
+def register(sub) -> None:
+    train = sub.add_parser(
+        "train", help="train in this process (multi-process: deepspeed --module pretrain.train)"
+    )
+    train.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    train.set_defaults(handler=cmd_train)
+
+    finetune = sub.add_parser(
+        "finetune", help="fine-tune in this process (multi-process: deepspeed --module pretrain.finetune)"
+    )
+    finetune.add_argument("--config", required=True, help="configs/finetune/classification.yaml or sft.yaml")
+    finetune.add_argument("overrides", nargs="*", help="dotted overrides, e.g. finetune.init=runs/demo/run")
+    finetune.set_defaults(handler=cmd_finetune)
+
+    monitor = sub.add_parser("monitor", help="the monitoring service for one run directory (its own process)")
+    from monitoring.service import add_arguments
+
+    add_arguments(monitor)
+    monitor.set_defaults(handler=cmd_monitor)
+
+    launch = sub.add_parser(
+        "launch",
+        help="the monitoring service and, under it, the DeepSpeed job (restarted if it crashes or hangs)",
+    )
+    launch.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
+    launch.add_argument(
+        "--nproc", type=int, default=None, help="processes per node (default: GPUs, or 2 on CPU)"
+    )
+    launch.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('HOST slots=N' lines)")
+    launch.add_argument("--master-addr", default=None, help="rendezvous host (default: the first host)")
+    launch.add_argument("--master-port", type=int, default=None, help="rendezvous port")
+    launch.add_argument("--no-ssh", action="store_true",
+                        help="the launcher's no-ssh mode: run on every node with --node-rank")  # fmt: skip
+    launch.add_argument("--node-rank", type=int, default=0, help="this node's rank in --no-ssh mode")
+    launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    launch.set_defaults(handler=cmd_launch)
+
+    demo = sub.add_parser(
+        "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
+    )
+    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="fewer steps than configs/train/demo.yaml, for a quick look")  # fmt: skip
+    demo.set_defaults(handler=cmd_demo)

@@ -1,0 +1,130 @@
+"""The process group and what every rank must agree on: who it is, when to stop, determinism.
+
+Launchers (the DeepSpeed launcher, torchrun, accelerate, srun wrappers) describe each process in
+environment variables; one plain process is rank 0 of 1. The collectives here work without a
+process group when there is one process (they are then the identity), so the pieces of the loop
+run, and are unit-tested, in a plain Python process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        """Launchers set these; one plain process gets defaults (and a free rendezvous port)."""
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        return cls(
+            int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(env: DistEnv) -> None:
+    """The process group (NCCL on GPUs, gloo on CPU), for training and fine-tuning alike.
+
+    On CPU, DeepSpeed's shared-memory all-reduce makes a 66 MB /dev/shm/deepspeed_allreduce_buffer_*
+    per rank and never unlinks it, so every job leaves them behind until the machine runs out of
+    memory. Once every rank has mapped its peers' buffers (they do so while the group starts; the
+    barrier waits for all), each rank unlinks its own name: the mappings stay valid, and the memory
+    goes when the processes exit, however they exit."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        return
+    dist.barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{env.rank}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _group_or_single() -> bool:
+    """True when a process group exists; False for one process without one; else an error."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("a collective was called before the process group started")
+    return False
+
+
+def barrier() -> None:
+    if _group_or_single():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks, in place; returns it."""
+    if _group_or_single():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    if _group_or_single():
+        dist.broadcast(tensor, src=src)
+    return tensor
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag that the ranks agree on at the next step boundary; a second
+    SIGINT interrupts at once. Use as a context manager: the previous handlers come back."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def configure_determinism(deterministic: bool) -> None:
+    """`run.deterministic`: deterministic kernels and settings, for bitwise resume.
+
+    Deterministic mode also fills every `torch.empty` with NaN by default, a debugging aid that
+    determinism does not need: DeepSpeed's ZeRO-2 allocates two gradient buckets of
+    `reduce_bucket_size` (5e8 elements) every micro-step, and filling them made deterministic
+    steps several times slower. Nothing here reads memory it has not written (the golden run's
+    numbers are the same either way)."""
+    if not deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False

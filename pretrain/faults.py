@@ -1,0 +1,73 @@
+"""Fault injection (`faults.*`), for tests and rehearsals of the monitor and the supervisor.
+
+Scale the loss (and so the gradients) or make it NaN at given steps; kill or hang a rank as a step
+begins. Each fault fires once: the faults fired ("spike:10", "kill:7", ...) are kept in
+RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs clean. Every
+rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pretrain import atomic
+from pretrain.config import FaultsConfig
+
+FIRED_FILE = "faults_fired.json"
+
+
+class FaultInjector:
+    def __init__(self, faults: FaultsConfig, run_dir: str | Path, rank: int):
+        self.faults, self.rank = faults, rank
+        self.path = Path(run_dir) / FIRED_FILE
+        self.fired = set(json.loads(self.path.read_text())) if self.path.exists() else set()
+
+    def _pending(self, kind: str, step: int) -> bool:
+        return f"{kind}:{step}" not in self.fired
+
+    def _loss_fault(self, step: int) -> str | None:
+        if step in self.faults.nan_steps and self._pending("nan", step):
+            return "nan"
+        if step in self.faults.spike_steps and self._pending("spike", step):
+            return "spike"
+        return None
+
+    def before_step(self, step: int) -> None:
+        """Kill or hang `faults.kill_rank` / `faults.hang_rank` as step `step` begins."""
+        for kind, at, rank in (
+            ("kill", self.faults.kill_step, self.faults.kill_rank),
+            ("hang", self.faults.hang_step, self.faults.hang_rank),
+        ):
+            if at != step or not self._pending(kind, step):
+                continue
+            self.fired.add(f"{kind}:{step}")
+            if self.rank != rank:
+                continue
+            atomic.write_json(self.path, sorted(self.fired))
+            print(f"faults: {kind} rank {rank} at step {step}", file=sys.stderr, flush=True)
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:  # hung: alive, but never reaching the next collective
+                time.sleep(3600)
+
+    def apply(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of a micro-batch of step `step`, spiked or made NaN when a fault is due."""
+        kind = self._loss_fault(step)
+        if kind == "nan":
+            return loss * float("nan")
+        return loss * self.faults.spike_factor if kind == "spike" else loss
+
+    def mark_fired(self, step: int) -> None:
+        """After step `step`: its loss fault, if any, has fired and will not fire again."""
+        kind = self._loss_fault(step)
+        if kind is not None:
+            self.fired.add(f"{kind}:{step}")
+            if self.rank == 0:
+                atomic.write_json(self.path, sorted(self.fired))

@@ -1,0 +1,132 @@
+"""`finetune(cfg)`: check the starting point and the data, start the process group, build the model
+(with a classification head when the task needs one) and the engine, restore a checkpoint, and
+run the loop (`pretrain/train.py`) with a fine-tuning task."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, find_resume
+from pretrain.classifier import SequenceClassifier
+from pretrain.config import FaultsConfig, FinetuneConfig, config_hash, to_yaml
+from pretrain.distributed import DistEnv, configure_determinism, init_distributed
+from pretrain.engine import BatchPlan, deepspeed_config, initialize, plan_batches, zero_stage
+from pretrain.errors import UserError
+from pretrain.faults import FaultInjector
+from pretrain.finetune.data import Examples, load_examples, padding_id
+from pretrain.finetune.initial import Initial, find_initial
+from pretrain.finetune.tasks import SFT, Classification
+from pretrain.metrics import MetricsWriter
+from pretrain.schedules import lr_at
+from pretrain.train import Cadence, Trainer
+
+
+@dataclass
+class Inputs:
+    """What a fine-tuning run starts from, checked before any process group starts."""
+
+    initial: Initial
+    examples: Examples
+    max_length: int
+    steps: int
+
+    def model(self) -> torch.nn.Module:
+        model = self.initial.load_model()
+        labels = self.examples.labels
+        return model if labels is None else SequenceClassifier(model, len(labels))
+
+
+def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> Inputs:
+    initial = find_initial(cfg.finetune.init)
+    max_length = cfg.finetune.max_length or initial.model_cfg.max_seq_len
+    if max_length > initial.model_cfg.max_seq_len:
+        raise UserError(
+            f"finetune.max_length={max_length} exceeds the model's max_seq_len={initial.model_cfg.max_seq_len}"
+        )
+    examples = load_examples(cfg, initial.tokenizer, max_length)
+    steps = cfg.train.steps or max(
+        1, math.ceil(cfg.finetune.epochs * len(examples.train.ids) / plan.global_batch_size)
+    )
+    return Inputs(initial, examples, max_length, steps)
+
+
+def finetune(cfg: FinetuneConfig) -> dict:
+    """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
+    env = DistEnv.from_environ()
+    plan = plan_batches(cfg.train, 0, env.world_size)
+    ds_config = deepspeed_config(cfg, plan)
+    inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
+    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, env.world_size)
+    configure_determinism(cfg.run.deterministic)
+    init_distributed(env)
+    if env.is_main:
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    engine, optimizer = initialize(
+        inputs.model(), cfg, resume.deepspeed_config(ds_config) if resume else ds_config
+    )
+    return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero_stage(ds_config)).train()
+
+
+def build_trainer(
+    cfg: FinetuneConfig, env: DistEnv, engine, optimizer, plan: BatchPlan, inputs: Inputs, resume: Resume | None,
+    zero: int,
+) -> Trainer:  # fmt: skip
+    """Everything the loop needs around an engine: the task, checkpoints (restored when resuming), metrics."""
+    run_dir, initial, examples = Path(cfg.run.dir), inputs.initial, inputs.examples
+    train_data, val_data, labels, tokenizer = (
+        examples.train,
+        examples.validation,
+        examples.labels,
+        initial.tokenizer,
+    )
+    common = (
+        train_data,
+        val_data,
+        plan.micro_batch_size,
+        padding_id(tokenizer),
+        cfg.run.seed,
+        env,
+        engine.device,
+        run_dir,
+    )
+    task = SFT(*common) if labels is None else Classification(*common, num_labels=len(labels))
+    run_config = asdict(cfg) | {
+        "model": asdict(initial.model_cfg),
+        "labels": labels,
+        "init_source": initial.source,
+    }
+    checkpointer = Checkpointer(
+        run_dir, env, cfg.checkpoint.keep, run_config, tokenizer.path, config_hash(cfg)
+    )
+    state = TrainState()
+    if resume is not None:
+        state = checkpointer.restore(engine, resume)
+        task.load_state_dict(resume.data)
+    writer = MetricsWriter(run_dir, inputs.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
+    writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
+    writer.message(
+        f"fine-tuning ({cfg.finetune.task}) from {initial.source} on {env.world_size} process(es), "
+        f"ZeRO-{zero} bf16: {len(train_data.ids):,} examples "
+        f"({train_data.truncated:,} truncated to {inputs.max_length} tokens)"
+        + (f", {len(labels)} labels" if labels else "")
+        + f", global batch {plan.global_batch_size}, steps {state.step + 1}..{inputs.steps}"
+        + (f" (resumed from {resume.tag})" if resume else "")
+    )
+    summary = {"task": cfg.finetune.task, "world_size": env.world_size, "zero_stage": zero, "steps": inputs.steps,
+               "train_examples": len(train_data.ids), "train_truncated": train_data.truncated,
+               "validation_examples": len(val_data.ids) if val_data else 0,
+               "validation_truncated": val_data.truncated if val_data else 0}  # fmt: skip
+    return Trainer(
+        env, run_dir, engine, optimizer, task,
+        Cadence(inputs.steps, cfg.logging.every, cfg.eval.every, cfg.checkpoint.every, cfg.logging.layer_grad_norms_every),
+        functools.partial(lr_at, peak_lr=cfg.optim.lr, total_steps=inputs.steps, schedule=cfg.schedule,
+                          d_model=initial.model_cfg.d_model),
+        plan.grad_accum, writer, checkpointer, FaultInjector(FaultsConfig(), run_dir, env.rank),
+        data_trace=cfg.logging.data_trace, state=state, summary=summary,
+    )  # fmt: skip

@@ -1,0 +1,70 @@
+"""`finetune.init`: the model a fine-tuning run starts from, checked against its tokenizer before
+any weights are read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretrain import checkpoint
+from pretrain.config import ModelConfig
+from pretrain.errors import UserError
+from pretrain.model import Transformer
+from pretrain.tokenizer import MODEL_FILE, Tokenizer
+
+
+@dataclass
+class Initial:
+    """`finetune.init` before its weights are read: enough to check the data against it."""
+
+    directory: Path
+    kind: str  # "hf" | "checkpoint"
+    model_cfg: ModelConfig
+    tokenizer: Tokenizer
+
+    @property
+    def source(self) -> str:
+        return f"{'Hugging Face model' if self.kind == 'hf' else 'checkpoint'} {self.directory}"
+
+    def load_model(self) -> Transformer:
+        if self.kind == "hf":
+            from pretrain.hf import load_hf
+
+            return load_hf(self.directory)
+        from pretrain.inference import read_checkpoint, task_of
+
+        _, run_config, state = read_checkpoint(self.directory)
+        if task_of(run_config) == "classification":  # its backbone, without the old head
+            state = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        return Transformer.from_state_dict(self.model_cfg, state)
+
+
+def find_initial(path: str) -> Initial:
+    """A Hugging Face Llama directory (config.json), or a checkpoint of ours."""
+    directory = Path(path)
+    if (directory / "config.json").is_file():
+        from pretrain.hf import model_config_from_llama
+
+        if not (directory / MODEL_FILE).is_file():
+            raise UserError(
+                f"{directory} has no {MODEL_FILE}: fine-tuning tokenizes with the model's SentencePiece "
+                "tokenizer; copy it there (`pretrain export-hf` does)"
+            )
+        cfg = model_config_from_llama(json.loads((directory / "config.json").read_text()), str(directory))
+        initial = Initial(directory, "hf", cfg, Tokenizer.load(directory))
+    else:
+        found = checkpoint.find_checkpoint(directory)
+        run_config = json.loads((found / checkpoint.RUN_CONFIG).read_text())
+        cfg = ModelConfig(**run_config["model"])
+        if (run_config.get("finetune") or {}).get("task") == "classification" and not cfg.tie_embeddings:
+            raise UserError(
+                f"{found} is a classification fine-tune without a language-model head: start from its init"
+            )
+        initial = Initial(found, "checkpoint", cfg, Tokenizer.load(found))
+    if initial.tokenizer.vocab_size > cfg.vocab_size:
+        raise UserError(
+            f"tokenizer/vocabulary mismatch: {initial.tokenizer.path} has {initial.tokenizer.vocab_size} pieces "
+            f"but the model in {path} embeds {cfg.vocab_size}: use the tokenizer the model was trained with"
+        )
+    return initial

@@ -1,0 +1,101 @@
+"""`pretrain predict`: classification checkpoints label each row (with the probability of every
+label); sft checkpoints complete each prompt (greedy). Writes JSON lines or CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from pretrain import atomic
+from pretrain.classifier import SequenceClassifier
+from pretrain.config import FinetuneConfig, FinetuneDataConfig, ModelConfig, finetune_config_from_dict
+from pretrain.errors import UserError
+from pretrain.finetune.data import (
+    check_columns,
+    collate,
+    encode_classification,
+    padding_id,
+    read_split,
+    required_columns,
+)
+from pretrain.model import Transformer
+from pretrain.tokenizer import Tokenizer
+
+
+def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens: int = 64) -> int:
+    """Predictions for every row of `input_path`, written to `out_path`; returns the row count."""
+    from pretrain.inference import read_checkpoint, task_of
+
+    out = Path(out_path)
+    if out.suffix.lower() not in (".jsonl", ".csv"):
+        raise UserError(f"--out {out_path}: write .jsonl or .csv")
+    directory, run_config, state = read_checkpoint(checkpoint_path)
+    task = task_of(run_config)
+    if task == "pretrain":
+        raise UserError(f"{directory} is a pretraining checkpoint: fine-tune it first (`pretrain finetune`)")
+    cfg = finetune_config_from_dict(run_config)
+    model_cfg = ModelConfig(**run_config["model"])
+    tokenizer = Tokenizer.load(directory)
+    rows = read_split(FinetuneDataConfig(**{**asdict(cfg.data), "hub": None}), input_path, "input")
+    columns = required_columns(cfg)
+    needed = columns[:-1] if task == "classification" else columns[:1]  # no label / completion needed
+    check_columns(rows, needed, f"--input {input_path}")
+    max_length = cfg.finetune.max_length or model_cfg.max_seq_len
+    with torch.no_grad():
+        if task == "classification":
+            model = SequenceClassifier.from_state_dict(model_cfg, len(run_config["labels"]), state).eval()
+            records = _labels(model, rows, cfg, tokenizer, max_length, run_config["labels"])
+        else:
+            model = Transformer.from_state_dict(model_cfg, state).eval()
+            records = _completions(model, rows[cfg.data.prompt_column], tokenizer, max_length, max_new_tokens)
+    table = [dict(row) | record for row, record in zip(rows, records, strict=True)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out, _jsonl(table) if out.suffix.lower() == ".jsonl" else _csv(table))
+    return len(table)
+
+
+def _labels(
+    model, rows, cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: int, labels: list
+) -> list[dict]:
+    # A labelled input is predicted like any other (its labels stay in the output).
+    if cfg.data.label_column in rows.column_names:
+        rows = rows.remove_columns(cfg.data.label_column)
+    encoded = encode_classification(rows, cfg, tokenizer, max_length, labels)
+    pad_id, records = padding_id(tokenizer), []
+    for start in range(0, len(encoded.ids), 32):
+        batch = collate(encoded, list(range(start, min(start + 32, len(encoded.ids)))), pad_id, "cpu")
+        for p in model(batch["tokens"], batch["lengths"]).logits.softmax(-1).tolist():
+            best = max(range(len(labels)), key=p.__getitem__)
+            records.append(
+                {"prediction": labels[best], "probabilities": dict(zip(map(str, labels), p, strict=True))}
+            )
+    return records
+
+
+def _completions(model, prompts, tokenizer: Tokenizer, max_length: int, max_new_tokens: int) -> list[dict]:
+    from pretrain.inference import generate
+
+    records = []
+    for prompt in prompts:
+        ids = tokenizer.encode_document(str(prompt or ""))[-(max_length - max_new_tokens) :]
+        completion = generate(model, ids, max_new_tokens, 0.0, 0, 1.0, tokenizer.eos_id, torch.Generator())
+        records.append({"completion": tokenizer.decode(completion)})
+    return records
+
+
+def _jsonl(table: list[dict]) -> str:
+    return "".join(json.dumps(r, default=str) + "\n" for r in table)
+
+
+def _csv(table: list[dict]) -> str:
+    buffer = io.StringIO()
+    flat = [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in table]
+    writer = csv.DictWriter(buffer, fieldnames=list(flat[0]))
+    writer.writeheader()
+    writer.writerows(flat)
+    return buffer.getvalue()

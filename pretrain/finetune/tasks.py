@@ -1,0 +1,148 @@
+"""The loop's tasks for fine-tuning: batches from the encoded examples, held-out evaluation, and
+the run's results (RUN_DIR/eval_results.json).
+
+Examples are served one shuffled epoch after another, the same order at any restart: a rank's
+k-th micro-batch of the run holds the examples at positions ((k · world + rank) · micro ...) of
+that order, so the data position a checkpoint records is the count of micro-batches served.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain import atomic
+from pretrain.distributed import DistEnv, all_reduce_sum
+from pretrain.finetune.data import Encoded, collate, example_indices
+from pretrain.loss import IGNORE_INDEX
+
+EVAL_RESULTS = "eval_results.json"
+
+
+class FinetuneTask:
+    def __init__(
+        self, train: Encoded, validation: Encoded | None, micro_batch_size: int, pad_id: int,
+        seed: int, env: DistEnv, device, run_dir: str | Path,
+    ):  # fmt: skip
+        self.train, self.validation = train, validation
+        self.micro_batch_size, self.pad_id, self.seed, self.env, self.device = (
+            micro_batch_size,
+            pad_id,
+            seed,
+            env,
+            device,
+        )
+        self.run_dir = Path(run_dir)
+        self.micro_batches = 0  # served so far by this rank
+        self.last: list[int] = []
+        self.evaluates = validation is not None
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        position = (self.micro_batches * self.env.world_size + self.env.rank) * self.micro_batch_size
+        self.last = example_indices(len(self.train.ids), position, self.micro_batch_size, self.seed)
+        self.micro_batches += 1
+        return collate(self.train, self.last, self.pad_id, self.device)
+
+    def served(self) -> list:
+        return list(self.last)
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro_batches = state["micro_batches"]
+
+    def probe(self, engine, step: int) -> np.ndarray | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def _mine(self) -> list[int]:
+        """This rank's share of the validation examples: rank, rank + world, ..."""
+        return list(range(self.env.rank, len(self.validation.ids), self.env.world_size))
+
+    def finish(self, summary: dict) -> str | None:
+        if not summary["completed"]:
+            return None
+        final = (
+            summary["eval"][-1] if summary["eval"] and summary["eval"][-1]["step"] == summary["step"] else {}
+        )
+        results = {k: v for k, v in final.items() if k != "step"}
+        atomic.write_json(
+            self.run_dir / EVAL_RESULTS, {"task": summary["task"], "step": summary["step"], **results}
+        )
+        return f"done: {summary['step']} steps; validation {json.dumps(results) if results else 'not run (no data.validation)'}"
+
+
+class Classification(FinetuneTask):
+    def __init__(self, *args, num_labels: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_labels = num_labels
+
+    @torch.no_grad()
+    def evaluate(self, engine) -> dict:
+        """Accuracy and macro-F1: every rank predicts its share, the predictions are summed."""
+        engine.eval()
+        try:
+            predictions = torch.full((len(self.validation.ids),), -1, dtype=torch.long, device=self.device)
+            mine = self._mine()
+            for start in range(0, len(mine), self.micro_batch_size):
+                chunk = mine[start : start + self.micro_batch_size]
+                batch = collate(self.validation, chunk, self.pad_id, self.device)
+                logits = engine(batch["tokens"], batch["lengths"]).logits
+                predictions[torch.tensor(chunk, device=self.device)] = logits.argmax(-1)
+        finally:
+            engine.train()
+        predictions += 1  # -1 → 0 where another rank scored the example; sum over ranks
+        all_reduce_sum(predictions)
+        return classification_metrics((predictions - 1).tolist(), self.validation.labels, self.num_labels)
+
+
+class SFT(FinetuneTask):
+    @torch.no_grad()
+    def evaluate(self, engine) -> dict:
+        """The mean loss per completion token over the validation split (and its perplexity)."""
+        engine.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, target tokens
+        try:
+            mine = self._mine()
+            for start in range(0, len(mine), self.micro_batch_size):
+                batch = collate(
+                    self.validation, mine[start : start + self.micro_batch_size], self.pad_id, self.device
+                )
+                tokens = int((batch["targets"] != IGNORE_INDEX).sum())
+                loss = engine(batch["tokens"], batch["targets"]).loss
+                totals += torch.tensor(
+                    [loss.item() * tokens, tokens], dtype=torch.float64, device=self.device
+                )
+        finally:
+            engine.train()
+        all_reduce_sum(totals)
+        loss = (totals[0] / totals[1]).item()
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "examples": len(self.validation.ids)}
+
+
+def classification_metrics(predictions: list[int], labels: list[int], num_labels: int) -> dict:
+    """Accuracy and macro-F1 (the unweighted mean of each class's F1; a class never predicted
+    nor present counts as F1 0 only if it appears in either list)."""
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    f1s = []
+    for c in range(num_labels):
+        tp = int(np.sum((predictions == c) & (labels == c)))
+        fp = int(np.sum((predictions == c) & (labels != c)))
+        fn = int(np.sum((predictions != c) & (labels == c)))
+        if tp + fp + fn == 0:
+            continue
+        f1s.append(2 * tp / (2 * tp + fp + fn))
+    majority = np.bincount(labels, minlength=num_labels).max() / len(labels)
+    return {
+        "accuracy": float(np.mean(predictions == labels)),
+        "macro_f1": float(np.mean(f1s)),
+        "majority_baseline": float(majority),
+        "examples": len(labels),
+    }

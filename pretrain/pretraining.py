@@ -1,0 +1,176 @@
+"""Pretraining: a run config from its checks to the last step.
+
+`preflight` finds what can be wrong with the input before any process group starts (`pretrain
+launch` runs it too, before it starts the service or any process); `pretrain` starts the process
+group, builds the model, the DeepSpeed engine and the `LanguageModeling` task, restores a
+checkpoint, and hands them to the loop (`pretrain/train.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, find_resume
+from pretrain.config import RunConfig, config_hash, to_yaml
+from pretrain.data import BatchLoader, WindowStream, read_manifest
+from pretrain.distributed import DistEnv, configure_determinism, init_distributed
+from pretrain.engine import BatchPlan, deepspeed_config, initialize, plan_batches, zero_stage
+from pretrain.errors import UserError
+from pretrain.evaluation import attention_probe, validation_loss
+from pretrain.faults import FaultInjector
+from pretrain.flops import current_device_peak_flops, flops_per_token
+from pretrain.metrics import MetricsWriter
+from pretrain.model import Transformer
+from pretrain.monitor_link import MonitorLink
+from pretrain.schedules import lr_at
+from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.train import Cadence, Trainer
+
+
+def preflight(cfg: RunConfig, world_size: int) -> tuple[BatchPlan, dict, Path]:
+    """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
+    fault ranks."""
+    plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
+    for key in ("kill", "hang"):
+        rank = getattr(cfg.faults, f"{key}_rank")
+        if getattr(cfg.faults, f"{key}_step") is not None and rank >= world_size:
+            raise UserError(
+                f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
+            )
+    ds_config = deepspeed_config(cfg, plan)
+    return plan, ds_config, check_data(cfg)
+
+
+def check_data(cfg: RunConfig) -> Path:
+    if cfg.data.dir is None:
+        raise UserError(
+            "data.dir is not set: prepare a corpus with `pretrain data prepare` and pass data.dir=DIR"
+        )
+    data_dir = Path(cfg.data.dir)
+    manifest = read_manifest(data_dir)
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise UserError(
+            f"the data in {data_dir} uses a tokenizer of {vocab} pieces but model.vocab_size={cfg.model.vocab_size}: "
+            f"set model.vocab_size={vocab}"
+        )
+    return data_dir
+
+
+class LanguageModeling:
+    """Next-token prediction on windows of the token stream; held-out loss and the attention probe."""
+
+    def __init__(self, cfg: RunConfig, data_dir: Path, plan: BatchPlan, env: DistEnv, device):
+        self.data_dir, self.seq_len, self.env, self.run_dir = data_dir, cfg.data.seq_len, env, cfg.run.dir
+        self.micro_batch_size, self.eval_batches = plan.micro_batch_size, cfg.eval.batches
+        self.evaluates = cfg.eval.every > 0
+        self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
+        stream = WindowStream(data_dir, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
+        self.loader = BatchLoader(stream, plan.micro_batch_size, device)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        inputs, targets = next(self.loader)
+        return {"tokens": inputs, "targets": targets}
+
+    def served(self) -> list:
+        return list(self.loader.last_windows)
+
+    def evaluate(self, engine) -> dict[str, float]:
+        return validation_loss(
+            engine, self.data_dir, self.seq_len, self.micro_batch_size, self.eval_batches, self.env
+        )
+
+    def probe(self, engine, step: int) -> np.ndarray | None:
+        if not self.probe_text:
+            return None
+        return attention_probe(
+            engine, self._tokenizer, self.probe_text, self.max_seq_len, step, self.env.is_main
+        )
+
+    @functools.cached_property
+    def _tokenizer(self) -> Tokenizer:
+        return Tokenizer.load(self.data_dir / MODEL_FILE)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    def reshuffle(self, seed: int) -> None:
+        self.loader.reshuffle(seed)
+
+    def pause(self) -> None:
+        self.loader.close()
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def finish(self, summary: dict) -> str | None:
+        if not summary["completed"]:
+            return None
+        return f"done: {summary['step']} steps, {summary['tokens']:,} tokens; run directory {self.run_dir}"
+
+
+def pretrain(cfg: RunConfig) -> dict:
+    """Train as `cfg` says, on every rank the launcher started; returns the run's summary."""
+    env = DistEnv.from_environ()
+    plan, ds_config, data_dir = preflight(cfg, env.world_size)  # all bad input is found here
+    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, env.world_size)
+    configure_determinism(cfg.run.deterministic)
+    init_distributed(env)
+    if env.is_main:
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    engine, optimizer = initialize(
+        Transformer(cfg.model), cfg, resume.deepspeed_config(ds_config) if resume else ds_config
+    )
+    return build_trainer(cfg, env, engine, optimizer, plan, data_dir, resume, zero_stage(ds_config)).train()
+
+
+def build_trainer(
+    cfg: RunConfig,
+    env: DistEnv,
+    engine,
+    optimizer,
+    plan: BatchPlan,
+    data_dir: Path,
+    resume: Resume | None,
+    zero: int,
+) -> Trainer:
+    """Everything the loop needs around an engine: the task, checkpoints (restored when resuming),
+    metrics, faults and the monitor link."""
+    run_dir = Path(cfg.run.dir)
+    task = LanguageModeling(cfg, data_dir, plan, env, engine.device)
+    checkpointer = Checkpointer(
+        run_dir, env, cfg.checkpoint.keep, asdict(cfg), data_dir / MODEL_FILE, config_hash(cfg)
+    )
+    state = TrainState()
+    if resume is not None:
+        state = checkpointer.restore(engine, resume)
+        task.load_state_dict(resume.data)
+    writer = MetricsWriter(run_dir, cfg.train.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
+    monitor = MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device) if cfg.monitor.enabled else None
+    if monitor is not None:
+        writer.band_layout()
+    writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
+    writer.message(
+        f"training {cfg.model.preset or 'model'} on {env.world_size} process(es), ZeRO-{zero} bf16: "
+        f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
+        + (f" (resumed from {resume.tag})" if resume else "")
+    )
+    return Trainer(
+        env, run_dir, engine, optimizer, task,
+        Cadence(cfg.train.steps, cfg.logging.every, cfg.eval.every, cfg.checkpoint.every,
+                cfg.logging.layer_grad_norms_every, cfg.train.stop_at_step),
+        functools.partial(lr_at, peak_lr=cfg.optim.lr, total_steps=cfg.train.steps, schedule=cfg.schedule,
+                          d_model=cfg.model.d_model),
+        plan.grad_accum, writer, checkpointer, FaultInjector(cfg.faults, run_dir, env.rank), monitor,
+        flops_per_token(cfg.model, cfg.data.seq_len).total, cfg.engine.peak_flops or current_device_peak_flops(),
+        cfg.logging.data_trace, state, summary={"world_size": env.world_size, "zero_stage": zero},
+    )  # fmt: skip

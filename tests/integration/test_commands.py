@@ -1,0 +1,81 @@
+"""Commands as a user runs them, each in its own process: the console script, the demo, the data
+and monitoring benchmarks."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("pretrain")
+    assert exe, "pip install -e . should put a `pretrain` console script on PATH"
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "flops" in result.stdout and "config" in result.stdout
+
+
+def test_demo_runs_the_whole_path(tmp_path):
+    """The README's main command, shortened: tokenizer, shards, 2-process ZeRO-2 bf16 training."""
+    result = run("demo", "--out", str(tmp_path / "demo"), "--steps", "8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "demo" / "run" / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 2 and summary["completed"]
+    assert [e["step"] for e in summary["eval"]] == [0, 4, 8]
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 0.5
+    assert "tensorboard --logdir" in result.stdout and "pretrain generate" in result.stdout
+    assert (tmp_path / "demo" / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+
+
+def test_bench_data_prints_the_figures():
+    result = run("bench", "data", "--json", "--quick")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    for key in (
+        "stream_tokens_per_sec",
+        "prepare_tokens_per_sec_1_worker",
+        "prepare_tokens_per_sec_2_workers",
+    ):
+        assert figures[key] > 0, key
+    assert figures["prepare_output_identical"] is True
+
+
+def test_bench_monitor_measures_the_overhead_and_acts_on_a_spike_at_once():
+    result = run("bench", "monitor", "--json", "--quick")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["step_ms_without_monitor"] > 0 and figures["step_ms_with_monitor"] > 0
+    assert 0 < figures["report_round_trip_ms_median"] < figures["step_ms_without_monitor"]
+    assert figures["spike_answer"] == "rollback"
+    assert figures["rollback_event_steps"] == [figures["spike_reported_at_step"]]
+
+
+def test_the_wheel_carries_every_config(tmp_path):
+    """A non-editable install has all of configs/ (under <prefix>/share/pretrain, where
+    pretrain.config.config_dir finds it)."""
+    import zipfile
+
+    from pretrain.config import REPO_CONFIG_DIR
+
+    root = REPO_CONFIG_DIR.parent
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "pretrain", "monitoring", "configs"):
+        copy = shutil.copytree if (root / name).is_dir() else shutil.copy
+        copy(root / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("pretrain-*.whl")
+    shipped = {
+        n.split("/share/pretrain/", 1)[1]
+        for n in zipfile.ZipFile(wheel).namelist()
+        if "/share/pretrain/" in n
+    }
+    in_repo = {str(p.relative_to(root)) for p in (root / "configs").rglob("*") if p.is_file()}
+    assert shipped == in_repo

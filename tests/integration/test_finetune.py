@@ -1,0 +1,156 @@
+"""Fine-tuning with real DeepSpeed runs: classification (single texts and pairs, 2 processes under
+the DeepSpeed launcher and under accelerate) and SFT, starting from the golden pretraining run,
+then predictions from the fine-tuned checkpoints."""
+
+import csv
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from pretrain.cli import main as cli_main
+from pretrain.distributed import free_port
+from tests.finetune_data import (
+    CLASSIFICATION,
+    FILLER,
+    SFT,
+    TINY_FT,
+    sentiment_rows,
+    write_csv,
+    write_jsonl,
+)
+
+
+@pytest.fixture(scope="module")
+def pretrained(golden_run):
+    """The starting point of every test: the golden pretraining run (2 processes, ZeRO-2)."""
+    return golden_run
+
+
+@pytest.fixture(scope="module")
+def sentiment(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sentiment")
+    return write_csv(directory / "train.csv", sentiment_rows(192, 0)), write_csv(
+        directory / "val.csv", sentiment_rows(64, 1)
+    )
+
+
+def events(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"))
+    accumulator.Reload()
+    return [(e.step, e.value) for e in accumulator.Scalars(tag)]
+
+
+def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pretrained, sentiment):
+    train_csv, val_csv = sentiment
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+         "--module", "pretrain.finetune", "--config", CLASSIFICATION, f"finetune.init={pretrained}",
+         f"data.train={train_csv}", f"data.validation={val_csv}", f"run.dir={run_dir}", "train.micro_batch_size=4",
+         "finetune.epochs=4", "eval.every=12", *TINY_FT[1:]],
+        capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((run_dir / "eval_results.json").read_text())
+    assert results["task"] == "classification" and results["examples"] == 64
+    assert results["majority_baseline"] == 0.5
+    assert results["accuracy"] >= 0.85 and results["macro_f1"] >= 0.85, results
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 96  # 4 epochs × 192 / (4 × 2)
+    accuracy = events(run_dir, "eval/accuracy")
+    assert accuracy[0][0] == 0 and accuracy[-1] == (96, pytest.approx(results["accuracy"]))
+    assert (run_dir / "checkpoints" / "step_00000096" / "complete.json").is_file()
+
+    out = tmp_path / "predictions.jsonl"
+    assert (
+        cli_main(["predict", "--checkpoint", str(run_dir), "--input", str(val_csv), "--out", str(out)]) == 0
+    )
+    predictions = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(predictions) == 64
+    agree = sum(p["prediction"] == p["label"] for p in predictions) / 64
+    assert agree == pytest.approx(results["accuracy"])  # the same weights, consolidated for the CPU
+    assert all(abs(sum(p["probabilities"].values()) - 1) < 1e-5 for p in predictions)
+
+
+def test_pair_classification_under_accelerate(tmp_path, pretrained):
+    rows = sentiment_rows(96, 2)
+    for row in rows:  # the keyword moves to the second text: the head must read past the separator
+        row["text"], row["other"] = row["other"], row["text"]
+    train_csv = write_csv(tmp_path / "train.csv", rows)
+    val_csv = write_csv(tmp_path / "val.csv", sentiment_rows(32, 3))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+         "-m", "pretrain.finetune", "--config", CLASSIFICATION, f"finetune.init={pretrained}",
+         f"data.train={train_csv}", f"data.validation={val_csv}", "data.text_pair_column=other",
+         f"run.dir={run_dir}", "train.micro_batch_size=4", "train.steps=6", *TINY_FT[1:]],
+        capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    results = json.loads((run_dir / "eval_results.json").read_text())
+    assert set(results) >= {"accuracy", "macro_f1"}
+
+
+def test_sft_lowers_the_validation_loss_and_the_checkpoint_generates(tmp_path, pretrained):
+    rng = random.Random(0)
+
+    def rows(count):
+        out = []
+        for _ in range(count):
+            words = rng.sample(FILLER, 3)
+            out.append({"prompt": "repeat: " + " ".join(words) + " =>", "completion": " " + " ".join(words)})
+        return out
+
+    train, val = (
+        write_jsonl(tmp_path / "train.jsonl", rows(96)),
+        write_jsonl(tmp_path / "val.jsonl", rows(24)),
+    )
+    run_dir = tmp_path / "run"
+    code = cli_main(["finetune", "--config", SFT, f"finetune.init={pretrained}", f"data.train={train}",
+                     f"data.validation={val}", f"run.dir={run_dir}", "train.steps=30", *TINY_FT])  # fmt: skip
+    assert code == 0
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    losses = [e["loss"] for e in summary["eval"]]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert json.loads((run_dir / "eval_results.json").read_text())["loss"] == pytest.approx(losses[-1])
+    generated = subprocess.run(
+        [sys.executable, "-m", "pretrain", "generate", "--checkpoint", str(run_dir), "--prompt", "repeat: the list =>",
+         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert generated.returncode == 0 and generated.stdout.startswith("repeat: the list =>"), generated.stderr
+    out = tmp_path / "completions.csv"
+    assert cli_main(["predict", "--checkpoint", str(run_dir), "--input", str(val), "--out", str(out)]) == 0
+    with open(out) as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 24 and all("completion" in row for row in table)
+
+
+def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncation(tmp_path, pretrained):
+    """finetune.init may be an exported Llama directory; labels may be integers; long examples
+    are truncated to finetune.max_length and counted."""
+    import datasets
+
+    export = subprocess.run([sys.executable, "-m", "pretrain", "export-hf", "--checkpoint", str(pretrained), "--out",
+                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    rows = sentiment_rows(32, 4)
+    for i, row in enumerate(rows):
+        row["label"] = int(row["label"] == "positive") * 7  # integers 0 and 7
+        if i % 4 == 0:
+            row["text"] = " ".join([row["text"]] * 6)  # about 40+ tokens: over max_length
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    run_dir = tmp_path / "run"
+    code = cli_main(["finetune", "--config", CLASSIFICATION, f"finetune.init={tmp_path / 'hf'}",
+                     f"data.train={tmp_path / 'train.parquet'}", f"data.validation={tmp_path / 'train.parquet'}",
+                     "finetune.max_length=24", f"run.dir={run_dir}", "train.steps=2", *TINY_FT])  # fmt: skip
+    assert code == 0
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["train_truncated"] == 8 and summary["validation_truncated"] == 8
+    run_config = json.loads((run_dir / "checkpoints" / "step_00000002" / "run_config.json").read_text())
+    assert run_config["labels"] == [0, 7] and run_config["init_source"].startswith("Hugging Face model")
+    assert set(json.loads((run_dir / "eval_results.json").read_text())) >= {"accuracy", "macro_f1"}

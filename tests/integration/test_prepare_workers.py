@@ -1,0 +1,67 @@
+"""`data prepare` with several tokenizer worker processes: the same bytes as one worker."""
+
+import pretrain.data.prepare as prepare_module
+from pretrain.data import prepare_dataset, resolve_source
+from pretrain.tokenizer import Tokenizer
+from tests.unit.test_prepare import DOCS, interleave, read_split, write_jsonl
+from tests.unit.test_prepare import test_round_trip_and_manifest as round_trip
+
+
+def test_round_trip_and_manifest_with_two_workers(tmp_path, tokenizer_dir):
+    round_trip(tmp_path, tokenizer_dir, workers=2)
+
+
+def test_output_is_byte_identical_for_any_worker_count(tmp_path, tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 7)  # many batches in flight, out of order
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS * 20)))
+    outputs = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        prepare_dataset(
+            source, tokenizer_dir, out, val_fraction=0.05, shard_tokens=4096, workers=workers, progress=False
+        )
+        outputs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert len(outputs[0]) > 4
+
+
+def test_long_documents_are_tokenized_in_pieces_and_round_trip(tmp_path, tokenizer_dir, monkeypatch):
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    text = "\n".join(topics[k] for k in sorted(topics))
+    long_doc = (text * (3_000_000 // len(text) + 1))[:3_000_000]
+    no_newline = "é日🤗 word" * 3000  # 27,000 characters without a newline: hard cuts
+    # Document 4 of 10 is held out at F = 0.2 (and so is document 9).
+    docs = ["short one", "short two\n", "\n" + no_newline + "\ntail", DOCS[0], long_doc, *DOCS[1:6]]
+    source = resolve_source(str(write_jsonl(tmp_path / "long.jsonl", docs)))
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 10_000)
+    longest = []
+    encode_batch = Tokenizer.encode_batch
+    monkeypatch.setattr(
+        Tokenizer,
+        "encode_batch",
+        lambda self, texts: longest.append(max(map(len, texts))) or encode_batch(self, texts),
+    )
+    tok = Tokenizer.load(tokenizer_dir)
+    outputs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        manifest = prepare_dataset(
+            source, tokenizer_dir, out, val_fraction=0.2, shard_tokens=50_000, workers=workers, progress=False
+        )
+        train, val = read_split(out, manifest, "train", tok), read_split(out, manifest, "validation", tok)
+        assert interleave(train, val, 0.2) == docs  # exact, though cut into pieces
+        assert (
+            manifest["splits"]["train"]["documents"] == 8
+            and manifest["splits"]["validation"]["documents"] == 2
+        )
+        assert long_doc in val  # the hold-out is per document, not per piece
+        outputs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
+    assert outputs[0] == outputs[1]
+    assert max(longest) <= 10_000, "one encode call never sees more than a piece"
+    # A tokenizer that puts a dummy prefix before every encode call gets whole documents.
+    monkeypatch.setattr(Tokenizer, "adds_dummy_prefix", property(lambda self: True))
+    longest.clear()
+    prepare_dataset(source, tokenizer_dir, tmp_path / "whole", val_fraction=0.2, progress=False)
+    assert max(longest) == len(long_doc)

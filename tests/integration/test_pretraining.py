@@ -1,0 +1,241 @@
+"""Real multi-process DeepSpeed runs on CPU (gloo): ZeRO stages, exact resume, world-size change,
+SIGTERM, TensorBoard, export, the two-"node" launcher mode. Most read the one golden run
+(2 processes, ZeRO-2, 20 steps; tests/integration/golden.py) instead of training their own."""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pretrain.config import REPO_CONFIG_DIR
+from pretrain.distributed import free_port
+from tests.integration.golden import OVERRIDES as GOLDEN
+from tests.integration.runs import FAST, TINY, events, launcher, metrics, torchrun, train, train_state
+
+
+def assert_learns(run_dir, last_step: int):
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    evals = [e["loss"] for e in summary["eval"]]
+    assert evals[0] > math.log(512) - 0.3, "the untrained model starts near a uniform guess"
+    assert evals[-1] < evals[0] - 0.3, evals
+    steps = metrics(run_dir)
+    assert steps[last_step]["train/loss"] < steps[1]["train/loss"]
+    return summary
+
+
+def test_zero2_learns_and_checkpoints(golden_run):
+    summary = assert_learns(golden_run, 20)
+    assert summary["zero_stage"] == 2 and summary["world_size"] == 2 and summary["completed"]
+    assert [e["step"] for e in summary["eval"]] == [0, 10, 20]
+    assert (golden_run / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    for step in (10, 20):
+        directory = golden_run / "checkpoints" / f"step_{step:08d}"
+        assert (directory / "complete.json").is_file()
+        assert {"train_state.json", "run_config.json", "tokenizer.model", "rng_rank_00000.json",
+                "rng_rank_00001.json"} <= {p.name for p in directory.iterdir()}  # fmt: skip
+    state = train_state(golden_run, 20)
+    assert state["step"] == 20 and state["world_size"] == 2 and state["tokens"] == 20 * 2 * 2 * 512
+    assert state["data"]["consumed"] == 20 * 2 * 2  # global windows: steps × micro-batch × ranks
+
+
+def single_node_script(nproc: int, monkeypatch) -> list[str]:
+    monkeypatch.setenv("NPROC", str(nproc))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    return ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_other_zero_stages_learn(tmp_path, train_data, stage, monkeypatch):
+    # ZeRO-1 goes through launch/single_node.sh, ZeRO-3 through the launcher directly.
+    command = single_node_script(2, monkeypatch) if stage == 1 else launcher(2)
+    train(command, tmp_path, train_data, "train.steps=6", "checkpoint.every=6", "eval.every=6",
+          f"engine.deepspeed_config=configs/deepspeed/zero{stage}.json")  # fmt: skip
+    assert assert_learns(tmp_path, 6)["zero_stage"] == stage
+
+
+def copy_checkpoint(golden_run, run_dir, step: int) -> None:
+    tag = f"step_{step:08d}"
+    shutil.copytree(golden_run / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
+
+
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, golden_run, train_data):
+    """The golden run's step-10 checkpoint, resumed under torchrun (the golden run used the
+    DeepSpeed launcher): steps 11-20 and the final data position are the golden run's."""
+    copy_checkpoint(golden_run, tmp_path, 10)
+    result = train(torchrun(2), tmp_path, train_data, *GOLDEN, "checkpoint.resume=auto")
+    assert "resumed from step_00000010" in result.stdout
+    ours, theirs = metrics(tmp_path), metrics(golden_run)
+    assert sorted(ours) == list(range(11, 21))
+    for step in range(11, 21):
+        assert ours[step]["train/loss"] == theirs[step]["train/loss"], step
+        assert ours[step]["train/grad_norm"] == theirs[step]["train/grad_norm"], step
+    for key in ("data", "params_sha256", "tokens"):
+        assert train_state(tmp_path, 20)[key] == train_state(golden_run, 20)[key], key
+
+
+def test_resume_with_another_world_size(tmp_path, golden_run, train_data):
+    """2 processes → 1 (grad_accum 2 keeps the global batch) through DeepSpeed's universal
+    checkpoint; an incomplete newer checkpoint is skipped."""
+    copy_checkpoint(golden_run, tmp_path, 10)
+    partial = tmp_path / "checkpoints" / "step_00000015"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"half-written")
+    result = train(launcher(1), tmp_path, train_data, *GOLDEN, "train.grad_accum=2", "train.stop_at_step=13",
+                   "checkpoint.resume=auto")  # fmt: skip
+    assert "skipping checkpoint" in result.stderr and "step_00000015" in result.stderr
+    assert "resumed from step_00000010" in result.stdout
+    assert (tmp_path / "checkpoints" / "universal" / "step_00000010" / "complete.json").is_file()
+    state = train_state(tmp_path, 13)
+    assert state["world_size"] == 1 and state["data"]["consumed"] == 13 * 4  # the same data position
+    ours, theirs = metrics(tmp_path), metrics(golden_run)
+    for step in (11, 12, 13):  # the same batches; only the reduction order differs
+        assert ours[step]["train/loss"] == pytest.approx(theirs[step]["train/loss"], rel=2e-3), step
+
+
+def test_sigterm_saves_and_exits(tmp_path, train_data):
+    args = [*launcher(2), "--config", TINY, f"run.dir={tmp_path}", f"data.dir={train_data}", *FAST,
+            "train.steps=500", "checkpoint.every=1000", "eval.every=0"]  # fmt: skip
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and not (
+        (tmp_path / "metrics.jsonl").exists()
+        and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 3
+    ):
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGTERM)  # what a scheduler does: every process of the job
+    output, _ = process.communicate(timeout=180)
+    tag = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(tag.removeprefix("step_"))
+    assert 3 <= step < 500, output[-3000:]
+    assert (tmp_path / "checkpoints" / tag / "complete.json").is_file()
+    assert "stop requested: saved" in output
+    assert json.loads((tmp_path / "train_summary.json").read_text())["completed"] is False
+
+
+def test_tensorboard_tags(golden_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events_ = EventAccumulator(str(golden_run / "tensorboard"))
+    events_.Reload()
+    scalars = set(events_.Tags()["scalars"])
+    expected = {
+        "train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/tokens_per_sec_per_device",
+        "train/mfu", "train/step_time", "train/memory_gb", "train/skipped_steps", "train/tokens",
+        "train/grad_norm/embeddings", "train/grad_norm/layers.0", "train/grad_norm/layers.1", "train/grad_norm/head",
+        "eval/loss", "eval/perplexity",
+    }  # fmt: skip
+    assert expected <= scalars, expected - scalars
+    losses = {e.step: e.value for e in events_.Scalars("train/loss")}
+    assert sorted(losses) == list(range(1, 21))
+    for step, record in metrics(golden_run).items():
+        assert losses[step] == pytest.approx(record["train/loss"], rel=1e-6)
+    assert [e.step for e in events_.Scalars("eval/loss")] == [0, 10, 20]
+    assert "config/text_summary" in events_.Tags()["tensors"]
+    # The attention maps of eval.attention_probe, at every evaluation, as PNG images.
+    images = events_.Images("attention/probe")
+    assert [i.step for i in images] == [0, 10, 20]
+    assert images[0].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n" and images[0].width > 100
+    # The per-group norms compose the global norm.
+    at2 = metrics(golden_run)[2]
+    groups = [v for k, v in at2.items() if k.startswith("train/grad_norm/")]
+    assert math.sqrt(sum(g * g for g in groups)) == pytest.approx(at2["train/grad_norm"], rel=1e-3)
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_attention_command_draws_the_grid_and_the_head_view(tmp_path, golden_run):
+    import matplotlib.image
+
+    result = run_cli("attention", "--checkpoint", str(golden_run), "--text", "def main(): return 0", "--out",
+                     str(tmp_path / "maps" / "probe"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "2 layers x 4 heads" in result.stdout
+    png = matplotlib.image.imread(tmp_path / "maps" / "probe.png")
+    assert png.ndim == 3 and png.shape[0] > 100
+    page = (tmp_path / "maps" / "probe.html").read_text()
+    assert "<select" in page and "http" not in page
+    bad = run_cli("attention", "--checkpoint", str(golden_run), "--text", "", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_export_hf_loads_in_transformers_with_equal_logits(tmp_path, golden_run):
+    transformers = pytest.importorskip("transformers")
+    from pretrain.inference import load_trained
+
+    result = run_cli("export-hf", "--checkpoint", str(golden_run), "--out", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = load_trained(golden_run).model
+    tokens = torch.randint(0, 512, (2, 64))
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours(tokens).logits).abs().max().item() <= 1e-4
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 2
+
+
+def test_eval_and_generate(golden_run, train_data):
+    result = run_cli("eval", "--checkpoint", str(golden_run), "--data", str(train_data), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    trained_eval = json.loads((golden_run / "train_summary.json").read_text())["eval"][-1]["loss"]
+    assert abs(report["loss"] - trained_eval) < 0.3
+    assert report["perplexity"] == pytest.approx(math.exp(report["loss"]))
+    args = ["generate", "--checkpoint", str(golden_run), "--prompt", "The list", "--max-new-tokens", "12",
+            "--temperature", "0"]  # fmt: skip
+    outputs = [run_cli(*args) for _ in range(2)]
+    assert outputs[0].returncode == 0, outputs[0].stderr
+    assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.startswith("The list")
+
+
+def test_two_nodes_without_ssh_match_one_node(tmp_path, golden_run, train_data):
+    """launch/multi_node.sh in the launcher's no-ssh mode, two "nodes" on loopback, one process
+    each: the first 6 steps are the golden run's, bit for bit."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    run_dir = tmp_path / "run"
+    script = REPO_CONFIG_DIR.parent / "launch" / "multi_node.sh"
+    env = os.environ | {
+        "HOSTFILE": str(hostfile),
+        "NO_SSH": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    nodes = []
+    for node_rank in (1, 0):
+        args = ["bash", str(script), "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
+                *GOLDEN, "train.stop_at_step=6", "eval.every=0"]  # fmt: skip
+        node_env = env | {"NODE_RANK": str(node_rank)}
+        nodes.append(
+            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env)
+        )
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[1][-3000:]
+    ours, theirs = metrics(run_dir), metrics(golden_run)
+    assert [ours[s]["train/loss"] for s in range(1, 7)] == [theirs[s]["train/loss"] for s in range(1, 7)]
+    # Both nodes went through `pretrain launch`; node 0 ran the service, which saw every step.
+    log = events(run_dir)
+    assert [e["step"] for e in log if e["type"] == "step"] == [1, 2, 3, 4, 5, 6]
+    assert not [e for e in log if e["type"] != "step"]  # a clean run: no rollback, no restart
+    assert json.loads((run_dir / "monitor" / "supervisor.json").read_text())["state"] == "completed"
+
+
+def test_batch_size_mismatch_is_refused_before_any_process_group(tmp_path, train_data):
+    result = train(launcher(2), tmp_path, train_data, "train.global_batch_size=7", check=False)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert len(errors) == 1 and "train.global_batch_size=7" in errors[0] and "2 processes = 4" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,57 @@
+"""The unit tier: no process group and no subprocess; everything runs in this Python process."""
+
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """`pretrain ARGS...` run in this process: its exit status and what it printed."""
+    from pretrain.cli import main
+
+    def run(*args: str) -> Result:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit:  # argparse's usage errors and --help
+            code = exit.code
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_group_and_no_subprocess():
+    """The tier's promise, kept: starting a subprocess, forking, or creating a process group fails."""
+    import os
+    import subprocess
+
+    import torch.distributed
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"the unit tier must not {what}; such tests belong in tests/integration")
+
+        return refused
+
+    patches = [
+        (subprocess.Popen, "_execute_child", refuse("start a subprocess")),
+        (os, "fork", refuse("fork")),
+        (os, "posix_spawn", refuse("spawn a process")),
+        (torch.distributed, "init_process_group", refuse("create a process group")),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    yield
+    for owner, name, original in saved:
+        setattr(owner, name, original)

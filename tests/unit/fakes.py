@@ -1,0 +1,130 @@
+"""A stand-in for DeepSpeed's engine in one plain process (the unit tier has no process group), after
+torchtitan's unit tests of its checkpointer: the part of the engine's interface the loop, the
+checkpointer and the rollback use, around a real model and the project's own optimizer. The
+real engine is exercised by the integration tier; these tests are about everything around it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from pretrain.checkpoint.checkpointer import find_resume
+from pretrain.config import FinetuneConfig, RunConfig
+from pretrain.distributed import DistEnv
+from pretrain.engine import make_optimizer, plan_batches
+from pretrain.finetune import finetuning
+from pretrain.finetune.finetuning import check_inputs
+from pretrain.model import Transformer
+from pretrain.pretraining import build_trainer, preflight
+from pretrain.train import Trainer
+
+ONE_PROCESS = DistEnv(rank=0, local_rank=0, world_size=1)
+
+
+class FakeEngine:
+    """Forward, backward scaled by the accumulation steps, a step that clips and skips a step
+    with non-finite gradients (as DeepSpeed's bf16 overflow check does), and save/load of the
+    weights and the optimizer in a directory per tag."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        grad_accum: int = 1,
+        clip: float = 1.0,
+    ):
+        self.module, self.optimizer = module, optimizer
+        self.grad_accum, self.clip = grad_accum, clip
+        self.device = torch.device("cpu")
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self.grad_norm: float | None = None
+        self.saved: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip > 0 else math.inf)
+        self.grad_norm = float(norm)
+        if math.isfinite(self.grad_norm):
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.grad_norm
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+    def save_checkpoint(
+        self, save_dir: str, tag: str, client_state: dict | None = None, save_latest: bool = True
+    ) -> None:
+        directory = Path(save_dir) / tag
+        directory.mkdir(parents=True, exist_ok=True)
+        save_model(self.module, str(directory / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        counters = {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+        (directory / "engine.json").write_text(json.dumps(counters))
+        self.saved.append(tag)
+
+    def load_checkpoint(
+        self, load_dir: str, tag: str, load_module_strict: bool = True, load_lr_scheduler_states: bool = True
+    ):
+        directory = Path(load_dir) / tag
+        load_model(self.module, str(directory / "model.safetensors"), strict=load_module_strict)
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        counters = json.loads((directory / "engine.json").read_text())
+        self.micro_steps, self.global_steps = counters["micro_steps"], counters["global_steps"]
+        return str(directory), {}
+
+
+def pretraining_trainer(cfg: RunConfig) -> Trainer:
+    """`pretrain.pretraining.pretrain` up to the loop, in this process, with a FakeEngine where
+    DeepSpeed's would be: the same checks, task, checkpointer, resume, writer, faults and monitor link."""
+    plan, _, data_dir = preflight(cfg, 1)
+    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, 1)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    model = Transformer(cfg.model)
+    engine = FakeEngine(model, make_optimizer(model, cfg, {}), plan.grad_accum, cfg.train.grad_clip)
+    return build_trainer(cfg, ONE_PROCESS, engine, engine.optimizer, plan, data_dir, resume, zero=0)
+
+
+def finetuning_trainer(cfg: FinetuneConfig) -> Trainer:
+    """`pretrain.finetune.finetune` up to the loop, in this process, with a FakeEngine."""
+    plan = plan_batches(cfg.train, 0, 1)
+    inputs = check_inputs(cfg, plan)
+    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, 1)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    model = inputs.model()
+    engine = FakeEngine(model, make_optimizer(model, cfg, {}), plan.grad_accum, cfg.train.grad_clip)
+    return finetuning.build_trainer(cfg, ONE_PROCESS, engine, engine.optimizer, plan, inputs, resume, zero=0)

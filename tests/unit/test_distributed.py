@@ -1,0 +1,93 @@
+"""Who a process is, the collectives without a process group, the stop request, and exit statuses."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from pretrain.distributed import DistEnv, StopRequest, all_reduce_sum, barrier, broadcast
+from pretrain.errors import CommandParser, ConfigError, ExitCode, UserError, run_main
+
+
+def test_one_plain_process_is_rank_0_of_1(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    env = DistEnv.from_environ()
+    assert env == DistEnv(0, 0, 1) and env.is_main
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
+
+
+def test_a_launchers_variables_say_who_a_process_is(monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    env = DistEnv.from_environ()
+    assert env == DistEnv(5, 1, 8) and not env.is_main
+
+
+def test_collectives_of_one_process_without_a_group_are_the_identity(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    t = torch.tensor([1.0, 2.0])
+    assert all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert broadcast(t).tolist() == [1.0, 2.0]
+    barrier()
+
+
+def test_a_collective_of_several_ranks_without_a_group_is_a_bug(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="before the process group started"):
+        all_reduce_sum(torch.zeros(1))
+
+
+def test_stop_request_a_flag_then_an_interrupt_and_the_old_handlers_back():
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested  # the ranks agree on it at the next step boundary
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second one does not wait
+    assert signal.getsignal(signal.SIGINT) == previous
+
+
+def test_exit_statuses_are_one_table():
+    assert [int(c) for c in (ExitCode.DONE, ExitCode.BAD_INPUT, ExitCode.STOPPED_BY_MONITOR)] == [0, 2, 3]
+    assert UserError.exit_code == ConfigError.exit_code == ExitCode.BAD_INPUT
+
+
+def test_run_main_turns_bad_input_into_one_line_and_status_2(capsys, monkeypatch):
+    def bad():
+        raise ConfigError("model.d_model=100 is not divisible by model.n_heads=3: choose n_heads ...")
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_main(bad) == 2
+    assert (
+        capsys.readouterr().err
+        == "pretrain: error: model.d_model=100 is not divisible by model.n_heads=3: choose n_heads ...\n"
+    )
+    monkeypatch.setenv("RANK", "1")  # every rank found it; rank 0 says it
+    assert run_main(bad) == 2 and capsys.readouterr().err == ""
+    with pytest.raises(ConfigError):
+        run_main(bad, debug=True)
+    assert run_main(lambda: ExitCode.STOPPED_BY_MONITOR) == 3
+
+
+def test_run_main_turns_ctrl_c_into_status_130(capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_main(interrupted, prog="python -m monitoring") == 130
+    assert capsys.readouterr().err == "python -m monitoring: interrupted\n"
+
+
+def test_usage_errors_are_one_line_too(capsys):
+    parser = CommandParser(prog="pretrain")
+    parser.add_argument("--steps", type=int, required=True)
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args(["--steps", "many"])
+    assert exit.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "invalid int value: 'many'" in line and "see `pretrain --help`" in line

@@ -1,0 +1,186 @@
+"""Fine-tuning's pieces: truncation, batches, metrics, and every bad input (refused in this process,
+before anything is written)."""
+
+import pytest
+import torch
+
+from pretrain.config import load_config
+from pretrain.finetune.data import Encoded, collate, fit_pair
+from pretrain.finetune.tasks import classification_metrics
+from pretrain.loss import IGNORE_INDEX
+from tests.finetune_data import CLASSIFICATION, sentiment_rows, write_csv
+from tests.helpers import FAST, TINY, assert_one_line_error
+from tests.unit.fakes import pretraining_trainer
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, train_data):
+    """A pretraining run written in this process (tests/unit/fakes.py): complete checkpoints with
+    our run_config.json and tokenizer, all that the checks before any weights are read look at."""
+    run_dir = tmp_path_factory.mktemp("pretrained")
+    overrides = [
+        f"run.dir={run_dir}",
+        f"data.dir={train_data}",
+        "train.steps=2",
+        "checkpoint.every=2",
+        "eval.every=0",
+    ]
+    pretraining_trainer(load_config(TINY, [*FAST, *overrides])).train()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def sentiment(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sentiment")
+    return write_csv(directory / "train.csv", sentiment_rows(192, 0)), write_csv(
+        directory / "val.csv", sentiment_rows(64, 1)
+    )
+
+
+def testfit_pair_shortens_the_longer_segment_first():
+    a, b = fit_pair(list(range(10)), list(range(3)), 8)
+    assert (len(a), len(b)) == (5, 3)
+    a, b = fit_pair(list(range(10)), list(range(10)), 8)
+    assert (len(a), len(b)) == (4, 4) and a == [0, 1, 2, 3]
+
+
+def test_sft_batches_mask_the_prompt_and_the_padding():
+    encoded = Encoded("sft", [[1, 10, 11, 12, 20, 21, 2], [1, 13, 22, 2]], None, [4, 2], 0)
+    batch = collate(encoded, [0, 1], pad_id=3, device="cpu")
+    assert batch["tokens"].tolist() == [[1, 10, 11, 12, 20, 21], [1, 13, 22, 3, 3, 3]]
+    m = IGNORE_INDEX
+    assert batch["targets"].tolist() == [[m, m, m, 20, 21, 2], [m, 22, 2, m, m, m]]
+    # The loss is the mean over completion tokens only: prompt logits do not move it.
+    from pretrain.model import Transformer
+    from tests.conftest import small_model_config
+
+    model = Transformer(small_model_config(vocab_size=32))
+    loss = model(batch["tokens"], batch["targets"]).loss
+    logits = model(batch["tokens"]).logits
+    keep = batch["targets"] != m
+    manual = torch.nn.functional.cross_entropy(logits[keep], batch["targets"][keep])
+    assert torch.allclose(loss, manual)
+
+
+def test_classification_metrics():
+    m = classification_metrics([0, 0, 1, 1, 2], [0, 1, 1, 1, 2], 3)
+    assert m["accuracy"] == pytest.approx(0.8)
+    # F1 per class: 0 → 2/3, 1 → 0.8, 2 → 1
+    assert m["macro_f1"] == pytest.approx((2 / 3 + 0.8 + 1) / 3)
+    assert m["majority_baseline"] == pytest.approx(0.6)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_are_one_line_and_exit_2(tmp_path, pretrained, sentiment, cli):
+    train_csv, _ = sentiment
+    base = [
+        "finetune",
+        "--config",
+        CLASSIFICATION,
+        f"finetune.init={pretrained}",
+        f"run.dir={tmp_path / 'run'}",
+    ]
+
+    def fails(*overrides, message):
+        assert_one_line_error(cli(*base, *overrides), message)
+
+    fails(f"data.train={train_csv}", "data.text_column=sentence", message="has no column 'sentence'")
+    unseen = write_csv(
+        tmp_path / "unseen.csv", [*sentiment_rows(4, 5), {"text": "x", "other": "y", "label": "neutral"}]
+    )
+    fails(f"data.train={train_csv}", f"data.validation={unseen}", message="never seen in training: 'neutral'")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    fails(f"data.train={empty}", message="empty")
+    fails(f"data.train={tmp_path / 'missing.csv'}", message="does not exist")
+    fails(
+        "data.train=" + str(write_csv(tmp_path / "one.csv", sentiment_rows(1, 0))),
+        message="needs at least two",
+    )
+    # A Hugging Face directory whose tokenizer has more pieces than the model embeds.
+    from pretrain.hf import save_hf
+    from pretrain.model import Transformer
+    from tests.conftest import small_model_config
+
+    hf_dir = tmp_path / "hf"
+    save_hf(Transformer(small_model_config(vocab_size=97)), hf_dir)
+    (hf_dir / "tokenizer.model").write_bytes(
+        (pretrained / "checkpoints" / "step_00000002" / "tokenizer.model").read_bytes()
+    )
+    fails(f"finetune.init={hf_dir}", f"data.train={train_csv}", message="tokenizer/vocabulary mismatch")
+    assert not (tmp_path / "run").exists()  # nothing written for any of them
+
+
+# --------------------------------------------------------------------------- the loop, in this process
+
+
+@pytest.fixture(scope="module")
+def hf_init(tmp_path_factory, tokenizer_dir):
+    """A Hugging Face Llama directory with our tokenizer: a starting point read without DeepSpeed."""
+    from pretrain.hf import save_hf
+    from pretrain.model import Transformer
+    from tests.conftest import small_model_config
+
+    directory = tmp_path_factory.mktemp("hf_init")
+    torch.manual_seed(0)
+    save_hf(Transformer(small_model_config(vocab_size=512, max_seq_len=128)), directory)
+    (directory / "tokenizer.model").write_bytes((tokenizer_dir / "tokenizer.model").read_bytes())
+    return directory
+
+
+def finetune_config(path, run_dir, init, *overrides):
+    from pretrain.config import load_finetune_config
+
+    return load_finetune_config(path, [f"finetune.init={init}", f"run.dir={run_dir}", "logging.every=1",
+                                       "train.micro_batch_size=4", "optim.lr=2e-3", *overrides])  # fmt: skip
+
+
+def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, hf_init, sentiment):
+    import json
+
+    from tests.unit.fakes import finetuning_trainer
+
+    train_csv, val_csv = sentiment
+    cfg = finetune_config(CLASSIFICATION, tmp_path, hf_init, f"data.train={train_csv}", f"data.validation={val_csv}",
+                          "train.steps=6", "eval.every=3", "checkpoint.every=3")  # fmt: skip
+    summary = finetuning_trainer(cfg).train()
+    assert summary["completed"] and summary["task"] == "classification" and summary["steps"] == 6
+    assert summary["train_examples"] == 192 and summary["validation_examples"] == 64
+    assert [e["step"] for e in summary["eval"]] == [0, 3, 6]
+    results = json.loads((tmp_path / "eval_results.json").read_text())
+    assert results["step"] == 6 and results["examples"] == 64 and results["majority_baseline"] == 0.5
+    assert results["accuracy"] == summary["eval"][-1]["accuracy"] and 0 <= results["macro_f1"] <= 1
+    state = json.loads((tmp_path / "checkpoints" / "step_00000006" / "train_state.json").read_text())
+    assert state["data"] == {"micro_batches": 6} and state["tokens"] > 0
+    run_config = json.loads((tmp_path / "checkpoints" / "step_00000006" / "run_config.json").read_text())
+    assert run_config["labels"] == ["negative", "positive"] and run_config["init_source"].startswith(
+        "Hugging Face"
+    )
+    # Resumed at its last step, the run still reports its final evaluation.
+    again = finetuning_trainer(finetune_config(CLASSIFICATION, tmp_path, hf_init, f"data.train={train_csv}",
+                                               f"data.validation={val_csv}", "train.steps=6", "checkpoint.resume=auto"))  # fmt: skip
+    assert again.state.step == 6 and again.task.micro_batches == 6
+    assert again.train()["eval"][-1]["step"] == 6
+    assert json.loads((tmp_path / "eval_results.json").read_text())["accuracy"] == results["accuracy"]
+
+
+def test_sft_learns_to_complete_and_counts_only_completion_tokens(tmp_path, hf_init):
+    import json
+    import random
+
+    from tests.finetune_data import FILLER, SFT, write_jsonl
+    from tests.unit.fakes import finetuning_trainer
+
+    rng = random.Random(0)
+    rows = [{"prompt": "repeat: " + " ".join(w) + " =>", "completion": " " + " ".join(w)}
+            for w in (rng.sample(FILLER, 3) for _ in range(48))]  # fmt: skip
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:40])
+    val = write_jsonl(tmp_path / "val.jsonl", rows[40:])
+    cfg = finetune_config(SFT, tmp_path / "run", hf_init, f"data.train={train}", f"data.validation={val}",
+                          "train.steps=12", "schedule.warmup_steps=2")  # fmt: skip
+    summary = finetuning_trainer(cfg).train()
+    losses = [e["loss"] for e in summary["eval"]]
+    assert [e["step"] for e in summary["eval"]] == [0, 12] and losses[-1] < losses[0] - 0.5, losses
+    assert json.loads((tmp_path / "run" / "eval_results.json").read_text())["loss"] == losses[-1]

@@ -1,0 +1,448 @@
+import json
+import logging
+import math
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pretrain.data.prepare as prepare_module
+from pretrain.data import prepare_dataset, resolve_source
+from pretrain.data.prepare import prepare
+from pretrain.data.shards import ShardWriter, token_dtype
+from pretrain.data.sources import Source
+from pretrain.errors import UserError
+from pretrain.tokenizer import Tokenizer
+
+DOCS = [
+    "The first document.\nIt has two lines.",
+    "  leading spaces, a tab\tand unicode: é 日本語 🤗",
+    "def f(x):\n    return x * 2\n",
+    "short",
+    "Another document with numbers 12345 and punctuation!?",
+    "\n\nblank lines around\n\n",
+    "the seventh",
+    "the eighth, which is a bit longer than the others " * 5,
+] * 5
+
+
+def write_jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def read_split(out, manifest, split, tokenizer):
+    """The documents of a split, decoded from its shards (documents end with EOS)."""
+    dtype = np.dtype(manifest["dtype"])
+    tokens = np.concatenate(
+        [np.fromfile(out / s["file"], dtype=dtype) for s in manifest["splits"][split]["shards"]]
+        or [np.array([], dtype)]
+    )
+    ends = np.flatnonzero(tokens == tokenizer.eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    assert len(ends) == 0 or ends[-1] == len(tokens) - 1, "every document ends with EOS"
+    return [tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, ends, strict=True)]
+
+
+def interleave(train, val, fraction):
+    """Undo the evenly spaced hold-out: document i is validation iff floor((i+1)F) > floor(iF)."""
+    train, val, out = iter(train), iter(val), []
+    for i in range(len(train_list := list(train)) + len(val_list := list(val))):
+        held = math.floor((i + 1) * fraction) > math.floor(i * fraction)
+        out.append(val_list.pop(0) if held else train_list.pop(0))
+    return out
+
+
+def test_round_trip_and_manifest(tmp_path, tokenizer_dir, workers=1):
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    out = tmp_path / "out"
+    manifest = prepare_dataset(
+        source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, workers=workers, progress=False
+    )
+    tok = Tokenizer.load(tokenizer_dir)
+    train, val = read_split(out, manifest, "train", tok), read_split(out, manifest, "validation", tok)
+    assert len(val) == 4 and len(train) == 36
+    assert interleave(train, val, 0.1) == DOCS  # exact: identity normalization, byte fallback
+    assert manifest["format_version"] == 1 and manifest["dtype"] == "<u2"
+    assert manifest["tokenizer"] == {"sha256": tok.sha256, "vocab_size": 512, "eos_id": 2}
+    assert manifest["source"].startswith("files:") and manifest["val_fraction"] == 0.1
+    shards = manifest["splits"]["train"]["shards"]
+    assert len(shards) > 1 and all(s["tokens"] == 1024 for s in shards[:-1])
+    assert sum(s["tokens"] for s in shards) == manifest["splits"]["train"]["tokens"]
+    assert (out / "tokenizer.model").read_bytes() == (tokenizer_dir / "tokenizer.model").read_bytes()
+    assert not list(tmp_path.glob(".out.*")), "no staging directory is left behind"
+
+
+def test_txt_parquet_globs_and_directories(tmp_path, tokenizer_dir):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i, doc in enumerate(DOCS[:8]):
+        (texts / f"{i:02d}.txt").write_text(doc)  # one document per file, sorted by name
+    table = pa.table({"content": DOCS[:8], "n": list(range(8))})
+    pq.write_table(table, tmp_path / "docs.parquet")
+    tok = Tokenizer.load(tokenizer_dir)
+    for specs, field in (
+        ([str(texts / "*.txt")], "text"),
+        ([str(texts)], "text"),
+        ([str(tmp_path / "docs.parquet")], "content"),
+    ):
+        out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+        manifest = prepare_dataset(
+            resolve_source(specs, field), tokenizer_dir, out, val_fraction=0.0, progress=False
+        )
+        assert read_split(out, manifest, "train", tok) == DOCS[:8], specs
+
+
+def test_invalid_utf8_is_replaced(tmp_path, tokenizer_dir):
+    path = tmp_path / "mostly.txt"
+    path.write_bytes(("valid text " * 200).encode() + b"\xff\xfe" + b" more text")
+    manifest = prepare_dataset(
+        resolve_source(str(path)), tokenizer_dir, tmp_path / "out", val_fraction=0, progress=False
+    )
+    [doc] = read_split(tmp_path / "out", manifest, "train", Tokenizer.load(tokenizer_dir))
+    assert doc.endswith("valid text \ufffd\ufffd more text")
+
+
+def test_bad_inputs(tmp_path, tokenizer_dir):
+    def prepare(spec, field="text", **kw):
+        return prepare_dataset(
+            resolve_source(spec, field), tokenizer_dir, tmp_path / "out", progress=False, **kw
+        )
+
+    binary = tmp_path / "image.txt"
+    binary.write_bytes(bytes(range(256)) * 100)
+    with pytest.raises(UserError, match=r"image.txt is not text"):
+        prepare(str(binary))
+    empty = write_jsonl(tmp_path / "empty.jsonl", ["", "   ", "\n"])
+    with pytest.raises(UserError, match="corpus is empty"):
+        prepare(str(empty))
+    with pytest.raises(UserError, match=r"has no field 'body' \(fields: text, id\): pass --text-field"):
+        prepare(str(write_jsonl(tmp_path / "a.jsonl", DOCS)), field="body")
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "b.parquet")
+    with pytest.raises(UserError, match="b.parquet has no field 'text'"):
+        prepare(str(tmp_path / "b.parquet"))
+    (tmp_path / "c.jsonl").write_text("this is not json\n")
+    with pytest.raises(UserError, match="c.jsonl is not JSON lines"):
+        prepare(str(tmp_path / "c.jsonl"))
+    (tmp_path / "d.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match="d.parquet is not a Parquet file"):
+        prepare(str(tmp_path / "d.parquet"))
+    with pytest.raises(UserError, match="no files match"):
+        prepare(str(tmp_path / "*.nothing"))
+    with pytest.raises(UserError, match="does not exist"):
+        prepare(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(UserError, match="selects no document"):
+        prepare(str(write_jsonl(tmp_path / "few.jsonl", DOCS[:3])), val_fraction=0.2)
+    assert not (tmp_path / "out").exists(), "a failed prepare leaves no output"
+    assert not list(tmp_path.glob(".out.*")), "and no staging directory"
+
+
+def test_existing_output_directories(tmp_path, tokenizer_dir):
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    out = tmp_path / "out"
+    first = prepare_dataset(source, tokenizer_dir, out, val_fraction=0.1, progress=False)
+    # The same recipe again is a no-op.
+    assert prepare_dataset(source, tokenizer_dir, out, val_fraction=0.1, progress=False) == first
+    with pytest.raises(UserError, match="already holds a different dataset.*--overwrite"):
+        prepare_dataset(source, tokenizer_dir, out, val_fraction=0.2, progress=False)
+    second = prepare_dataset(source, tokenizer_dir, out, val_fraction=0.2, overwrite=True, progress=False)
+    assert second["val_fraction"] == 0.2 and json.loads((out / "manifest.json").read_text()) == second
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match="stray is not a prepared dataset; refusing to replace it"):
+            prepare_dataset(source, tokenizer_dir, stray, overwrite=overwrite, progress=False)
+    assert (stray / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_replaces_only_our_own_datasets(tmp_path, tokenizer_dir):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    source = resolve_source(str(write_jsonl(inputs / "docs.jsonl", DOCS)))
+    with pytest.raises(UserError, match=r"docs.jsonl lies inside --out .*inputs"):
+        prepare_dataset(source, tokenizer_dir, inputs, overwrite=True, progress=False)
+    with pytest.raises(UserError, match="lies inside --out"):
+        prepare_dataset(source, tokenizer_dir, tmp_path, overwrite=True, progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"format": "someone-elses"}))
+    with pytest.raises(UserError, match="other is not a prepared dataset; refusing to replace it"):
+        prepare_dataset(source, tokenizer_dir, other, overwrite=True, progress=False)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(UserError, match="a_file is not a prepared dataset"):
+        prepare_dataset(source, tokenizer_dir, a_file, overwrite=True, progress=False)
+    assert (inputs / "docs.jsonl").is_file() and (other / "manifest.json").is_file()
+    assert a_file.read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prepare_dataset(source, tokenizer_dir, empty, val_fraction=0.1, overwrite=True, progress=False)
+    assert (empty / "manifest.json").is_file()
+
+
+def test_recipe_follows_the_source_files(tmp_path, tokenizer_dir, monkeypatch):
+    path = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source("docs.jsonl")
+    assert source.description == f"files:{path.resolve()}"
+    first = prepare(source, tokenizer_dir, out, val_fraction=0.1, progress=False)
+    assert first.written
+    # The same file named from elsewhere is the same recipe.
+    monkeypatch.chdir(tmp_path.parent)
+    again = prepare(resolve_source(str(path)), tokenizer_dir, out, val_fraction=0.1, progress=False)
+    assert again == (first.manifest, False)
+    # Same name and size, new contents: the mtime gives it away.
+    before = path.stat()
+    path.write_text(path.read_text().replace("first", "FIRST"))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert path.stat().st_size == before.st_size
+    with pytest.raises(UserError, match="already holds a different dataset"):
+        prepare(resolve_source(str(path)), tokenizer_dir, out, val_fraction=0.1, progress=False)
+    rebuilt = prepare(
+        resolve_source(str(path)), tokenizer_dir, out, val_fraction=0.1, overwrite=True, progress=False
+    )
+    assert rebuilt.written and rebuilt.manifest["fingerprint"] != first.manifest["fingerprint"]
+
+
+def test_damaged_shards_are_rebuilt_not_reported_as_done(tmp_path, tokenizer_dir):
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    out = tmp_path / "out"
+    manifest = prepare_dataset(
+        source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, progress=False
+    )
+    original = {p.name: p.read_bytes() for p in out.iterdir()}
+    shard = out / manifest["splits"]["train"]["shards"][-1]["file"]
+    with open(shard, "r+b") as f:
+        f.truncate(10)
+    result = prepare(source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, progress=False)
+    assert result.written and result.manifest == manifest
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == original
+    (out / manifest["splits"]["validation"]["shards"][0]["file"]).unlink()
+    assert prepare(source, tokenizer_dir, out, val_fraction=0.1, shard_tokens=1024, progress=False).written
+
+
+def test_records_without_a_text_string_are_refused(tmp_path, tokenizer_dir, monkeypatch):
+    rows = ['{"text": "fine"}', '{"text": ""}', '{"text": null}']
+    (tmp_path / "null.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "missing.jsonl").write_text('{"text": "fine"}\n{"id": 1}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": "x"}\n{"text": 7}\n')
+    pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "null.parquet")
+    for name, fragment in (
+        ("null.jsonl", "record 2 of .*null.jsonl has no string 'text' field \\(it is null or missing\\)"),
+        (
+            "missing.jsonl",
+            "record 1 of .*missing.jsonl has no string 'text' field \\(it is null or missing\\)",
+        ),
+        ("number.jsonl", "record 2 of .*number.jsonl has no string 'text' field \\(it is 7\\)"),
+        ("null.parquet", "record 1 of .*null.parquet has no string 'text' field"),
+    ):
+        with pytest.raises(UserError, match=fragment):
+            prepare_dataset(
+                resolve_source(str(tmp_path / name)), tokenizer_dir, tmp_path / "out", progress=False
+            )
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS[:3])
+    both = resolve_source([str(good), str(tmp_path / "null.jsonl")])
+    with pytest.raises(UserError, match=r"record 5 \(counting across .*good.jsonl, .*null.jsonl in order\)"):
+        list(both.documents())
+    # Blank strings are documents with no text: skipped and counted, not refused.
+    write_jsonl(tmp_path / "blanks.jsonl", [*DOCS, "", "  \n"])
+    manifest = prepare_dataset(
+        resolve_source(str(tmp_path / "blanks.jsonl")),
+        tokenizer_dir,
+        tmp_path / "out",
+        val_fraction=0.1,
+        progress=False,
+    )
+    assert manifest["stats"]["skipped_blank_documents"] == 2
+    import datasets
+
+    records = [{"text": "a"}, {"text": "b"}, {"text": None}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split, streaming: iter(records))
+    hub = Source("hub", "hub:someone/corpus", name="someone/corpus")
+    with pytest.raises(UserError, match="record 2 of Hub dataset 'someone/corpus' has no string 'text'"):
+        list(hub.documents())
+
+
+def test_pieces_cut_after_newlines():
+    pieces = list(prepare_module._pieces("ab\ncd\nefghijkl\n", 5))
+    assert pieces == [("ab\n", False), ("cd\n", False), ("efghi", False), ("jkl\n", True)]
+    assert list(prepare_module._pieces("short", 5)) == [("short", True)]
+    assert list(prepare_module._pieces("x" * 12, None)) == [("x" * 12, True)]
+
+
+def test_directory_source_skips_prepared_datasets_and_hidden_paths(tmp_path, tokenizer_dir):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / ".cache").mkdir()
+    (corpus / "a.txt").write_text("a document")
+    (corpus / "sub" / "b.jsonl").write_text('{"text": "b"}\n')
+    (corpus / ".hidden.txt").write_text("hidden")
+    (corpus / ".cache" / "c.txt").write_text("cached")
+    prepare_dataset(
+        resolve_source(str(corpus / "a.txt")),
+        tokenizer_dir,
+        corpus / "prepared",
+        val_fraction=0,
+        progress=False,
+    )
+    (corpus / ".prepared.partial-1-abcd").mkdir()  # a staging directory, as an interrupted run leaves it
+    (corpus / ".prepared.partial-1-abcd" / "manifest.json").write_text("{}")
+    files = resolve_source(str(corpus)).files
+    assert [p.relative_to(corpus).as_posix() for p in files] == ["a.txt", "sub/b.jsonl"]
+    with pytest.raises(UserError, match="holds no"):
+        resolve_source(str(corpus / "prepared"))
+
+
+def test_byte_order_marks_and_crlf(tmp_path, tokenizer_dir):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
+    write_jsonl(tmp_path / "bom.jsonl", ["\ufeffjson text", "inner \ufeff kept"])
+    assert list(resolve_source(str(tmp_path / "bom.txt")).documents()) == ["line one\nline two\n"]
+    assert list(resolve_source(str(tmp_path / "bom.jsonl")).documents()) == ["json text", "inner \ufeff kept"]
+
+
+def test_workers_ignore_ctrl_c(tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(prepare_module, "_worker_tokenizer", None)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        prepare_module._init_worker(str(tokenizer_dir / "tokenizer.model"))
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_stale_staging_directories_are_removed(tmp_path, tokenizer_dir):
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have this pid
+    stale = tmp_path / f".out.partial-{dead}-0123abcd"
+    live = tmp_path / f".out.partial-{os.getpid()}-4567abcd"
+    unrelated = tmp_path / f".other.partial-{dead}-0123abcd"
+    for directory in (stale, live, unrelated):
+        directory.mkdir()
+        (directory / "train_00000.bin").write_bytes(b"partial")
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    prepare_dataset(source, tokenizer_dir, tmp_path / "out", val_fraction=0.1, progress=False)
+    assert not stale.exists() and live.is_dir() and unrelated.is_dir()
+
+
+def test_reader_errors_are_not_logged_before_ours(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger("datasets")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(UserError, match="could not read .*bad.jsonl"):
+            list(resolve_source(str(tmp_path / "bad.jsonl")).documents())
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in seen if "Failed to load JSON" in r.getMessage()]
+
+
+def test_written_files_have_normal_permissions_and_shards_are_synced(tmp_path, tokenizer_dir, monkeypatch):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    source = resolve_source(str(write_jsonl(tmp_path / "docs.jsonl", DOCS)))
+    manifest = prepare_dataset(source, tokenizer_dir, tmp_path / "out", val_fraction=0.1, progress=False)
+    for name in ("manifest.json", "tokenizer_meta.json", manifest["splits"]["train"]["shards"][0]["file"]):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    synced = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    writer = ShardWriter(tmp_path, "train", np.dtype("<u2"), shard_tokens=10)
+    writer.write(np.arange(25), documents=1)
+    assert len(synced) == 2  # each full shard, on closing it
+    writer.finish()
+    assert len(synced) == 3
+
+
+def test_dtype_choice():
+    assert token_dtype(512) == np.dtype("<u2") and token_dtype(65536) == np.dtype("<u2")
+    assert token_dtype(65537) == np.dtype("<u4")
+
+
+def test_cli_tokenizer_and_prepare(tmp_path, cli):
+    docs = write_jsonl(tmp_path / "docs.jsonl", DOCS * 10)
+    result = cli(
+        "tokenizer", "train", "--input", str(docs), "--vocab-size", "400", "--out", str(tmp_path / "tok")
+    )
+    assert result.returncode == 0, result.stderr
+    again = cli(
+        "tokenizer", "train", "--input", str(docs), "--vocab-size", "400", "--out", str(tmp_path / "tok")
+    )
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    prepare_args = (
+        "data",
+        "prepare",
+        "--source",
+        str(docs),
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--out",
+        str(tmp_path / "data"),
+        "--val-fraction",
+        "0.1",
+        "--no-progress",
+        "--workers",
+        "1",
+    )
+    result = cli(*prepare_args)
+    assert result.returncode == 0, result.stderr
+    assert "train: 360 documents" in result.stdout and "validation: 40 documents" in result.stdout
+    assert "wrote " in result.stdout
+    again = cli(*prepare_args)
+    assert again.returncode == 0, again.stderr
+    assert "already holds this dataset; nothing to do" in again.stderr and "wrote" not in again.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path, tokenizer_dir, cli):
+    cases = [
+        (
+            [
+                "data",
+                "prepare",
+                "--source",
+                "someone/no-such-dataset",
+                "--tokenizer",
+                str(tokenizer_dir),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "cannot open Hub dataset",
+        ),
+        (
+            [
+                "data",
+                "prepare",
+                "--source",
+                "builtin:pydoc",
+                "--tokenizer",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "no tokenizer",
+        ),
+        (
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(tmp_path / "nope.txt"),
+                "--vocab-size",
+                "400",
+                "--out",
+                str(tmp_path / "t"),
+            ],
+            "does not exist",
+        ),
+    ]
+    for args, fragment in cases:
+        result = cli(*args)
+        assert result.returncode == 2, result
+        assert result.stderr.strip().count("\n") == 0 and fragment in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -1,0 +1,162 @@
+"""The training loop in this process, with a stand-in for DeepSpeed's engine (tests/unit/fakes.py):
+cadence, checkpoints and exact resume, stop requests, fault injection, the data trace."""
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from pretrain.checkpoint import checkpoints_dir, newest_complete, read_latest
+from pretrain.config import load_config
+from pretrain.train import layer_grad_norms
+from tests.helpers import FAST, TINY
+from tests.unit.fakes import pretraining_trainer
+
+
+def config(run_dir, data_dir, *overrides):
+    return load_config(TINY, [*FAST, f"run.dir={run_dir}", f"data.dir={data_dir}", "train.steps=6",
+                              "checkpoint.every=3", "eval.every=3", *overrides])  # fmt: skip
+
+
+def records(run_dir) -> dict[int, dict]:
+    """metrics.jsonl per step, the last record of each (a resumed run appends)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def state_of(run_dir, step) -> dict:
+    return json.loads((checkpoints_dir(run_dir) / f"step_{step:08d}" / "train_state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory, train_data):
+    """Six uninterrupted steps, checkpoints and evaluations at 3 and 6: what the other tests compare with."""
+    run_dir = tmp_path_factory.mktemp("six_steps")
+    summary = pretraining_trainer(config(run_dir, train_data, "engine.peak_flops=1e12")).train()
+    return run_dir, summary
+
+
+def test_the_loop_trains_evaluates_and_checkpoints_on_its_cadence(six_steps):
+    run_dir, summary = six_steps
+    assert summary["completed"] and summary["step"] == 6 and summary["tokens"] == 6 * 2 * 512
+    assert summary["world_size"] == 1 and summary["rollbacks"] == 0
+    assert [e["step"] for e in summary["eval"]] == [0, 3, 6]
+    assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 0.2
+    assert json.loads((run_dir / "train_summary.json").read_text()) == summary
+    steps = records(run_dir)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6] and steps[6]["train/loss"] < steps[1]["train/loss"]
+    assert steps[6]["train/tokens"] == 6 * 2 * 512 and steps[1]["train/mfu"] > 0
+    assert {"train/grad_norm/embeddings", "train/grad_norm/layers.0", "train/grad_norm/head"} <= set(steps[2])
+    assert "train/grad_norm/head" not in steps[3]  # logging.layer_grad_norms_every=2
+    assert read_latest(run_dir) == "step_00000006"
+    for step in (3, 6):
+        directory = checkpoints_dir(run_dir) / f"step_{step:08d}"
+        assert {"complete.json", "train_state.json", "run_config.json", "tokenizer.model",
+                "rng_rank_00000.json"} <= {p.name for p in directory.iterdir()}  # fmt: skip
+    state = state_of(run_dir, 6)
+    assert state["step"] == 6 and state["data"]["consumed"] == 12 and state["world_size"] == 1
+    assert state["lr_scale"] == 1.0 and len(state["params_sha256"]) == 64 and len(state["config_hash"]) == 16
+
+
+def test_tensorboard_holds_every_step_the_evaluations_and_the_probe(six_steps):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(six_steps[0] / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("eval/perplexity")] == [0, 3, 6]
+    assert [i.step for i in events.Images("attention/probe")] == [0, 3, 6]
+
+
+def test_a_run_stopped_and_resumed_is_the_uninterrupted_run_bitwise(tmp_path, train_data, six_steps, capsys):
+    """Weights, optimizer, data position and RNG all go through the checkpoint and come back."""
+    reference, _ = six_steps
+    cfg = config(tmp_path, train_data, "engine.peak_flops=1e12", "train.stop_at_step=4", "checkpoint.every=6")
+    first = pretraining_trainer(cfg).train()
+    assert not first["completed"] and first["step"] == 4 and read_latest(tmp_path) == "step_00000004"
+    assert "reached train.stop_at_step: saved step_00000004 and exiting" in capsys.readouterr().out
+    second = pretraining_trainer(
+        config(tmp_path, train_data, "engine.peak_flops=1e12", "checkpoint.resume=auto")
+    )
+    assert second.state.step == 4
+    assert second.train()["completed"]
+    assert "resumed from step_00000004" in capsys.readouterr().out
+    ours, theirs = records(tmp_path), records(reference)
+    for step in range(1, 7):
+        for key in ("train/loss", "train/grad_norm", "train/lr", "train/grad_norm/head"):
+            assert ours[step].get(key) == theirs[step].get(key), (step, key)
+    for key in ("data", "params_sha256", "tokens"):
+        assert state_of(tmp_path, 6)[key] == state_of(reference, 6)[key], key
+
+
+def test_sigterm_saves_at_the_next_step_boundary_and_exits(tmp_path, train_data, capsys):
+    trainer = pretraining_trainer(config(tmp_path, train_data, "train.steps=50", "eval.every=0"))
+    next_batch = trainer.task.next_batch
+
+    def batch_then_sigterm():
+        if trainer.state.step == 2:  # during step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next_batch()
+
+    trainer.task.next_batch = batch_then_sigterm
+    previous = signal.getsignal(signal.SIGTERM)
+    summary = trainer.train()
+    assert signal.getsignal(signal.SIGTERM) == previous  # the handler is the caller's again
+    assert summary["step"] == 3 and not summary["completed"] and read_latest(tmp_path) == "step_00000003"
+    assert "stop requested: saved step_00000003 and exiting" in capsys.readouterr().out
+
+
+def test_injected_spike_and_nan_fire_once_and_a_nan_never_reaches_the_weights(tmp_path, train_data):
+    cfg = config(tmp_path, train_data, "eval.every=0", "faults.spike_steps=[2]", "faults.nan_steps=[4]",
+                 "faults.spike_factor=50", "train.steps=4", "checkpoint.every=4")  # fmt: skip
+    trainer = pretraining_trainer(cfg)
+    trainer.train()
+    steps = records(tmp_path)
+    assert steps[2]["train/loss"] > 20 * steps[1]["train/loss"]  # the spike multiplies the loss
+    assert math.isnan(steps[4]["train/loss"]) and steps[4]["train/skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in trainer.engine.module.parameters())
+    assert json.loads((tmp_path / "faults_fired.json").read_text()) == ["nan:4", "spike:2"]
+    # Run again from the start: the faults already fired stay quiet.
+    rerun = pretraining_trainer(load_config(TINY, [*FAST, f"run.dir={tmp_path}", f"data.dir={train_data}",
+                                                   "eval.every=0", "train.steps=4", "faults.spike_steps=[2]",
+                                                   "faults.nan_steps=[4]", "checkpoint.every=4"]))  # fmt: skip
+    rerun.train()
+    assert all(math.isfinite(r["train/loss"]) and r["train/loss"] < 10 for r in records(tmp_path).values())
+
+
+def test_the_data_trace_names_every_window_of_every_step(tmp_path, train_data):
+    cfg = config(tmp_path, train_data, "eval.every=0", "logging.data_trace=true", "train.grad_accum=2")
+    pretraining_trainer(cfg).train()
+    trace = [
+        json.loads(line) for line in (tmp_path / "data_trace" / "rank_00000.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in trace] == [1, 2, 3, 4, 5, 6]
+    windows = [w for r in trace for w in r["windows"]]
+    assert all(len(r["windows"]) == 4 for r in trace) and len(set(windows)) == 24  # micro 2 × accum 2
+    assert state_of(tmp_path, 6)["data"]["consumed"] == 24
+
+
+def test_the_newest_checkpoint_is_written_again_after_an_interrupted_save(tmp_path, train_data):
+    """A step directory without its completion marker (a save that died) is replaced, not trusted."""
+    broken = checkpoints_dir(tmp_path) / "step_00000003"
+    broken.mkdir(parents=True)
+    (broken / "model.safetensors").write_bytes(b"half")
+    pretraining_trainer(config(tmp_path, train_data, "eval.every=0")).train()
+    assert newest_complete(tmp_path) == "step_00000006"
+    assert (broken / "complete.json").is_file() and (broken / "model.safetensors").stat().st_size > 4
+
+
+def test_layer_groups_of_a_classifier_are_those_of_its_backbone():
+    from pretrain.classifier import SequenceClassifier
+    from tests.conftest import random_weights_model
+
+    model = SequenceClassifier(random_weights_model(), 3)
+    tokens = torch.randint(0, 97, (2, 8))
+    model(tokens, torch.tensor([8, 5]), torch.tensor([0, 2])).loss.backward()
+    norms = layer_grad_norms(model)
+    assert set(norms) == {"embeddings", "layers.0", "layers.1", "head"}
+    total = math.sqrt(sum(p.grad.pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+    assert math.sqrt(sum(v * v for v in norms.values())) == pytest.approx(total, rel=1e-5)
