@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from pretrain.config import RunConfig, TrainConfig, config_dir
+from pretrain.distributed import DistEnv, configure_determinism, init_distributed
 from pretrain.errors import ConfigError
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -154,6 +156,17 @@ def compile_blocks(model: nn.Module) -> None:
     """torch.compile each block in place (same parameter names; one graph reused by all blocks)."""
     for block in model.layers:
         block.compile()
+
+
+def start(cfg: RunConfig, env: DistEnv, make_model: Callable[[], nn.Module], ds: dict[str, Any]):
+    """Every rank, once the input is checked: determinism, the process group, the run directory,
+    then the model (built after seeding, so every rank builds the same one) in its engine."""
+    configure_determinism(cfg.run.deterministic)
+    init_distributed(env)
+    if env.is_main:
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.run.seed)
+    return initialize(make_model(), cfg, ds)
 
 
 def initialize(model: nn.Module, cfg: RunConfig, ds: dict[str, Any]):

@@ -18,8 +18,8 @@ import torch
 from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, find_resume
 from pretrain.config import RunConfig, config_hash, to_yaml
 from pretrain.data import BatchLoader, WindowStream, read_manifest
-from pretrain.distributed import DistEnv, configure_determinism, init_distributed
-from pretrain.engine import BatchPlan, deepspeed_config, initialize, plan_batches, zero_stage
+from pretrain.distributed import DistEnv
+from pretrain.engine import BatchPlan, deepspeed_config, plan_batches, start, zero_stage
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, validation_loss
 from pretrain.faults import FaultInjector
@@ -122,14 +122,8 @@ def pretrain(cfg: RunConfig) -> dict:
     env = DistEnv.from_environ()
     plan, ds_config, data_dir = preflight(cfg, env.world_size)  # all bad input is found here
     resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, env.world_size)
-    configure_determinism(cfg.run.deterministic)
-    init_distributed(env)
-    if env.is_main:
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.run.seed)
-    engine, optimizer = initialize(
-        Transformer(cfg.model), cfg, resume.deepspeed_config(ds_config) if resume else ds_config
-    )
+    ds_config = resume.deepspeed_config(ds_config) if resume else ds_config
+    engine, optimizer = start(cfg, env, lambda: Transformer(cfg.model), ds_config)
     return build_trainer(cfg, env, engine, optimizer, plan, data_dir, resume, zero_stage(ds_config)).train()
 
 

@@ -109,3 +109,14 @@ def train_data(tmp_path_factory, tokenizer_dir):
         resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
     )
     return directory / "data"
+
+
+@pytest.fixture(scope="session")
+def sentiment(tmp_path_factory):
+    """Keyword-sentiment CSV splits for fine-tuning (tests/finetune_data.py): 192 train, 64 validation."""
+    from tests.finetune_data import sentiment_rows, write_csv
+
+    directory = tmp_path_factory.mktemp("sentiment")
+    return write_csv(directory / "train.csv", sentiment_rows(192, 0)), write_csv(
+        directory / "val.csv", sentiment_rows(64, 1)
+    )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from monitoring.protocol import StepMetrics
+from monitoring.protocol import ENDPOINT_FILE, StepMetrics, monitor_dir, read_events
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
@@ -43,7 +43,7 @@ def _start_service(run_dir: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
-    endpoint = run_dir / "monitor" / "endpoint.json"
+    endpoint = monitor_dir(run_dir) / ENDPOINT_FILE
     deadline = time.time() + 60
     while not endpoint.exists():
         if process.poll() is not None or time.time() > deadline:
@@ -114,7 +114,7 @@ def run(
             step += 1
             loss, grad_norm = train_step()
             spike_answer = report(loss, grad_norm * 50, 0.1)
-            logged = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+            logged = read_events(run_dir)
             rollback_steps = [e["step"] for e in logged if e["type"] == "rollback"]
         finally:
             service.terminate()

@@ -14,8 +14,8 @@ import torch
 from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, find_resume
 from pretrain.classifier import SequenceClassifier
 from pretrain.config import FaultsConfig, FinetuneConfig, config_hash, to_yaml
-from pretrain.distributed import DistEnv, configure_determinism, init_distributed
-from pretrain.engine import BatchPlan, deepspeed_config, initialize, plan_batches, zero_stage
+from pretrain.distributed import DistEnv
+from pretrain.engine import BatchPlan, deepspeed_config, plan_batches, start, zero_stage
 from pretrain.errors import UserError
 from pretrain.faults import FaultInjector
 from pretrain.finetune.data import Examples, load_examples, padding_id
@@ -62,14 +62,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
     ds_config = deepspeed_config(cfg, plan)
     inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
     resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, env.world_size)
-    configure_determinism(cfg.run.deterministic)
-    init_distributed(env)
-    if env.is_main:
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.run.seed)
-    engine, optimizer = initialize(
-        inputs.model(), cfg, resume.deepspeed_config(ds_config) if resume else ds_config
-    )
+    ds_config = resume.deepspeed_config(ds_config) if resume else ds_config
+    engine, optimizer = start(cfg, env, inputs.model, ds_config)
     return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero_stage(ds_config)).train()
 
 

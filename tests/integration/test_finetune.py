@@ -29,14 +29,6 @@ def pretrained(golden_run):
     return golden_run
 
 
-@pytest.fixture(scope="module")
-def sentiment(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("sentiment")
-    return write_csv(directory / "train.csv", sentiment_rows(192, 0)), write_csv(
-        directory / "val.csv", sentiment_rows(64, 1)
-    )
-
-
 def events(run_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -29,14 +29,6 @@ def pretrained(tmp_path_factory, train_data):
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def sentiment(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("sentiment")
-    return write_csv(directory / "train.csv", sentiment_rows(192, 0)), write_csv(
-        directory / "val.csv", sentiment_rows(64, 1)
-    )
-
-
 def testfit_pair_shortens_the_longer_segment_first():
     a, b = fit_pair(list(range(10)), list(range(3)), 8)
     assert (len(a), len(b)) == (5, 3)
