@@ -29,9 +29,10 @@ def cli(capsys):
     return run
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _no_process_group_and_no_subprocess():
-    """The tier's promise, kept: starting a subprocess, forking, or creating a process group fails."""
+    """The tier's promise, kept: starting a subprocess, forking, or creating a process group fails
+    (from the first unit test to the last: the package scope ends before the integration tier)."""
     import os
     import subprocess
 
