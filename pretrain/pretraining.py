@@ -158,13 +158,37 @@ def build_trainer(
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
         + (f" (resumed from {resume.tag})" if resume else "")
     )
+    cadence = Cadence(
+        steps=cfg.train.steps,
+        log_every=cfg.logging.every,
+        eval_every=cfg.eval.every,
+        checkpoint_every=cfg.checkpoint.every,
+        layer_norms_every=cfg.logging.layer_grad_norms_every,
+        stop_at_step=cfg.train.stop_at_step,
+    )
+    schedule = functools.partial(
+        lr_at,
+        peak_lr=cfg.optim.lr,
+        total_steps=cfg.train.steps,
+        schedule=cfg.schedule,
+        d_model=cfg.model.d_model,
+    )
     return Trainer(
-        env, run_dir, engine, optimizer, task,
-        Cadence(cfg.train.steps, cfg.logging.every, cfg.eval.every, cfg.checkpoint.every,
-                cfg.logging.layer_grad_norms_every, cfg.train.stop_at_step),
-        functools.partial(lr_at, peak_lr=cfg.optim.lr, total_steps=cfg.train.steps, schedule=cfg.schedule,
-                          d_model=cfg.model.d_model),
-        plan.grad_accum, writer, checkpointer, FaultInjector(cfg.faults, run_dir, env.rank), monitor,
-        flops_per_token(cfg.model, cfg.data.seq_len).total, cfg.engine.peak_flops or current_device_peak_flops(),
-        cfg.logging.data_trace, state, summary={"world_size": env.world_size, "zero_stage": zero},
-    )  # fmt: skip
+        env=env,
+        run_dir=run_dir,
+        engine=engine,
+        optimizer=optimizer,
+        task=task,
+        cadence=cadence,
+        lr_at=schedule,
+        grad_accum=plan.grad_accum,
+        writer=writer,
+        checkpointer=checkpointer,
+        faults=FaultInjector(cfg.faults, run_dir, env.rank),
+        monitor=monitor,
+        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
+        peak_flops=cfg.engine.peak_flops or current_device_peak_flops(),
+        data_trace=cfg.logging.data_trace,
+        state=state,
+        summary={"world_size": env.world_size, "zero_stage": zero},
+    )

@@ -116,11 +116,33 @@ def build_trainer(
                "train_examples": len(train_data.ids), "train_truncated": train_data.truncated,
                "validation_examples": len(val_data.ids) if val_data else 0,
                "validation_truncated": val_data.truncated if val_data else 0}  # fmt: skip
+    cadence = Cadence(
+        steps=inputs.steps,
+        log_every=cfg.logging.every,
+        eval_every=cfg.eval.every,
+        checkpoint_every=cfg.checkpoint.every,
+        layer_norms_every=cfg.logging.layer_grad_norms_every,
+    )
+    schedule = functools.partial(
+        lr_at,
+        peak_lr=cfg.optim.lr,
+        total_steps=inputs.steps,
+        schedule=cfg.schedule,
+        d_model=initial.model_cfg.d_model,
+    )
     return Trainer(
-        env, run_dir, engine, optimizer, task,
-        Cadence(inputs.steps, cfg.logging.every, cfg.eval.every, cfg.checkpoint.every, cfg.logging.layer_grad_norms_every),
-        functools.partial(lr_at, peak_lr=cfg.optim.lr, total_steps=inputs.steps, schedule=cfg.schedule,
-                          d_model=initial.model_cfg.d_model),
-        plan.grad_accum, writer, checkpointer, FaultInjector(FaultsConfig(), run_dir, env.rank),
-        data_trace=cfg.logging.data_trace, state=state, summary=summary,
-    )  # fmt: skip
+        env=env,
+        run_dir=run_dir,
+        engine=engine,
+        optimizer=optimizer,
+        task=task,
+        cadence=cadence,
+        lr_at=schedule,
+        grad_accum=plan.grad_accum,
+        writer=writer,
+        checkpointer=checkpointer,
+        faults=FaultInjector(FaultsConfig(), run_dir, env.rank),  # fine-tuning injects no faults
+        data_trace=cfg.logging.data_trace,
+        state=state,
+        summary=summary,
+    )

@@ -24,19 +24,16 @@ EVAL_RESULTS = "eval_results.json"
 
 
 class FinetuneTask:
+    """Micro-batches of encoded examples in the run's shuffled order; the data position is the
+    number of micro-batches this rank has served."""
+
     def __init__(
         self, train: Encoded, validation: Encoded | None, micro_batch_size: int, pad_id: int,
         seed: int, env: DistEnv, device, run_dir: str | Path,
     ):  # fmt: skip
         self.train, self.validation = train, validation
-        self.micro_batch_size, self.pad_id, self.seed, self.env, self.device = (
-            micro_batch_size,
-            pad_id,
-            seed,
-            env,
-            device,
-        )
-        self.run_dir = Path(run_dir)
+        self.micro_batch_size, self.pad_id, self.seed = micro_batch_size, pad_id, seed
+        self.env, self.device, self.run_dir = env, device, Path(run_dir)
         self.micro_batches = 0  # served so far by this rank
         self.last: list[int] = []
         self.evaluates = validation is not None
