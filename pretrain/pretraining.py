@@ -105,11 +105,10 @@ class LanguageModeling:
     def reshuffle(self, seed: int) -> None:
         self.loader.reshuffle(seed)
 
-    def pause(self) -> None:
-        self.loader.close()
-
     def close(self) -> None:
         self.loader.close()
+
+    pause = close  # before a rollback: stop prefetching; the stream stays at the last batch handed out
 
     def finish(self, summary: dict) -> str | None:
         if not summary["completed"]:

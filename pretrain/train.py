@@ -44,7 +44,9 @@ SUMMARY_FILE = "train_summary.json"
 class Task(Protocol):
     """What the loop asks of pretraining or a fine-tuning task."""
 
-    evaluates: bool  # whether there is held-out data to evaluate on
+    evaluates: (
+        bool  # whether to evaluate at all (pretraining: eval.every > 0; fine-tuning: a validation split)
+    )
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """One micro-batch for this rank: keyword arguments of the model's forward; `tokens` is
@@ -173,7 +175,9 @@ class Trainer:
         stopping = torch.tensor(float(stop.requested), device=device)
         agreed = all_reduce_sum(torch.stack([loss_sum / self.grad_accum, stopping]))
         stop_requested = agreed[1].item() > 0 or step == self.cadence.stop_at_step
-        tokens *= self.env.world_size  # every rank's micro-batches have the same shape
+        # Pretraining's micro-batches have one shape on every rank; fine-tuning pads each rank's to
+        # its own longest example, so there this counts rank 0's padded shape for every rank.
+        tokens *= self.env.world_size
         self.state = TrainState(step, self.state.tokens + tokens, self.state.lr_scale)
         self.faults.mark_fired(step)
         step_time = time.perf_counter() - started

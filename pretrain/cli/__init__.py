@@ -31,11 +31,23 @@ def build_parser() -> CommandParser:
     return parser
 
 
+def _without_local_rank(argv: list[str]) -> list[str]:
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    # The DeepSpeed launcher appends --local_rank=N (also in the LOCAL_RANK variable, which is read).
-    argv = [a for a in argv if not a.startswith(("--local_rank=", "--local-rank="))]
+    # Launchers append --local_rank=N or --local_rank N (it is in LOCAL_RANK too, which is read).
+    argv = _without_local_rank(argv)
     args = build_parser().parse_args(argv)
     return run_main(lambda: args.handler(args), debug=debug)

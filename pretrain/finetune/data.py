@@ -177,7 +177,7 @@ def epoch_order(n: int, epoch: int, seed: int) -> np.ndarray:
 
 def example_indices(n: int, position: int, count: int, seed: int) -> list[int]:
     """`count` examples from `position` of the run's stream: one shuffled epoch after another, so
-    a position (and a resumed run's) follows from the step alone."""
+    the examples at a position are the same at any restart and any world size."""
     out = []
     for p in range(position, position + count):
         epoch, offset = divmod(p, n)

@@ -79,17 +79,9 @@ def build_trainer(
         examples.labels,
         initial.tokenizer,
     )
-    common = (
-        train_data,
-        val_data,
-        plan.micro_batch_size,
-        padding_id(tokenizer),
-        cfg.run.seed,
-        env,
-        engine.device,
-        run_dir,
-    )
-    task = SFT(*common) if labels is None else Classification(*common, num_labels=len(labels))
+    common = dict(train=train_data, validation=val_data, micro_batch_size=plan.micro_batch_size,
+                  pad_id=padding_id(tokenizer), seed=cfg.run.seed, env=env, device=engine.device, run_dir=run_dir)  # fmt: skip
+    task = SFT(**common) if labels is None else Classification(**common, num_labels=len(labels))
     run_config = asdict(cfg) | {
         "model": asdict(initial.model_cfg),
         "labels": labels,
@@ -101,7 +93,8 @@ def build_trainer(
     state = TrainState()
     if resume is not None:
         state = checkpointer.restore(engine, resume)
-        task.load_state_dict(resume.data)
+        # (a checkpoint written before the data position was recorded: the old rule, from the step)
+        task.load_state_dict(resume.data or {"examples": state.step * plan.global_batch_size})
     writer = MetricsWriter(run_dir, inputs.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
     writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
     writer.message(

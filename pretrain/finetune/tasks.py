@@ -1,9 +1,11 @@
 """The loop's tasks for fine-tuning: batches from the encoded examples, held-out evaluation, and
 the run's results (RUN_DIR/eval_results.json).
 
-Examples are served one shuffled epoch after another, the same order at any restart: a rank's
-k-th micro-batch of the run holds the examples at positions ((k · world + rank) · micro ...) of
-that order, so the data position a checkpoint records is the count of micro-batches served.
+Examples are served one shuffled epoch after another, the same order at any restart. The data
+position is the number of examples all ranks have consumed, E: the next micro-batch of rank r
+holds the examples at positions E + r · micro ... of that order, and every micro-batch moves E on
+by world · micro. A checkpoint records E, so a run resumes at the same example at any world size
+(as the old rule ((k · world + rank) · micro), k micro-batches into the run, gave at the same one).
 """
 
 from __future__ import annotations
@@ -24,34 +26,41 @@ EVAL_RESULTS = "eval_results.json"
 
 
 class FinetuneTask:
-    """Micro-batches of encoded examples in the run's shuffled order; the data position is the
-    number of micro-batches this rank has served."""
+    """Micro-batches of encoded examples in the run's shuffled order (see the module docstring)."""
 
     def __init__(
-        self, train: Encoded, validation: Encoded | None, micro_batch_size: int, pad_id: int,
-        seed: int, env: DistEnv, device, run_dir: str | Path,
-    ):  # fmt: skip
+        self,
+        *,
+        train: Encoded,
+        validation: Encoded | None,
+        micro_batch_size: int,
+        pad_id: int,
+        seed: int,
+        env: DistEnv,
+        device,
+        run_dir: str | Path,
+    ):
         self.train, self.validation = train, validation
         self.micro_batch_size, self.pad_id, self.seed = micro_batch_size, pad_id, seed
         self.env, self.device, self.run_dir = env, device, Path(run_dir)
-        self.micro_batches = 0  # served so far by this rank
+        self.examples = 0  # consumed by all ranks so far
         self.last: list[int] = []
         self.evaluates = validation is not None
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        position = (self.micro_batches * self.env.world_size + self.env.rank) * self.micro_batch_size
-        self.last = example_indices(len(self.train.ids), position, self.micro_batch_size, self.seed)
-        self.micro_batches += 1
+        start = self.examples + self.env.rank * self.micro_batch_size
+        self.last = example_indices(len(self.train.ids), start, self.micro_batch_size, self.seed)
+        self.examples += self.env.world_size * self.micro_batch_size
         return collate(self.train, self.last, self.pad_id, self.device)
 
     def served(self) -> list:
         return list(self.last)
 
     def state_dict(self) -> dict:
-        return {"micro_batches": self.micro_batches}
+        return {"examples": self.examples}
 
     def load_state_dict(self, state: dict) -> None:
-        self.micro_batches = state["micro_batches"]
+        self.examples = state["examples"]
 
     def probe(self, engine, step: int) -> np.ndarray | None:
         return None
@@ -77,8 +86,8 @@ class FinetuneTask:
 
 
 class Classification(FinetuneTask):
-    def __init__(self, *args, num_labels: int, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *, num_labels: int, **kwargs):
+        super().__init__(**kwargs)
         self.num_labels = num_labels
 
     @torch.no_grad()

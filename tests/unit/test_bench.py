@@ -83,5 +83,6 @@ def test_ablation_report_names_the_compute_ratio():
 
 def test_the_deepspeed_launchers_local_rank_argument_is_accepted(small_preset, cli):
     """`deepspeed --module pretrain bench train ...` appends --local_rank=N to every rank's argv."""
-    result = cli("bench", "train", str(small_preset), "--local_rank=1", "--seq-len", "4096")
-    assert_one_line_error(result, "must be in [1, model.max_seq_len=512]")
+    for given in (["--local_rank=1"], ["--local_rank", "1"], ["--local-rank=0"]):  # launchers use each form
+        result = cli("bench", "train", str(small_preset), *given, "--seq-len", "4096")
+        assert_one_line_error(result, "must be in [1, model.max_seq_len=512]")

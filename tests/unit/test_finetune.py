@@ -145,7 +145,7 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     assert results["step"] == 6 and results["examples"] == 64 and results["majority_baseline"] == 0.5
     assert results["accuracy"] == summary["eval"][-1]["accuracy"] and 0 <= results["macro_f1"] <= 1
     state = json.loads((tmp_path / "checkpoints" / "step_00000006" / "train_state.json").read_text())
-    assert state["data"] == {"micro_batches": 6} and state["tokens"] > 0
+    assert state["data"] == {"examples": 6 * 4} and state["tokens"] > 0
     run_config = json.loads((tmp_path / "checkpoints" / "step_00000006" / "run_config.json").read_text())
     assert run_config["labels"] == ["negative", "positive"] and run_config["init_source"].startswith(
         "Hugging Face"
@@ -153,7 +153,7 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     # Resumed at its last step, the run still reports its final evaluation.
     again = finetuning_trainer(finetune_config(CLASSIFICATION, tmp_path, hf_init, f"data.train={train_csv}",
                                                f"data.validation={val_csv}", "train.steps=6", "checkpoint.resume=auto"))  # fmt: skip
-    assert again.state.step == 6 and again.task.micro_batches == 6
+    assert again.state.step == 6 and again.task.examples == 24
     assert again.train()["eval"][-1]["step"] == 6
     assert json.loads((tmp_path / "eval_results.json").read_text())["accuracy"] == results["accuracy"]
 
@@ -176,3 +176,37 @@ def test_sft_learns_to_complete_and_counts_only_completion_tokens(tmp_path, hf_i
     losses = [e["loss"] for e in summary["eval"]]
     assert [e["step"] for e in summary["eval"]] == [0, 12] and losses[-1] < losses[0] - 0.5, losses
     assert json.loads((tmp_path / "run" / "eval_results.json").read_text())["loss"] == losses[-1]
+
+
+def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp_path):
+    """Two ranks serve 3 micro-batches each; one process resumed from their state serves exactly
+    what a single process running from the start serves next."""
+    from pretrain.distributed import DistEnv
+    from pretrain.finetune.tasks import SFT
+
+    encoded = Encoded("sft", [[1, 10 + i, 2] for i in range(10)], None, [2] * 10, 0)
+
+    def task(rank, world):
+        return SFT(train=encoded, validation=None, micro_batch_size=2, pad_id=3, seed=5,
+                   env=DistEnv(rank, rank, world), device="cpu", run_dir=tmp_path)  # fmt: skip
+
+    ranks = [task(0, 2), task(1, 2)]
+    seen = []
+    for _ in range(3):
+        for rank in ranks:
+            rank.next_batch()
+            seen += rank.served()
+    state = ranks[0].state_dict()
+    assert state == ranks[1].state_dict() == {"examples": 12}
+    alone = task(0, 1)
+    for _ in range(6):
+        alone.next_batch()
+    resumed = task(0, 1)
+    resumed.load_state_dict(state)
+    for _ in range(4):
+        alone.next_batch()
+        resumed.next_batch()
+        assert resumed.served() == alone.served()
+    single = task(0, 1)
+    assert [i for _ in range(6) for i in (single.next_batch(), single.served())[1]] == seen
+    assert sorted(seen[:10]) == list(range(10))  # the first epoch: every example once
