@@ -27,7 +27,7 @@ from pretrain.flops import current_device_peak_flops, flops_per_token
 from pretrain.metrics import MetricsWriter
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
-from pretrain.schedules import lr_at
+from pretrain.schedules import schedule_for
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
 from pretrain.train import Cadence, Trainer
 
@@ -157,21 +157,8 @@ def build_trainer(
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
         + (f" (resumed from {resume.tag})" if resume else "")
     )
-    cadence = Cadence(
-        steps=cfg.train.steps,
-        log_every=cfg.logging.every,
-        eval_every=cfg.eval.every,
-        checkpoint_every=cfg.checkpoint.every,
-        layer_norms_every=cfg.logging.layer_grad_norms_every,
-        stop_at_step=cfg.train.stop_at_step,
-    )
-    schedule = functools.partial(
-        lr_at,
-        peak_lr=cfg.optim.lr,
-        total_steps=cfg.train.steps,
-        schedule=cfg.schedule,
-        d_model=cfg.model.d_model,
-    )
+    cadence = Cadence.of(cfg, cfg.train.steps, cfg.train.stop_at_step)
+    schedule = schedule_for(cfg.optim.lr, cfg.train.steps, cfg.schedule, cfg.model.d_model)
     return Trainer(
         env=env,
         run_dir=run_dir,

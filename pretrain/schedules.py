@@ -13,7 +13,9 @@ LambdaLR-style multiplier, scaled again by the monitor's rollback lr_scale.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 from pretrain.config import ScheduleConfig
 
@@ -38,3 +40,12 @@ def lr_at(step: int, peak_lr: float, total_steps: int, schedule: ScheduleConfig,
         return peak_lr
     progress = min(1.0, (step - decay_start) / decay_steps)
     return peak_lr + (floor - peak_lr) * progress
+
+
+def schedule_for(
+    peak_lr: float, total_steps: int, schedule: ScheduleConfig, d_model: int
+) -> Callable[[int], float]:
+    """`lr_at` with everything but the step fixed: what the training loop calls each step."""
+    return functools.partial(
+        lr_at, peak_lr=peak_lr, total_steps=total_steps, schedule=schedule, d_model=d_model
+    )

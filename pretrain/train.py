@@ -83,6 +83,12 @@ class Cadence:
     layer_norms_every: int  # 0: never
     stop_at_step: int | None = None  # save and exit here (e.g. to fit a job time limit)
 
+    @classmethod
+    def of(cls, cfg, steps: int, stop_at_step: int | None = None) -> Cadence:
+        """From a run's (or fine-tuning run's) logging, eval and checkpoint sections."""
+        return cls(steps, cfg.logging.every, cfg.eval.every, cfg.checkpoint.every,
+                   cfg.logging.layer_grad_norms_every, stop_at_step)  # fmt: skip
+
 
 @dataclass
 class Trainer:

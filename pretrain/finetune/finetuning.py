@@ -4,7 +4,6 @@ run the loop (`pretrain/train.py`) with a fine-tuning task."""
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from pretrain.finetune.data import Examples, load_examples, padding_id
 from pretrain.finetune.initial import Initial, find_initial
 from pretrain.finetune.tasks import SFT, Classification
 from pretrain.metrics import MetricsWriter
-from pretrain.schedules import lr_at
+from pretrain.schedules import schedule_for
 from pretrain.train import Cadence, Trainer
 
 
@@ -109,20 +108,8 @@ def build_trainer(
                "train_examples": len(train_data.ids), "train_truncated": train_data.truncated,
                "validation_examples": len(val_data.ids) if val_data else 0,
                "validation_truncated": val_data.truncated if val_data else 0}  # fmt: skip
-    cadence = Cadence(
-        steps=inputs.steps,
-        log_every=cfg.logging.every,
-        eval_every=cfg.eval.every,
-        checkpoint_every=cfg.checkpoint.every,
-        layer_norms_every=cfg.logging.layer_grad_norms_every,
-    )
-    schedule = functools.partial(
-        lr_at,
-        peak_lr=cfg.optim.lr,
-        total_steps=inputs.steps,
-        schedule=cfg.schedule,
-        d_model=initial.model_cfg.d_model,
-    )
+    cadence = Cadence.of(cfg, inputs.steps)
+    schedule = schedule_for(cfg.optim.lr, inputs.steps, cfg.schedule, initial.model_cfg.d_model)
     return Trainer(
         env=env,
         run_dir=run_dir,
