@@ -4,7 +4,8 @@ On an anomaly at step s, the target is the newest complete checkpoint at or befo
 (the weights before the anomalous update), and the data stream is reshuffled with a new seed from
 there. Each rollback may scale the learning rate (lr_scale ** rollbacks). A circuit breaker stops
 the job after `max_rollbacks` rollbacks that did not get past the step of the previous anomaly.
-The current rollback target is pinned so that checkpoint retention never deletes it.
+The current rollback target is pinned so that checkpoint retention never deletes it; a rollback's
+target stays pinned until a checkpoint past its anomaly is complete, then is released.
 """
 
 from __future__ import annotations
@@ -105,14 +106,23 @@ class Policy:
         return None
 
     def refresh_pin(self, step: int) -> None:
-        """Keep the checkpoint a rollback at this step would use pinned (and only that one)."""
-        tag = self.target(step)
-        if tag == self.pinned_tag:
-            return
-        if tag is not None:
-            checkpoint.pin(self.run_dir, tag)
-        if self.pinned_tag is not None and not any(
-            r["target"] == self.pinned_tag for r in self.rollbacks[-1:]
-        ):
-            checkpoint.unpin(self.run_dir, self.pinned_tag)
-        self.pinned_tag = tag
+        """Pin the checkpoint a rollback at this step would use, and the last rollback's target
+        until a checkpoint newer than that rollback's anomaly is complete; release every other pin
+        (also those an earlier service left), so retention treats them like any other."""
+        keep = {self.target(step)} - {None}
+        if self.rollbacks:
+            last = self.rollbacks[-1]
+            root = checkpoint.checkpoints_dir(self.run_dir)
+            past = [t for t in checkpoint.tags_on_disk(self.run_dir) if checkpoint.step_of(t) > last["step"]
+                    and checkpoint.check_complete(root / t, verify_hashes=False) is None]  # fmt: skip
+            if not past:
+                keep.add(last["target"])
+        current = checkpoint.pinned(self.run_dir)
+        try:
+            for tag in keep - current:
+                checkpoint.pin(self.run_dir, tag)
+            for tag in current - keep:
+                checkpoint.unpin(self.run_dir, tag)
+        except OSError:
+            pass  # a full disk: the pins are tried again at the next step
+        self.pinned_tag = self.target(step)

@@ -19,6 +19,7 @@ import hmac
 import json
 import os
 import secrets
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from monitoring.policy import Policy
 from monitoring.protocol import (
     ENDPOINT_FILE,
+    EVENTS_FILE,
     TOKEN_FILE,
     ProtocolError,
     StepMetrics,
@@ -82,20 +84,34 @@ class MonitorState:
         self.restarts: list[dict] = []
         self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
         self.job: dict | None = None  # the supervisor's view of the job
+        self.append_failed = False
 
     def record_restart(self, event: dict) -> None:
         with self.lock:
             self.restarts.append(event)
             self.c_restarts.inc()
-            append_event(self.run_dir, event)
+            self._append(event)
+
+    def _append(self, event: dict, sync: bool = True) -> None:
+        """events.jsonl; on a full disk the service keeps serving (the answer matters more), and
+        says so once."""
+        try:
+            append_event(self.run_dir, event, sync=sync)
+            self.append_failed = False
+        except OSError as exc:
+            if not self.append_failed:
+                print(
+                    f"monitor: cannot append to {self.run_dir / EVENTS_FILE}: {exc.strerror}", file=sys.stderr
+                )
+            self.append_failed = True
 
     def handle_metrics(self, metrics: StepMetrics) -> dict:
         with self.lock:
             action, incident = self.policy.observe(metrics)
             if self.watch is not None:
                 self.watch.step(time.monotonic())
-            append_event(self.run_dir, {"type": "step", "step": metrics.step, "loss": metrics.loss,
-                                        "grad_norm": metrics.grad_norm, "action": action.kind}, sync=False)  # fmt: skip
+            self._append({"type": "step", "step": metrics.step, "loss": metrics.loss,
+                          "grad_norm": metrics.grad_norm, "action": action.kind}, sync=False)  # fmt: skip
             self.g_step.set(metrics.step)
             for gauge, value in (
                 (self.g_loss, metrics.loss),
@@ -113,11 +129,9 @@ class MonitorState:
                 self.c_anomalies.labels(incident.series, incident.verdict.rule).inc()
             if action.kind == "rollback":
                 self.c_rollbacks.inc()
-                append_event(self.run_dir, {"type": "rollback", **self.policy.rollbacks[-1]})
+                self._append({"type": "rollback", **self.policy.rollbacks[-1]})
             elif action.kind == "stop" and incident is not None:
-                append_event(
-                    self.run_dir, {"type": "circuit_breaker", "step": metrics.step, "reason": action.reason}
-                )
+                self._append({"type": "circuit_breaker", "step": metrics.step, "reason": action.reason})
             return action.to_json() | {"bands": bands}
 
     def bands(self) -> dict:

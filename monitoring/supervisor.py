@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -41,11 +42,14 @@ from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.config import MonitorConfig
 from pretrain.errors import ExitCode
+from pretrain.lifeline import owner_tag
+from pretrain.run_dir import OWNER_ENV, RunLock
 
 NOT_RESTARTED = {
     ExitCode.DONE: "completed",
     ExitCode.BAD_INPUT: "bad input",
     ExitCode.STOPPED_BY_MONITOR: "stopped by the monitor",
+    ExitCode.CHECKPOINT_FAILED: "checkpoints could not be saved",
 }
 
 
@@ -94,8 +98,8 @@ class Job:
     attempt: int
 
     @classmethod
-    def start(cls, command: list[str], attempt: int) -> Job:
-        return cls(subprocess.Popen(command, start_new_session=True), attempt)
+    def start(cls, command: list[str], attempt: int, env: dict | None = None, pass_fds: tuple = ()) -> Job:
+        return cls(subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds), attempt)
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -163,9 +167,11 @@ class Supervisor:
         base_seed: int = 0,
         poll_seconds: float = 0.5,
         log=print,
+        lock: RunLock | None = None,
     ):
         self.make_command, self.run_dir, self.config = make_command, Path(run_dir), config
-        self.leader, self.poll_seconds, self.log = leader, poll_seconds, log
+        self.leader, self.poll_seconds, self.log, self.lock = leader, poll_seconds, log, lock
+        self._state_write_failed = False
         self.server = self.state = None
         if leader:
             self.server, self.state = serve(run_dir, config, base_seed)
@@ -179,8 +185,9 @@ class Supervisor:
             host, port = self.server.server_address[:2]
             self.log(f"launch: monitor on http://{host}:{port} (status: /status, Prometheus: /metrics)")
         interrupt = Interrupt()
-        restarts = 0
+        job = None
         try:
+            restarts = 0
             while True:
                 job = self._start(restarts)
                 outcome, detail = self._watch(job, interrupt)
@@ -206,6 +213,13 @@ class Supervisor:
                 restarts += 1
                 self._record_restart(restarts, reason)
         finally:
+            # However the supervisor leaves (an exception included), no job runs on without it.
+            if job is not None and job.poll() is None:
+                self.log("launch: stopping the job (the supervisor is exiting)")
+                job.ask_ranks_to_stop()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    job.process.wait(timeout=self.config.stop_grace_seconds)
+                job.stop(grace=0)
             interrupt.restore()
             if self.server is not None:
                 self.server.shutdown()
@@ -217,7 +231,11 @@ class Supervisor:
             with self.state.lock:
                 self.state.watch.start(time.monotonic())
                 self.state.job = {"attempt": restarts, "state": "running"}
-        job = Job.start(command, restarts)
+        # The job inherits the run directory's lock (held until its last process is gone) and is
+        # told who supervises it: its ranks stop if this process dies (pretrain/lifeline.py).
+        env = os.environ | {OWNER_ENV: owner_tag(os.getpid())}
+        fds = (self.lock.fd,) if self.lock is not None and self.lock.fd is not None else ()
+        job = Job.start(command, restarts, env=env, pass_fds=fds)
         self._set_state("running", restarts)
         return job
 
@@ -262,11 +280,22 @@ class Supervisor:
             self.state.record_restart(event)
 
     def _set_state(self, state: str, attempt: int) -> None:
-        if self.leader:
+        """RUN_DIR/monitor/supervisor.json; a failing write (a full disk) is one line, once, and the
+        supervisor carries on supervising."""
+        if not self.leader:
+            return
+        try:
             atomic.write_json(
                 monitor_dir(self.run_dir) / SUPERVISOR_FILE,
                 {"state": state, "attempt": attempt, "pid": os.getpid(), "time": time.time()},
             )
+            self._state_write_failed = False
+        except OSError as exc:
+            if not self._state_write_failed:
+                free = shutil.disk_usage(self.run_dir).free if self.run_dir.exists() else 0
+                self.log(f"launch: cannot write {monitor_dir(self.run_dir) / SUPERVISOR_FILE}: {exc.strerror} "
+                         f"({free // 2**20} MB free); still supervising the job")  # fmt: skip
+            self._state_write_failed = True
 
     def _leader_running(self) -> bool:
         """A follower restarts its ranks only while node 0's supervisor is still running the job."""

@@ -210,11 +210,21 @@ class EngineConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints
-    keep: int = 3  # newest complete checkpoints kept (pinned ones are never deleted)
-    resume: str | None = None  # None | "auto" | a checkpoint tag or directory
+    keep: int = 3  # newest complete checkpoints kept, plus the current rollback target
+    # auto: the newest intact checkpoint (or a fresh start when there is none) | fresh: move an
+    # earlier run in run.dir to previous/ and start over (`--fresh`) | a checkpoint tag or directory
+    resume: str = "auto"
+    save_retries: int = (
+        2  # failed saves in a row the run survives (trying again at the next save); then it stops
+    )
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every", self.every)
+        _positive("checkpoint.save_retries", self.save_retries, allow_zero=True)
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ConfigError(
+                f"checkpoint.resume={self.resume!r}: use auto (the default), fresh, or a checkpoint tag or directory"
+            )
         if self.keep < 2:
             raise ConfigError(
                 f"checkpoint.keep={self.keep}: keep at least 2 checkpoints, "
@@ -303,6 +313,9 @@ class FaultsConfig:
     kill_rank: int = 0
     hang_step: int | None = None
     hang_rank: int = 0
+    # as this step begins, rank 0 changes bytes (not the size) in the newest checkpoint's optimizer
+    # file, which holds the fp32 master weights: a rehearsal of a corrupt rollback target
+    corrupt_checkpoint_step: int | None = None
 
     def __post_init__(self) -> None:
         _positive("faults.spike_factor", self.spike_factor)
@@ -311,7 +324,7 @@ class FaultsConfig:
                 _positive(f"faults.{key}", step)
         for key in ("kill_rank", "hang_rank"):
             _positive(f"faults.{key}", getattr(self, key), allow_zero=True)
-        for key in ("kill_step", "hang_step"):
+        for key in ("kill_step", "hang_step", "corrupt_checkpoint_step"):
             if getattr(self, key) is not None:
                 _positive(f"faults.{key}", getattr(self, key))
 

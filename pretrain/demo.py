@@ -13,7 +13,6 @@ Steps 1 and 2 are skipped when their outputs already exist, so a second run only
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -56,9 +55,8 @@ def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
     )
     run_dir = out / "run"
     nproc = local_process_count()
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a fresh demo run every time
-    overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}"]
+    # A fresh demo run every time; an earlier one moves to RUN_DIR/previous/ (never deleted).
+    overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", "checkpoint.resume=fresh"]
     if steps is not None:
         overrides += [
             f"train.steps={steps}",

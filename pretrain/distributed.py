@@ -91,6 +91,21 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return tensor
 
 
+def broadcast_int(value: int, env: DistEnv) -> int:
+    """Rank 0's `value` on every rank."""
+    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return int(broadcast(torch.tensor([value], dtype=torch.int64, device=device)).item())
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (small and picklable), in rank order, on every rank."""
+    if not _group_or_single():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 class StopRequest:
     """SIGTERM/SIGINT set a flag that the ranks agree on at the next step boundary; a second
     SIGINT interrupts at once. Use as a context manager: the previous handlers come back."""

@@ -158,13 +158,15 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def start(cfg: RunConfig, env: DistEnv, make_model: Callable[[], nn.Module], ds: dict[str, Any]):
-    """Every rank, once the input is checked: determinism, the process group, the run directory,
-    then the model (built after seeding, so every rank builds the same one) in its engine."""
+def connect(cfg: RunConfig, env: DistEnv) -> None:
+    """Every rank, once the input is checked: determinism settings, then the process group."""
     configure_determinism(cfg.run.deterministic)
     init_distributed(env)
-    if env.is_main:
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+
+
+def build(cfg: RunConfig, make_model: Callable[[], nn.Module], ds: dict[str, Any]):
+    """Every rank: the model (built after seeding, so every rank builds the same one) in its
+    engine; returns (engine, optimizer)."""
     torch.manual_seed(cfg.run.seed)
     return initialize(make_model(), cfg, ds)
 

@@ -17,12 +17,15 @@ from enum import IntEnum
 
 class ExitCode(IntEnum):
     """What a job's exit status means to a person and to the supervisor (`pretrain launch`), which
-    restarts a job after any status but DONE, BAD_INPUT and STOPPED_BY_MONITOR."""
+    restarts a job after any status but DONE, BAD_INPUT, STOPPED_BY_MONITOR and CHECKPOINT_FAILED."""
 
     DONE = 0
     FAILED = 1
     BAD_INPUT = 2  # a restart would fail the same way
     STOPPED_BY_MONITOR = 3  # the circuit breaker refused the run: not a crash
+    CHECKPOINT_FAILED = (
+        4  # checkpoints could not be saved (no space, no permission): a restart would not help
+    )
     INTERRUPTED = 130  # Ctrl-C
 
 
@@ -36,6 +39,12 @@ class ConfigError(UserError):
     """A run or model config that cannot be used as written."""
 
 
+class DataError(UserError):
+    """Bad data found by one rank while training (a corrupt shard): every rank says what it found."""
+
+    same_on_every_rank = False
+
+
 def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pretrain") -> int:
     """Run a command; bad input becomes one line on stderr and status 2, Ctrl-C status 130."""
     try:
@@ -43,8 +52,11 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
     except UserError as exc:
         if debug:
             raise
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank found the same problem: say it once
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:  # every rank found the same problem: say it once
             print(f"{prog}: error: {exc}", file=sys.stderr)
+        elif not getattr(exc, "same_on_every_rank", True):
+            print(f"{prog}: error on rank {rank}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

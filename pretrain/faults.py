@@ -1,7 +1,7 @@
 """Fault injection (`faults.*`), for tests and rehearsals of the monitor and the supervisor.
 
 Scale the loss (and so the gradients) or make it NaN at given steps; kill or hang a rank as a step
-begins. Each fault fires once: the faults fired ("spike:10", "kill:7", ...) are kept in
+begins; corrupt the newest checkpoint's fp32 master weights (same size, other bytes) as a step begins. Each fault fires once: the faults fired ("spike:10", "kill:7", ...) are kept in
 RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs clean. Every
 rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung.
 """
@@ -40,7 +40,13 @@ class FaultInjector:
         return None
 
     def before_step(self, step: int) -> None:
-        """Kill or hang `faults.kill_rank` / `faults.hang_rank` as step `step` begins."""
+        """Kill or hang `faults.kill_rank` / `faults.hang_rank`, or corrupt the newest checkpoint,
+        as step `step` begins."""
+        if self.faults.corrupt_checkpoint_step == step and self._pending("corrupt", step):
+            self.fired.add(f"corrupt:{step}")
+            if self.rank == 0:
+                atomic.write_json(self.path, sorted(self.fired))
+                self._corrupt_newest_checkpoint(step)
         for kind, at, rank in (
             ("kill", self.faults.kill_step, self.faults.kill_rank),
             ("hang", self.faults.hang_step, self.faults.hang_rank),
@@ -56,6 +62,23 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # hung: alive, but never reaching the next collective
                 time.sleep(3600)
+
+    def _corrupt_newest_checkpoint(self, step: int) -> None:
+        from pretrain.checkpoint import checkpoints_dir, read_latest
+
+        tag = read_latest(self.path.parent)
+        if tag is None:
+            return
+        (target,) = sorted((checkpoints_dir(self.path.parent) / tag).glob("*rank_0*optim_states.pt"))[:1] or [
+            None
+        ]
+        if target is None:
+            return
+        data = bytearray(target.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 256] = bytes(b ^ 0xFF for b in data[middle : middle + 256])
+        target.write_bytes(bytes(data))
+        print(f"faults: corrupted {target} at step {step}", file=sys.stderr, flush=True)
 
     def apply(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss of a micro-batch of step `step`, spiked or made NaN when a fault is due."""

@@ -5,8 +5,10 @@ RUN_DIR/monitor/) and gets an `Action` back; every rank receives that action by 
 act at the same step boundary. When the service cannot be reached the trainer goes on: the client
 warns once, answers `continue`, and tries again (re-reading the endpoint, so a restarted service
 is found) at the next step. NaN/Inf steps are never applied to the weights either way: DeepSpeed's
-bf16 overflow check skips them. A rollback is applied here too: load the target, move the
-abandoned timeline aside, record `rollback_applied`, reshuffle the rest of the epoch.
+bf16 overflow check skips them. A rollback is applied here too: load the target (verified first;
+an older intact one if it is corrupt), move the abandoned timeline aside, record
+`rollback_applied` (with whether the loaded weights, fp32 master weights included, match the
+digests saved with them), reshuffle the rest of the epoch.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from monitoring.protocol import (
     append_event,
     monitor_dir,
 )
-from pretrain.checkpoint import abandon_after, step_of, tag_for
-from pretrain.checkpoint.checkpointer import Checkpointer, TrainState, params_digest
+from pretrain.checkpoint import abandon_after, step_of, tag_for, trim_abandoned
+from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.distributed import DistEnv, barrier, broadcast
 
 
@@ -149,20 +151,28 @@ class Rewindable(Protocol):
     def reshuffle(self, seed: int) -> None: ...
 
 
-def apply_rollback(action: Action, engine, task: Rewindable, checkpointer: Checkpointer) -> TrainState:
-    """Every rank: load the target checkpoint, put the data stream at its position, reshuffle the
-    rest of the epoch with the new seed, and carry on with the scaled learning rate. Newer
-    checkpoints belong to the abandoned timeline and move aside."""
+def apply_rollback(action: Action, engine, task: Rewindable, checkpointer: Checkpointer) -> TrainState | None:
+    """Every rank: load the target checkpoint (or, if its files do not verify, the next older intact
+    one), put the data stream at its position, reshuffle the rest of the epoch with the new seed,
+    and carry on with the scaled learning rate. Newer checkpoints belong to the abandoned timeline
+    and move aside. None when no intact checkpoint is left to go back to (the rollback is
+    cancelled, with an event, and training goes on)."""
     task.pause()
-    saved = checkpointer.load(engine, action.tag)
-    digest = params_digest(engine)
+    loaded = checkpointer.load(engine, action.tag)
+    run_dir = checkpointer.run_dir
+    if loaded is None:
+        if checkpointer.env.is_main:
+            append_event(run_dir, {"type": "rollback_cancelled", "step": step_of(action.tag), "tag": action.tag,
+                                   "reason": f"no intact checkpoint at or before {action.tag}"})  # fmt: skip
+        return None
+    saved, matches = loaded
     barrier()  # every rank has read the target before newer checkpoints move away
     if checkpointer.env.is_main:
-        abandoned = abandon_after(checkpointer.run_dir, saved["step"])
-        append_event(checkpointer.run_dir, {"type": "rollback_applied", "step": saved["step"], "tag": action.tag,
-                                            "seed": action.seed, "params_sha256": digest,
-                                            "matches_checkpoint": digest == saved.get("params_sha256"),
-                                            "abandoned": abandoned})  # fmt: skip
+        abandoned = abandon_after(run_dir, saved["step"])
+        trim_abandoned(run_dir)
+        append_event(run_dir, {"type": "rollback_applied", "step": saved["step"], "tag": tag_for(saved["step"]),
+                               "requested": action.tag, "seed": action.seed, "matches_checkpoint": matches,
+                               "abandoned": abandoned})  # fmt: skip
     task.load_state_dict(saved["data"])
     task.reshuffle(action.seed)
     return TrainState(step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale)

@@ -1,40 +1,55 @@
 """Pretraining: a run config from its checks to the last step.
 
 `preflight` finds what can be wrong with the input before any process group starts (`pretrain
-launch` runs it too, before it starts the service or any process); `pretrain` starts the process
-group, builds the model, the DeepSpeed engine and the `LanguageModeling` task, restores a
-checkpoint, and hands them to the loop (`pretrain/train.py`).
+launch` runs it too, before it starts the service or any process); `pretrain` takes the run
+directory (its lock, its identity: `pretrain/run_dir.py`), starts the process group, picks the
+checkpoint to resume from (verified), builds the model, the DeepSpeed engine and the
+`LanguageModeling` task, restores the checkpoint, and hands them to the loop (`pretrain/train.py`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, find_resume
+from pretrain.checkpoint import resolve_resume
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
 from pretrain.config import RunConfig, config_hash, to_yaml
 from pretrain.data import BatchLoader, WindowStream, read_manifest
+from pretrain.data.shards import check_tokenizer, fingerprint
 from pretrain.distributed import DistEnv
-from pretrain.engine import BatchPlan, deepspeed_config, plan_batches, start, zero_stage
+from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, validation_loss
 from pretrain.faults import FaultInjector
 from pretrain.flops import current_device_peak_flops, flops_per_token
+from pretrain.lifeline import watch_supervisor
 from pretrain.metrics import MetricsWriter
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
+from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
 from pretrain.train import Cadence, Trainer
 
 
-def preflight(cfg: RunConfig, world_size: int) -> tuple[BatchPlan, dict, Path]:
+@dataclass(frozen=True)
+class Checked:
+    """What `preflight` found: the batch plan, the DeepSpeed JSON, the data and the run's identity."""
+
+    plan: BatchPlan
+    ds_config: dict
+    data_dir: Path
+    identity: dict  # what defines the run (RUN_DIR/run.json): architecture, tokenizer, data, seq_len
+
+
+def preflight(cfg: RunConfig, world_size: int) -> Checked:
     """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
-    fault ranks."""
+    fault ranks, the checkpoint `checkpoint.resume` names."""
     plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
     for key in ("kill", "hang"):
         rank = getattr(cfg.faults, f"{key}_rank")
@@ -43,10 +58,19 @@ def preflight(cfg: RunConfig, world_size: int) -> tuple[BatchPlan, dict, Path]:
                 f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
             )
     ds_config = deepspeed_config(cfg, plan)
-    return plan, ds_config, check_data(cfg)
+    data_dir, manifest = check_data(cfg, world_size)
+    resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
+    identity = model_identity(cfg.model) | {
+        "tokenizer.sha256": manifest["tokenizer"]["sha256"],
+        "data.fingerprint": fingerprint(manifest),
+        "data.seq_len": cfg.data.seq_len,
+    }
+    return Checked(plan, ds_config, data_dir, identity)
 
 
-def check_data(cfg: RunConfig) -> Path:
+def check_data(cfg: RunConfig, world_size: int) -> tuple[Path, dict]:
+    """The prepared corpus, before it is trusted: its manifest, its tokenizer's sha256, every
+    shard's size, and enough windows in each split the run reads for every rank."""
     if cfg.data.dir is None:
         raise UserError(
             "data.dir is not set: prepare a corpus with `pretrain data prepare` and pass data.dir=DIR"
@@ -59,7 +83,10 @@ def check_data(cfg: RunConfig) -> Path:
             f"the data in {data_dir} uses a tokenizer of {vocab} pieces but model.vocab_size={cfg.model.vocab_size}: "
             f"set model.vocab_size={vocab}"
         )
-    return data_dir
+    check_tokenizer(data_dir, manifest)
+    for split in ("train", "validation") if cfg.eval.every > 0 else ("train",):
+        WindowStream(data_dir, cfg.data.seq_len, 0, world_size, split=split)  # refuses too few windows
+    return data_dir, manifest
 
 
 class LanguageModeling:
@@ -118,12 +145,20 @@ class LanguageModeling:
 
 def pretrain(cfg: RunConfig) -> dict:
     """Train as `cfg` says, on every rank the launcher started; returns the run's summary."""
+    watch_supervisor()
     env = DistEnv.from_environ()
-    plan, ds_config, data_dir = preflight(cfg, env.world_size)  # all bad input is found here
-    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, env.world_size)
-    ds_config = resume.deepspeed_config(ds_config) if resume else ds_config
-    engine, optimizer = start(cfg, env, lambda: Transformer(cfg.model), ds_config)
-    return build_trainer(cfg, env, engine, optimizer, plan, data_dir, resume, zero_stage(ds_config)).train()
+    checked = preflight(cfg, env.world_size)  # all bad input is found here
+    with owned(
+        cfg.run.dir, env.is_main, checked.identity, asdict(cfg), cfg.checkpoint.resume
+    ) as resume_setting:
+        connect(cfg, env)
+        resume = choose_resume(cfg.run.dir, resume_setting, env)
+        ds_config = resume.deepspeed_config(checked.ds_config) if resume else checked.ds_config
+        engine, optimizer = build(cfg, lambda: Transformer(cfg.model), ds_config)
+        trainer = build_trainer(
+            cfg, env, engine, optimizer, checked.plan, checked.data_dir, resume, zero_stage(ds_config)
+        )
+        return trainer.train()
 
 
 def build_trainer(
@@ -140,9 +175,8 @@ def build_trainer(
     metrics, faults and the monitor link."""
     run_dir = Path(cfg.run.dir)
     task = LanguageModeling(cfg, data_dir, plan, env, engine.device)
-    checkpointer = Checkpointer(
-        run_dir, env, cfg.checkpoint.keep, asdict(cfg), data_dir / MODEL_FILE, config_hash(cfg)
-    )
+    checkpointer = Checkpointer(run_dir, env, cfg.checkpoint.keep, asdict(cfg), data_dir / MODEL_FILE,
+                                config_hash(cfg), cfg.checkpoint.save_retries)  # fmt: skip
     state = TrainState()
     if resume is not None:
         state = checkpointer.restore(engine, resume)

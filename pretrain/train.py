@@ -219,7 +219,13 @@ class Trainer:
         )
         self.writer.message(f"monitor: {action.reason} at step {step}: rolling back to {action.tag} "
                             f"with data seed {action.seed}, lr scale {action.lr_scale:g}")  # fmt: skip
-        self.state = apply_rollback(action, self.engine, self.task, self.checkpointer)
+        state = apply_rollback(action, self.engine, self.task, self.checkpointer)
+        if state is None:
+            self.writer.message(
+                f"monitor: no intact checkpoint at or before {action.tag}: rollback cancelled"
+            )
+            return
+        self.state = state
         self.summary["rollbacks"] += 1
 
     def stop_by_monitor(self, action: Action) -> None:

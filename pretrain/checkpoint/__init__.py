@@ -3,14 +3,16 @@ RNG state, retention and pins.
 
     layout.py        tags, directories, the completion marker, `latest`, finding one to resume
     retention.py     keep the newest N, pins, moving an abandoned timeline aside
+    integrity.py     verify on every load, set corrupt ones aside, fall back to older intact ones
     rng.py           each rank's generator states as JSON
     checkpointer.py  save and load with a DeepSpeed engine: the one interface for the state a run
                      saves (step, tokens, lr scale, the data stream, RNG)
 
-The names of layout.py and retention.py are importable from here without torch (the monitoring
+The names of layout.py, retention.py and integrity.py are importable from here without torch (the monitoring
 service reads checkpoints this way); the checkpointer is imported from its module.
 """
 
+from pretrain.checkpoint.integrity import find_checkpoint, newest_intact, set_aside, verify
 from pretrain.checkpoint.layout import (
     COMPLETE,
     LATEST,
@@ -19,7 +21,6 @@ from pretrain.checkpoint.layout import (
     TRAIN_STATE,
     check_complete,
     checkpoints_dir,
-    find_checkpoint,
     mark_complete,
     newest_complete,
     read_latest,
@@ -33,9 +34,11 @@ from pretrain.checkpoint.layout import (
 from pretrain.checkpoint.retention import (
     abandon_after,
     apply_retention,
+    move_aside,
     pin,
     pinned,
     pins_dir,
+    trim_abandoned,
     unpin,
 )
 
@@ -51,16 +54,21 @@ __all__ = [
     "checkpoints_dir",
     "find_checkpoint",
     "mark_complete",
+    "move_aside",
     "newest_complete",
+    "newest_intact",
     "pin",
     "pinned",
     "pins_dir",
     "read_latest",
     "resolve_resume",
+    "set_aside",
     "set_latest",
     "step_of",
     "tag_for",
     "tags_on_disk",
+    "trim_abandoned",
     "unpin",
     "validate_tag",
+    "verify",
 ]

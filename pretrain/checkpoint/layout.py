@@ -16,8 +16,8 @@ pointer, and finding a checkpoint to resume or read.
         abandoned/step_...        checkpoints newer than a rollback's target: from the timeline the
                                   rollback abandoned, kept for inspection, never resumed from
 
-A directory without `complete.json`, or whose files no longer match it, is incomplete: resuming
-skips it with a warning. Tags are `step_` + 8 digits and nothing else, so no tag can point
+A directory without `complete.json` is incomplete (its save never finished): resuming skips it.
+One whose files no longer match the manifest is corrupt: see integrity.py. Tags are `step_` + 8 digits and nothing else, so no tag can point
 outside the run directory.
 """
 
@@ -130,13 +130,13 @@ def set_latest(run_dir: str | Path, tag: str) -> None:
     atomic.write_text(root / LATEST, tag + "\n")
 
 
-def resolve_resume(run_dir: str | Path, resume: str | None) -> str | None:
-    """`checkpoint.resume`: None (fresh start), "auto" (newest complete, or fresh if none), a tag,
-    or a path to a checkpoint directory inside this run's checkpoints/."""
-    if resume is None:
+def resolve_resume(run_dir: str | Path, resume: str) -> str | None:
+    """The checkpoint `checkpoint.resume` names, checked for what needs no reading of its files:
+    None for "auto" and "fresh" (the newest intact one, if any, is found at start); else a tag, or
+    a path to a checkpoint directory inside this run's checkpoints/, that must have a completion
+    marker."""
+    if resume in ("auto", "fresh"):
         return None
-    if resume == "auto":
-        return newest_complete(run_dir)
     root = checkpoints_dir(run_dir).resolve()
     candidate = Path(resume)
     if candidate.is_dir():
@@ -146,25 +146,17 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> str | None:
         tag = validate_tag(resolved.name)
     else:
         tag = validate_tag(resume)
-    reason = check_complete(root / tag)
+    reason = check_complete(root / tag, verify_hashes=False)
     if reason is not None:
         raise UserError(f"checkpoint {root / tag} cannot be resumed: {reason}; use checkpoint.resume=auto")
     return tag
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a run directory (its newest complete checkpoint), a checkpoints
-    directory, or a checkpoint directory itself; complete ones only."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path} does not exist: pass a run directory or a checkpoint directory")
-    if TAG_PATTERN.match(path.name) and path.is_dir():
-        reason = check_complete(path, verify_hashes=False)
-        if reason is not None:
-            raise UserError(f"{path} is not a usable checkpoint: {reason}")
-        return path
-    run_dir = path.parent if path.name == "checkpoints" else path
-    tag = newest_complete(run_dir, verify_hashes=False)
-    if tag is None:
-        raise UserError(f"{path} holds no complete checkpoint")
-    return checkpoints_dir(run_dir) / tag
+def checkpoint_bytes(directory: Path) -> int:
+    """The size of a complete checkpoint, from its manifest (0 when it has none)."""
+    try:
+        return sum(
+            entry["bytes"] for entry in json.loads((directory / COMPLETE).read_text())["files"].values()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

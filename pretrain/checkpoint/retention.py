@@ -18,6 +18,9 @@ from pretrain.checkpoint.layout import (
     validate_tag,
 )
 
+ABANDONED_DIR = "abandoned"
+ABANDONED_KEPT = 4  # abandoned checkpoints kept for inspection (the newest, by when they were abandoned)
+
 
 def pins_dir(run_dir: str | Path) -> Path:
     return checkpoints_dir(run_dir) / "pins"
@@ -58,23 +61,42 @@ def apply_retention(run_dir: str | Path, keep: int) -> list[str]:
     return deleted
 
 
+def move_aside(root: Path, subdir: str, tag: str) -> Path:
+    """Rename checkpoints/TAG to checkpoints/SUBDIR/TAG (TAG.1, TAG.2... if taken); never deletes."""
+    target = root / subdir / tag
+    suffix = 1
+    while target.exists():
+        target, suffix = root / subdir / f"{tag}.{suffix}", suffix + 1
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (root / tag).rename(target)
+    return target
+
+
 def abandon_after(run_dir: str | Path, step: int) -> list[str]:
-    """Move checkpoints newer than `step` to checkpoints/abandoned/ (after a rollback to `step`
-    they belong to a timeline that no longer exists: resume=auto must not pick them), and point
-    `latest` back at the rollback target."""
+    """Move checkpoints newer than `step` to checkpoints/abandoned/ (after a rollback to `step`, or
+    a resume from an older checkpoint, they belong to a timeline that no longer exists: resume=auto
+    must not pick them, and this timeline must not overwrite them), and point `latest` back at
+    `step`."""
     root = checkpoints_dir(run_dir)
     moved = []
     for tag in tags_on_disk(run_dir):
         if step_of(tag) <= step:
             continue
-        target = root / "abandoned" / tag
-        suffix = 1
-        while target.exists():
-            target, suffix = root / "abandoned" / f"{tag}.{suffix}", suffix + 1
-        target.parent.mkdir(parents=True, exist_ok=True)
-        (root / tag).rename(target)
+        move_aside(root, ABANDONED_DIR, tag)
         unpin(run_dir, tag)
         moved.append(tag)
-    if moved:
+    if moved and check_complete(root / tag_for(step), verify_hashes=False) is None:
         set_latest(run_dir, tag_for(step))
     return moved
+
+
+def trim_abandoned(run_dir: str | Path, keep: int = ABANDONED_KEPT) -> list[str]:
+    """After a rollback: keep only the `keep` most recently abandoned checkpoints, so a long run's
+    rollbacks do not fill the disk with timelines the monitor judged anomalous."""
+    directory = checkpoints_dir(run_dir) / ABANDONED_DIR
+    if not directory.is_dir():
+        return []
+    abandoned = sorted(directory.iterdir(), key=lambda p: p.stat().st_mtime)
+    for old in abandoned[: max(len(abandoned) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return [p.name for p in abandoned[: max(len(abandoned) - keep, 0)]]

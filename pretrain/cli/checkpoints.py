@@ -52,6 +52,32 @@ def cmd_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pretrain import checkpoint
+    from pretrain.checkpoint.integrity import timed_verify
+    from pretrain.errors import UserError
+
+    path = Path(args.checkpoint)
+    if checkpoint.TAG_PATTERN.match(path.name) and path.is_dir():
+        directories = [path]
+    else:
+        run_dir = path.parent if path.name == "checkpoints" else path
+        directories = [checkpoint.checkpoints_dir(run_dir) / t for t in checkpoint.tags_on_disk(run_dir)]
+    if not directories:
+        raise UserError(f"{path} holds no checkpoint: pass a run directory or a checkpoint directory")
+    bad = 0
+    for directory in directories:
+        reason, size, seconds = timed_verify(directory)
+        bad += reason is not None
+        print(f"{directory}: {'intact' if reason is None else reason} "
+              f"({size / 1e6:,.1f} MB in {seconds:.2f} s, {size / max(seconds, 1e-9) / 1e9:.2f} GB/s)")  # fmt: skip
+    if bad:
+        raise UserError(f"{bad} of {len(directories)} checkpoint(s) failed verification (above)")
+    return 0
+
+
 def _with_checkpoint(sub, name: str, help: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help)
     parser.add_argument(
@@ -89,6 +115,11 @@ def register(sub) -> None:
     )
     predict.add_argument("--max-new-tokens", type=int, default=64, help="sft: tokens per completion")
     predict.set_defaults(handler=cmd_predict)
+
+    verify = _with_checkpoint(
+        sub, "verify", "check checkpoints against their manifests (sizes, sha256); read-only"
+    )
+    verify.set_defaults(handler=cmd_verify)
 
     attention = _with_checkpoint(
         sub, "attention", "attention maps of a text: a PNG grid and an HTML head view"

@@ -41,6 +41,23 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_verify(args: argparse.Namespace) -> int:
+    from pretrain.data.shards import verify_dataset
+    from pretrain.errors import UserError
+
+    result = verify_dataset(args.dir)
+    for problem in result["problems"]:
+        print(f"pretrain data verify: {problem}", file=sys.stderr)
+    rate = result["bytes"] / max(result["seconds"], 1e-9) / 1e9
+    print(f"{args.dir}: {result['shards']} shard(s), {result['tokens']:,} tokens, {result['bytes'] / 1e6:,.1f} MB "
+          f"read in {result['seconds']:.2f} s ({rate:.2f} GB/s)")  # fmt: skip
+    if result["problems"]:
+        raise UserError(f"{args.dir} failed verification ({len(result['problems'])} problem(s) above): "
+                        "prepare the dataset again")  # fmt: skip
+    print("every shard matches its sha256 and every id is below the vocabulary size")
+    return 0
+
+
 def register(sub) -> None:
     tokenizer = sub.add_parser("tokenizer", help="train SentencePiece tokenizers")
     actions = tokenizer.add_subparsers(
@@ -88,3 +105,9 @@ def register(sub) -> None:
     prep.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.set_defaults(handler=cmd_data_prepare)
+
+    verify = actions.add_parser(
+        "verify", help="check every shard's sha256 and that every id fits the vocabulary"
+    )
+    verify.add_argument("dir", help="a prepared dataset directory")
+    verify.set_defaults(handler=cmd_data_verify)

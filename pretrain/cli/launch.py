@@ -1,12 +1,16 @@
 """`pretrain launch`: check the run as its job would, then run the DeepSpeed launcher under the
 supervisor and the monitoring service (`monitoring/supervisor.py`).
 
-    pretrain launch --config CFG [--nproc N] [--hostfile H] [--no-ssh --node-rank K] [overrides...]
+    pretrain launch --config CFG [--nproc N] [--hostfile H] [--no-ssh --node-rank K] [--fresh] [overrides...]
+
+Node 0's launch holds the run directory's lock (`pretrain/run_dir.py`) for the job's life; the
+job's launcher inherits it, so it is released only when the last process of the job is gone.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from monitoring.supervisor import Supervisor
@@ -14,6 +18,7 @@ from pretrain.config import load_config
 from pretrain.distributed import free_port
 from pretrain.errors import UserError
 from pretrain.pretraining import preflight
+from pretrain.run_dir import RunLock, claim
 
 
 def launcher_command(
@@ -88,21 +93,28 @@ def launch(
         raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
     per_node = nproc if nproc is not None or hosts else local_process_count()
     world_size = sum(per_node or slots for slots in hosts.values()) if hosts else per_node
-    preflight(cfg, world_size)
+    checked = preflight(cfg, world_size)
     if master_addr is None and hosts:
         master_addr = next(iter(hosts))
-
-    module_args = ["--config", str(config_path), *overrides, "monitor.enabled=true"]
-
-    def make_command() -> list[str]:
-        return launcher_command(module_args, nproc=per_node, hostfile=hostfile, master_addr=master_addr,
-                                master_port=master_port, no_ssh=no_ssh, node_rank=node_rank)  # fmt: skip
-
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    supervisor = Supervisor(
-        make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed, log=log
-    )
-    where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
-    log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
-    return supervisor.run()
+    lock = RunLock(run_dir).acquire() if node_rank == 0 else None  # node 0 owns the run directory
+    try:
+        if lock is not None:  # the job's rank 0 sees the same run and changes nothing more
+            claim(run_dir, checked.identity, asdict(cfg), cfg.checkpoint.resume, log=log)
+        module_args = ["--config", str(config_path), *overrides, "monitor.enabled=true"]
+        if cfg.checkpoint.resume == "fresh":
+            module_args.append("checkpoint.resume=auto")  # started over above: not again at each restart
+
+        def make_command() -> list[str]:
+            return launcher_command(module_args, nproc=per_node, hostfile=hostfile, master_addr=master_addr,
+                                    master_port=master_port, no_ssh=no_ssh, node_rank=node_rank)  # fmt: skip
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        supervisor = Supervisor(make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed,
+                                log=log, lock=lock)  # fmt: skip
+        where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
+        log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
+        return supervisor.run()
+    finally:
+        if lock is not None:
+            lock.release()

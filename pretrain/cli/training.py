@@ -13,7 +13,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.config import load_config
     from pretrain.pretraining import pretrain
 
-    summary = pretrain(load_config(args.config, args.overrides))
+    summary = pretrain(load_config(args.config, _with_fresh(args)))
     if summary.get("stopped_by_monitor"):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
@@ -25,14 +25,14 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from pretrain.config import load_finetune_config
     from pretrain.finetune import finetune
 
-    finetune(load_finetune_config(args.config, args.overrides))
+    finetune(load_finetune_config(args.config, _with_fresh(args)))
     return ExitCode.DONE
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from pretrain.cli.launch import launch
 
-    return launch(args.config, args.overrides, nproc=args.nproc, hostfile=args.hostfile, master_addr=args.master_addr,
+    return launch(args.config, _with_fresh(args), nproc=args.nproc, hostfile=args.hostfile, master_addr=args.master_addr,
                   master_port=args.master_port, no_ssh=args.no_ssh, node_rank=args.node_rank)  # fmt: skip
 
 
@@ -48,12 +48,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(out_dir=args.out, steps=args.steps)
 
 
+FRESH_HELP = (
+    "start over: move an earlier run in run.dir to RUN_DIR/previous/ (never deleted); default: resume"
+)
+
+
+def _with_fresh(args: argparse.Namespace) -> list[str]:
+    """`--fresh` is `checkpoint.resume=fresh` (last, so it wins)."""
+    return [*args.overrides, "checkpoint.resume=fresh"] if args.fresh else list(args.overrides)
+
+
 def register(sub) -> None:
     train = sub.add_parser(
         "train", help="train in this process (multi-process: deepspeed --module pretrain.train)"
     )
     train.add_argument("--config", required=True, help="run config (configs/train/*.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    train.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     train.set_defaults(handler=cmd_train)
 
     finetune = sub.add_parser(
@@ -61,6 +72,7 @@ def register(sub) -> None:
     )
     finetune.add_argument("--config", required=True, help="configs/finetune/classification.yaml or sft.yaml")
     finetune.add_argument("overrides", nargs="*", help="dotted overrides, e.g. finetune.init=runs/demo/run")
+    finetune.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     finetune.set_defaults(handler=cmd_finetune)
 
     monitor = sub.add_parser("monitor", help="the monitoring service for one run directory (its own process)")
@@ -84,6 +96,7 @@ def register(sub) -> None:
                         help="the launcher's no-ssh mode: run on every node with --node-rank")  # fmt: skip
     launch.add_argument("--node-rank", type=int, default=0, help="this node's rank in --no-ssh mode")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    launch.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     launch.set_defaults(handler=cmd_launch)
 
     demo = sub.add_parser(

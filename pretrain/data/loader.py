@@ -64,13 +64,17 @@ class BatchLoader:
         try:
             windows = iter(self.stream)
             while not self._stop.is_set():
-                rows, ids = [], []
+                rows, read = [], []
                 for _ in range(self.batch_size):
                     rows.append(next(windows, None))
-                    ids.append(self.stream.last_window if self.stream.shuffle else None)
+                    read.append(self.stream.last_window)
+                ids = read if self.stream.shuffle else [None] * len(read)
                 if rows[-1] is None:  # a finite (validation) pass ran out: drop the partial batch
                     break
                 batch = torch.stack(rows)
+                if int(batch.max()) >= self.stream.vocab_size:  # one reduction per batch
+                    row = int(torch.nonzero(batch.amax(dim=1) >= self.stream.vocab_size)[0, 0])
+                    self.stream.check_ids(read[row], batch[row])
                 if self.pin:
                     batch = batch.pin_memory()
                 item = (batch, self.stream.state_dict() if self.stream.shuffle else None, ids)

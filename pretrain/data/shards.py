@@ -133,6 +133,19 @@ def read_manifest(data_dir: str | Path) -> dict:
     return manifest
 
 
+def check_tokenizer(data_dir: str | Path, manifest: dict) -> None:
+    """The tokenizer beside the shards must be the one they were made with."""
+    path = Path(data_dir) / "tokenizer.model"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: prepare the dataset again")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != manifest["tokenizer"]["sha256"]:
+        raise UserError(
+            f"{path} is not the tokenizer the shards were made with (sha256 {digest[:12]}…, the manifest says "
+            f"{manifest['tokenizer']['sha256'][:12]}…): restore it, or prepare the dataset again with this tokenizer"
+        )
+
+
 @dataclass
 class ShardSet:
     """The shards of one split, opened lazily as read-only memory maps (a shard is never read whole)."""
@@ -173,3 +186,50 @@ class ShardSet:
 
     def __getstate__(self) -> dict:  # memory maps are reopened in the receiving process
         return {k: v for k, v in self.__dict__.items() if k != "_maps"} | {"_maps": {}}
+
+
+def verify_dataset(data_dir: str | Path) -> dict:
+    """Read every shard whole: its size and sha256 against the manifest, and every id below the
+    vocabulary size. Returns {"shards", "tokens", "bytes", "seconds", "problems": [one line each]}."""
+    import time
+
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    vocab, dtype = int(manifest["tokenizer"]["vocab_size"]), np.dtype(manifest["dtype"])
+    problems, total, tokens, started = [], 0, 0, time.perf_counter()
+    try:
+        check_tokenizer(data_dir, manifest)
+    except UserError as exc:
+        problems.append(str(exc))
+    entries = [s for split in manifest["splits"].values() for s in split["shards"]]
+    for entry in entries:
+        path = data_dir / entry["file"]
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        digest, largest, offset = hashlib.sha256(), -1, 0
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read((1 << 24) * dtype.itemsize), b""):
+                digest.update(block)
+                ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
+                if len(ids) and int(ids.max()) >= vocab and largest < vocab:
+                    problems.append(f"{path} holds id {int(ids.max())} at token offset "
+                                    f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}")  # fmt: skip
+                largest = max(largest, int(ids.max()) if len(ids) else -1)
+                offset += len(ids)
+                total += len(block)
+        if offset * dtype.itemsize != path.stat().st_size or offset != entry["tokens"]:
+            problems.append(
+                f"{path} holds {path.stat().st_size} bytes, the manifest says {entry['tokens']} tokens"
+            )
+        elif digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{path} does not match its sha256 in the manifest")
+        tokens += offset
+    seconds = time.perf_counter() - started
+    return {
+        "shards": len(entries),
+        "tokens": tokens,
+        "bytes": total,
+        "seconds": seconds,
+        "problems": problems,
+    }

@@ -39,7 +39,7 @@ import torch
 
 from pretrain.data.permutation import permute, round_keys
 from pretrain.data.shards import ShardSet, fingerprint
-from pretrain.errors import UserError
+from pretrain.errors import DataError, UserError
 
 BLOCK = 1024  # window indices computed per vectorized batch
 
@@ -61,6 +61,7 @@ class WindowStream:
         self.shards = ShardSet.open(data_dir, split)
         self.seq_len, self.rank, self.world_size, self.split = seq_len, rank, world_size, split
         self.fingerprint = fingerprint(self.shards.manifest)
+        self.vocab_size = int(self.shards.manifest["tokenizer"]["vocab_size"])  # every id must be below it
         per_shard = np.maximum((self.shards.tokens - 1) // seq_len, 0)
         self._shard_starts = np.concatenate([[0], np.cumsum(per_shard)]).astype(np.int64)
         self.num_windows = int(self._shard_starts[-1])
@@ -103,15 +104,32 @@ class WindowStream:
 
     def read(self, window: int) -> torch.Tensor:
         """Window `window` (of N) as a 1-D int64 tensor of seq_len + 1 tokens."""
-        shard = int(np.searchsorted(self._shard_starts, window, side="right")) - 1
-        start = (window - int(self._shard_starts[shard])) * self.seq_len
+        shard, start = self.locate(window)
         tokens = self.shards.shard(shard)[start : start + self.seq_len + 1]
         return torch.from_numpy(tokens.astype(np.int64))
+
+    def locate(self, window: int) -> tuple[int, int]:
+        """(shard index, first token's offset in it) of window `window`."""
+        shard = int(np.searchsorted(self._shard_starts, window, side="right")) - 1
+        return shard, (window - int(self._shard_starts[shard])) * self.seq_len
+
+    def check_ids(self, window: int, tokens: torch.Tensor) -> None:
+        """Bad input, not a crash: ids at or above the vocabulary size mean a corrupt shard."""
+        bad = torch.nonzero(tokens >= self.vocab_size)
+        if len(bad):
+            shard, start = self.locate(window)
+            offset = start + int(bad[0, 0])
+            raise DataError(
+                f"{self.shards.files[shard]} holds token id {int(tokens[bad[0, 0]])} at token offset {offset}, "
+                f"but the vocabulary has {self.vocab_size} pieces: the shard is corrupt; run "
+                f"`pretrain data verify {self.shards.data_dir}` and prepare the dataset again"
+            )
 
     def _validation_pass(self) -> Iterator[torch.Tensor]:
         per_rank = self.num_windows // self.world_size
         for k in range(per_rank):
-            yield self.read(self.rank + k * self.world_size)
+            self.last_window = self.rank + k * self.world_size
+            yield self.read(self.last_window)
 
     def _fill_block(self) -> None:
         self._reanchor()

@@ -10,18 +10,22 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, find_resume
+from pretrain.checkpoint import resolve_resume
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
 from pretrain.classifier import SequenceClassifier
 from pretrain.config import FaultsConfig, FinetuneConfig, config_hash, to_yaml
 from pretrain.distributed import DistEnv
-from pretrain.engine import BatchPlan, deepspeed_config, plan_batches, start, zero_stage
+from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
 from pretrain.errors import UserError
 from pretrain.faults import FaultInjector
 from pretrain.finetune.data import Examples, load_examples, padding_id
 from pretrain.finetune.initial import Initial, find_initial
 from pretrain.finetune.tasks import SFT, Classification
+from pretrain.lifeline import watch_supervisor
 from pretrain.metrics import MetricsWriter
+from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
+from pretrain.tokenizer import sha256_file
 from pretrain.train import Cadence, Trainer
 
 
@@ -54,16 +58,41 @@ def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> Inputs:
     return Inputs(initial, examples, max_length, steps)
 
 
+def identity(cfg: FinetuneConfig, inputs: Inputs) -> dict:
+    """What defines a fine-tuning run (RUN_DIR/run.json): the architecture, the tokenizer, the
+    task, its labels and example length, and the training data."""
+    data = {}
+    for split in ("train", "validation"):
+        name = getattr(cfg.data, split)
+        data[f"data.{split}"] = sha256_file(name) if name and Path(name).is_file() else name
+    return (
+        model_identity(inputs.initial.model_cfg)
+        | data
+        | {
+            "tokenizer.sha256": inputs.initial.tokenizer.sha256,
+            "finetune.task": cfg.finetune.task,
+            "finetune.labels": inputs.examples.labels,
+            "finetune.max_length": inputs.max_length,
+        }
+    )
+
+
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
+    watch_supervisor()
     env = DistEnv.from_environ()
     plan = plan_batches(cfg.train, 0, env.world_size)
     ds_config = deepspeed_config(cfg, plan)
     inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
-    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, env.world_size)
-    ds_config = resume.deepspeed_config(ds_config) if resume else ds_config
-    engine, optimizer = start(cfg, env, inputs.model, ds_config)
-    return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero_stage(ds_config)).train()
+    resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
+    with owned(
+        cfg.run.dir, env.is_main, identity(cfg, inputs), asdict(cfg), cfg.checkpoint.resume
+    ) as resume_setting:
+        connect(cfg, env)
+        resume = choose_resume(cfg.run.dir, resume_setting, env)
+        ds_config = resume.deepspeed_config(ds_config) if resume else ds_config
+        engine, optimizer = build(cfg, inputs.model, ds_config)
+        return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero_stage(ds_config)).train()
 
 
 def build_trainer(
@@ -86,9 +115,8 @@ def build_trainer(
         "labels": labels,
         "init_source": initial.source,
     }
-    checkpointer = Checkpointer(
-        run_dir, env, cfg.checkpoint.keep, run_config, tokenizer.path, config_hash(cfg)
-    )
+    checkpointer = Checkpointer(run_dir, env, cfg.checkpoint.keep, run_config, tokenizer.path, config_hash(cfg),
+                                cfg.checkpoint.save_retries)  # fmt: skip
     state = TrainState()
     if resume is not None:
         state = checkpointer.restore(engine, resume)

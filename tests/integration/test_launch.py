@@ -92,27 +92,3 @@ def test_nan_rolls_back_and_the_circuit_breaker_stops_a_run_that_keeps_failing(t
 
     assert ck.newest_complete(tmp_path) == "step_00000004"
     assert all(torch.isfinite(p).all() for p in load_trained(tmp_path).model.parameters())
-
-
-def test_ctrl_c_asks_the_job_to_save_and_stop(tmp_path, train_data):
-    import signal
-    import time
-
-    from pretrain import checkpoint as ck
-
-    command = [sys.executable, "-m", "pretrain", "launch", "--nproc", "2", "--config", TINY,
-               f"run.dir={tmp_path}", f"data.dir={train_data}", *FAST, "eval.every=0", "train.steps=500",
-               "checkpoint.every=1000"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if (tmp_path / "events.jsonl").exists() and len(events(tmp_path)) >= 3:
-            break
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    output = process.communicate(timeout=300)[0]
-    assert process.returncode == 130, output[-3000:]
-    assert "asking the job to save a checkpoint and stop" in output
-    tag = ck.newest_complete(tmp_path)
-    assert tag is not None and 3 <= ck.step_of(tag) < 500
-    assert json.loads((tmp_path / "monitor" / "supervisor.json").read_text())["state"] == "stopped"

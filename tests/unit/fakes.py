@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_model, save_model
 
-from pretrain.checkpoint.checkpointer import find_resume
+from pretrain.checkpoint.checkpointer import choose_resume
 from pretrain.config import FinetuneConfig, RunConfig
 from pretrain.distributed import DistEnv
 from pretrain.engine import make_optimizer, plan_batches
@@ -20,6 +21,7 @@ from pretrain.finetune import finetuning
 from pretrain.finetune.finetuning import check_inputs
 from pretrain.model import Transformer
 from pretrain.pretraining import build_trainer, preflight
+from pretrain.run_dir import claim
 from pretrain.train import Trainer
 
 ONE_PROCESS = DistEnv(rank=0, local_rank=0, world_size=1)
@@ -109,21 +111,25 @@ class FakeEngine:
 def pretraining_trainer(cfg: RunConfig) -> Trainer:
     """`pretrain.pretraining.pretrain` up to the loop, in this process, with a FakeEngine where
     DeepSpeed's would be: the same checks, task, checkpointer, resume, writer, faults and monitor link."""
-    plan, _, data_dir = preflight(cfg, 1)
-    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, 1)
+    checked = preflight(cfg, 1)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    setting = claim(cfg.run.dir, checked.identity, asdict(cfg), cfg.checkpoint.resume)
+    resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
     model = Transformer(cfg.model)
-    engine = FakeEngine(model, make_optimizer(model, cfg, {}), plan.grad_accum, cfg.train.grad_clip)
-    return build_trainer(cfg, ONE_PROCESS, engine, engine.optimizer, plan, data_dir, resume, zero=0)
+    engine = FakeEngine(model, make_optimizer(model, cfg, {}), checked.plan.grad_accum, cfg.train.grad_clip)
+    return build_trainer(
+        cfg, ONE_PROCESS, engine, engine.optimizer, checked.plan, checked.data_dir, resume, zero=0
+    )
 
 
 def finetuning_trainer(cfg: FinetuneConfig) -> Trainer:
     """`pretrain.finetune.finetune` up to the loop, in this process, with a FakeEngine."""
     plan = plan_batches(cfg.train, 0, 1)
     inputs = check_inputs(cfg, plan)
-    resume = find_resume(cfg.run.dir, cfg.checkpoint.resume, 1)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    setting = claim(cfg.run.dir, finetuning.identity(cfg, inputs), asdict(cfg), cfg.checkpoint.resume)
+    resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
     model = inputs.model()
     engine = FakeEngine(model, make_optimizer(model, cfg, {}), plan.grad_accum, cfg.train.grad_clip)

@@ -38,17 +38,50 @@ def test_completion_marker_detects_every_kind_of_damage(tmp_path):
 def test_resume_skips_incomplete_and_latest_only_names_complete(tmp_path):
     make_checkpoint(tmp_path, 10)
     make_checkpoint(tmp_path, 20, complete=False)
-    with pytest.warns(UserWarning, match="skipping checkpoint .*step_00000020: no completion marker"):
-        assert ck.resolve_resume(tmp_path, "auto") == "step_00000010"
+    assert ck.newest_intact(tmp_path) == "step_00000010"
+    assert ck.tags_on_disk(tmp_path) == ["step_00000010", "step_00000020"]  # an unfinished save is not moved
     with pytest.raises(RuntimeError, match="refusing"):
         ck.set_latest(tmp_path, "step_00000020")
     ck.set_latest(tmp_path, "step_00000010")
     assert ck.read_latest(tmp_path) == "step_00000010"
-    assert ck.resolve_resume(tmp_path, None) is None
+    assert ck.resolve_resume(tmp_path, "auto") is None and ck.resolve_resume(tmp_path, "fresh") is None
     assert ck.resolve_resume(tmp_path, "step_00000010") == "step_00000010"
     with pytest.raises(UserError, match="cannot be resumed"):
         ck.resolve_resume(tmp_path, "step_00000020")
-    assert ck.resolve_resume(tmp_path / "elsewhere", "auto") is None  # a fresh run
+    assert ck.newest_intact(tmp_path / "elsewhere") is None  # a fresh run
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # same size
+
+
+def test_a_corrupt_checkpoint_is_set_aside_and_an_older_intact_one_used(tmp_path, capsys):
+    from monitoring.protocol import read_events
+
+    for step in (10, 20, 30):
+        make_checkpoint(tmp_path, step)
+    ck.set_latest(tmp_path, "step_00000030")
+    ck.pin(tmp_path, "step_00000030")
+    flip_a_byte(ck.checkpoints_dir(tmp_path) / "step_00000030" / "model_states.pt")
+    flip_a_byte(ck.checkpoints_dir(tmp_path) / "step_00000020" / "model_states.pt")
+    assert ck.newest_intact(tmp_path) == "step_00000010"
+    assert ck.tags_on_disk(tmp_path) == ["step_00000010"]
+    corrupt = ck.checkpoints_dir(tmp_path) / "corrupt"
+    assert sorted(p.name for p in corrupt.iterdir()) == [
+        "step_00000020",
+        "step_00000030",
+    ]  # moved, not deleted
+    assert ck.read_latest(tmp_path) == "step_00000010" and ck.pinned(tmp_path) == set()
+    events = [e for e in read_events(tmp_path) if e["type"] == "checkpoint_corrupt"]
+    assert [e["tag"] for e in events] == ["step_00000030", "step_00000020"]
+    assert all("model_states.pt does not match its sha256" in e["reason"] for e in events)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "is corrupt (model_states.pt does not match its sha256)" in lines[0]
+    # a rollback target: at most its step
+    make_checkpoint(tmp_path, 40)
+    assert ck.newest_intact(tmp_path, at_most=39) == "step_00000010"
 
 
 @pytest.mark.parametrize(
@@ -85,16 +118,23 @@ def test_retention_keeps_newest_and_pinned(tmp_path):
     assert ck.apply_retention(tmp_path, keep=2) == ["step_00000020"]
 
 
-def test_find_checkpoint(tmp_path):
-    make_checkpoint(tmp_path, 10)
+def test_find_checkpoint(tmp_path, capsys):
+    older = make_checkpoint(tmp_path, 10)
     newest = make_checkpoint(tmp_path, 20)
     assert ck.find_checkpoint(tmp_path) == newest
     assert ck.find_checkpoint(tmp_path / "checkpoints") == newest
     assert ck.find_checkpoint(newest) == newest
-    with pytest.raises(UserError, match="holds no complete checkpoint"):
+    with pytest.raises(UserError, match="holds no complete, intact checkpoint"):
         ck.find_checkpoint(tmp_path / "checkpoints" / "step_00000010" / "model_states.pt")
     with pytest.raises(UserError, match="does not exist"):
         ck.find_checkpoint(tmp_path / "nope")
+    # read-only tools skip a corrupt checkpoint and move nothing
+    flip_a_byte(newest / "model_states.pt")
+    assert ck.find_checkpoint(tmp_path) == older
+    assert "step_00000020 is corrupt" in capsys.readouterr().err
+    assert ck.tags_on_disk(tmp_path) == ["step_00000010", "step_00000020"]
+    with pytest.raises(UserError, match="not a usable checkpoint: model_states.pt does not match its sha256"):
+        ck.find_checkpoint(newest)
 
 
 # --------------------------------------------------------------------------- writing and reading, with an engine
@@ -131,7 +171,7 @@ def checkpointer(tmp_path, keep=2):
 
 
 def test_the_checkpointer_writes_complete_checkpoints_and_keeps_the_newest(tmp_path):
-    from pretrain.checkpoint.checkpointer import TrainState, params_digest
+    from pretrain.checkpoint.checkpointer import TrainState, params_digest, weights_digest
 
     engine, saver = checkpointer(tmp_path, keep=2)
     run_dir = tmp_path / "run"
@@ -144,32 +184,93 @@ def test_the_checkpointer_writes_complete_checkpoints_and_keeps_the_newest(tmp_p
     assert ck.check_complete(directory) is None
     state = json.loads((directory / "train_state.json").read_text())
     assert state == {"step": 4, "tokens": 400, "lr_scale": 1.0, "data": {"consumed": 4}, "world_size": 1,
-                     "config_hash": "0123456789abcdef", "params_sha256": params_digest(engine)}  # fmt: skip
+                     "config_hash": "0123456789abcdef", "params_sha256": params_digest(engine),
+                     "weights_sha256": [weights_digest(engine)]}  # fmt: skip
     assert (directory / "tokenizer.model").read_bytes() == b"a tokenizer"
     assert json.loads((directory / "run_config.json").read_text()) == {"model": {}}
 
 
 def test_resuming_finds_the_checkpoint_and_knows_when_the_world_size_changed(tmp_path):
-    from pretrain.checkpoint.checkpointer import TrainState, find_resume
+    from pretrain.checkpoint.checkpointer import TrainState, choose_resume
+    from pretrain.distributed import DistEnv
+    from tests.unit.fakes import ONE_PROCESS
 
     engine, saver = checkpointer(tmp_path)
     saver.save(engine, TrainState(7, tokens=70, lr_scale=0.5), {"consumed": 7})
     run_dir = tmp_path / "run"
-    assert find_resume(run_dir, None, 1) is None
-    same = find_resume(run_dir, "auto", 1)
+    assert choose_resume(tmp_path / "elsewhere", "auto", ONE_PROCESS) is None
+    same = choose_resume(run_dir, "auto", ONE_PROCESS)
     assert same.tag == "step_00000007" and not same.universal and same.data == {"consumed": 7}
     assert same.state == TrainState(7, 70, 0.5) and same.deepspeed_config({"a": 1}) == {"a": 1}
-    other = find_resume(run_dir, "step_00000007", 4)
+    other = choose_resume(run_dir, "step_00000007", DistEnv(0, 0, 4))
     assert other.universal
     assert other.deepspeed_config({"checkpoint": {"tag_validation": "Warn"}}) == {
         "checkpoint": {"tag_validation": "Warn", "load_universal": True}
     }
 
 
+def test_resuming_from_an_older_checkpoint_moves_the_newer_timeline_aside(tmp_path):
+    from pretrain.checkpoint.checkpointer import TrainState, choose_resume
+    from tests.unit.fakes import ONE_PROCESS
+
+    engine, saver = checkpointer(tmp_path, keep=3)
+    for step in (1, 2, 3):
+        saver.save(engine, TrainState(step), {"consumed": step})
+    run_dir = tmp_path / "run"
+    newer = (ck.checkpoints_dir(run_dir) / "step_00000003" / "model.safetensors").read_bytes()
+    assert choose_resume(run_dir, "step_00000001", ONE_PROCESS).tag == "step_00000001"
+    assert ck.tags_on_disk(run_dir) == ["step_00000001"] and ck.read_latest(run_dir) == "step_00000001"
+    abandoned = ck.checkpoints_dir(run_dir) / "abandoned"
+    assert (abandoned / "step_00000003" / "model.safetensors").read_bytes() == newer  # moved, never rewritten
+    saver.save(engine, TrainState(2), {"consumed": 2})  # this timeline's own step 2
+    assert sorted(p.name for p in abandoned.iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def test_a_failed_save_leaves_nothing_behind_and_stops_once_the_retries_are_spent(tmp_path, capsys):
+    import errno
+
+    from pretrain.checkpoint.checkpointer import CheckpointSaveError, TrainState
+
+    engine, saver = checkpointer(tmp_path)
+    saver.save_retries = 1
+    assert saver.save(engine, TrainState(1), {"consumed": 1}) == "step_00000001"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    engine.save_checkpoint = full_disk
+    assert saver.save(engine, TrainState(2), {"consumed": 2}) is None
+    run_dir = tmp_path / "run"
+    assert ck.tags_on_disk(run_dir) == ["step_00000001"] and ck.read_latest(run_dir) == "step_00000001"
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        "checkpoint step_00000002 could not be saved in" in line and "free): No space left on device" in line
+    )
+    with pytest.raises(CheckpointSaveError, match="2 failed save\\(s\\) in a row") as failure:
+        saver.save(engine, TrainState(3), {"consumed": 3})
+    assert failure.value.exit_code == 4 and ck.tags_on_disk(run_dir) == ["step_00000001"]
+
+
+def test_a_save_is_not_tried_without_room_for_it(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from pretrain.checkpoint.checkpointer import TrainState
+
+    engine, saver = checkpointer(tmp_path)
+    saver.save(engine, TrainState(1), {"consumed": 1})
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    engine.save_checkpoint = lambda *a, **k: pytest.fail("a save without room was tried")
+    saver.save_retries = 5
+    assert saver.save(engine, TrainState(2), {"consumed": 2}) is None
+
+
 def test_restore_brings_back_weights_and_rng(tmp_path):
     import torch
 
-    from pretrain.checkpoint.checkpointer import TrainState, find_resume
+    from pretrain.checkpoint.checkpointer import TrainState, choose_resume
+    from tests.unit.fakes import ONE_PROCESS
 
     engine, saver = checkpointer(tmp_path)
     saver.save(engine, TrainState(2), {"consumed": 2})
@@ -179,7 +280,11 @@ def test_restore_brings_back_weights_and_rng(tmp_path):
         for p in engine.module.parameters():
             p.add_(1.0)
     torch.rand(100)
-    state = saver.restore(engine, find_resume(tmp_path / "run", "auto", 1))
+    state = saver.restore(engine, choose_resume(tmp_path / "run", "auto", ONE_PROCESS))
     assert state.step == 2
     assert all(torch.equal(engine.module.state_dict()[k], v) for k, v in weights.items())
     assert torch.equal(torch.rand(4), expected)
+    assert saver.matches(
+        engine,
+        json.loads((ck.checkpoints_dir(tmp_path / "run") / "step_00000002" / "train_state.json").read_text()),
+    )

@@ -4,6 +4,7 @@ cadence, checkpoints and exact resume, stop requests, fault injection, the data 
 import json
 import math
 import os
+import shutil
 import signal
 
 import pytest
@@ -119,7 +120,9 @@ def test_injected_spike_and_nan_fire_once_and_a_nan_never_reaches_the_weights(tm
     assert math.isnan(steps[4]["train/loss"]) and steps[4]["train/skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in trainer.engine.module.parameters())
     assert json.loads((tmp_path / "faults_fired.json").read_text()) == ["nan:4", "spike:2"]
-    # Run again from the start: the faults already fired stay quiet.
+    # Run again from the start (as a restart after a crash before any checkpoint): the faults
+    # already fired stay quiet.
+    shutil.rmtree(tmp_path / "checkpoints")
     rerun = pretraining_trainer(load_config(TINY, [*FAST, f"run.dir={tmp_path}", f"data.dir={train_data}",
                                                    "eval.every=0", "train.steps=4", "faults.spike_steps=[2]",
                                                    "faults.nan_steps=[4]", "checkpoint.every=4"]))  # fmt: skip

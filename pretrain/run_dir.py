@@ -1,0 +1,211 @@
+"""The run directory belongs to one job at a time and to one run.
+
+    RUN_DIR/run.lock     an exclusive OS lock (flock) held for the job's life, and who holds it
+                         (host, pid, since): `pretrain launch` holds it in its supervisor, whose
+                         job inherits it; `pretrain train`/`finetune` run directly hold it in rank 0.
+                         The OS drops it when the holder dies, so a dead holder never blocks a start.
+    RUN_DIR/run.json     the run's identity (what defines it: model architecture, tokenizer, data,
+                         sequence length) and the resolved config of the last start
+    RUN_DIR/previous/    earlier runs moved aside by `--fresh` (checkpoint.resume=fresh), never deleted
+
+A start whose identity differs from the recorded one is refused, naming the keys; other changes
+are allowed and listed in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from pretrain import atomic
+from pretrain.errors import UserError
+
+LOCK_FILE = "run.lock"
+RUN_FILE = "run.json"
+PREVIOUS_DIR = "previous"
+OWNER_ENV = "PRETRAIN_RUN_OWNER"  # set by the supervisor for its job: "host:pid:start" (pretrain/lifeline.py)
+
+# Changing these between starts of one run is never meaningful: they are not identity, and not news.
+NOT_COMPARED = ("checkpoint.resume",)
+
+
+class RunLock:
+    """An exclusive, non-blocking flock on RUN_DIR/run.lock."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise UserError(
+                f"run directory {self.path.parent} is in use by {holder}: wait for that job to end "
+                f"(or stop it), or pick another run.dir"
+            ) from None
+        self.fd = fd
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        try:  # in place (a rename would swap the locked inode); on a full disk the lock still holds
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode() + b"\n", 0)
+        except OSError:
+            pass
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock (unless a child inherited the descriptor)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+        alive = _alive(info["pid"]) if info["host"] == socket.gethostname() else True
+        return f"pid {info['pid']} on {info['host']} since {info['since']}" + (
+            "" if alive else " (that process has exited; its job is still stopping)"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def held_by_supervisor() -> bool:
+    """True in the ranks of a job that `pretrain launch` started: its supervisor holds the lock."""
+    return bool(os.environ.get(OWNER_ENV))
+
+
+@contextlib.contextmanager
+def owned(run_dir: str | Path, is_main: bool, identity: dict, config: dict, resume: str, *, log=print):
+    """Rank 0 of a job: hold the run directory's lock (unless the job's supervisor holds it) and
+    claim the run for the job's life; yields the resume setting to use. Other ranks only yield
+    `resume` (rank 0 decides what it means)."""
+    if not is_main:
+        yield resume
+        return
+    lock = None if held_by_supervisor() else RunLock(run_dir).acquire()
+    try:
+        yield claim(run_dir, identity, config, resume, log=log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def model_identity(model_cfg) -> dict:
+    """The architecture: every model field but the preset's name and the initialization scale."""
+    return {f"model.{k}": v for k, v in asdict(model_cfg).items() if k not in ("preset", "init_std")}
+
+
+def _differences(old: dict, new: dict, keys) -> list[str]:
+    return [f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in sorted(keys) if old.get(k) != new.get(k)]
+
+
+def has_checkpoints(run_dir: str | Path) -> bool:
+    from pretrain.checkpoint import tags_on_disk
+
+    return bool(tags_on_disk(run_dir))
+
+
+def claim(run_dir: str | Path, identity: dict, config: dict, resume: str, *, log=print) -> str:
+    """The lock holder, before any process group: check the run against the one recorded here,
+    start over if asked (`resume == "fresh"`: the old run moves to previous/), and record this
+    start. Returns the resume setting the job should use ("auto" after starting over)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    identity = json.loads(json.dumps(identity))  # as it reads back from run.json
+    config = json.loads(json.dumps({k: v for k, v in flatten(config).items() if k not in NOT_COMPARED}))
+    if resume == "fresh":
+        moved = start_over(run_dir)
+        if moved is not None:
+            log(f"--fresh: moved the earlier run in {run_dir} to {moved}")
+        resume = "auto"
+    else:
+        recorded = read_run_file(run_dir)
+        if recorded is not None and has_checkpoints(run_dir):
+            differing = _differences(
+                recorded["identity"], identity, set(recorded["identity"]) | set(identity)
+            )
+            if differing:
+                raise UserError(
+                    f"{run_dir} holds another run ({'; '.join(differing)}): pick another run.dir, or pass "
+                    f"--fresh (checkpoint.resume=fresh) to move the old run aside"
+                )
+            changed = _differences(recorded["config"], config, set(recorded["config"]) | set(config))
+            if changed:
+                log("changed since the last start: " + ", ".join(changed))
+    try:
+        atomic.write_json(
+            run_dir / RUN_FILE, {"identity": identity, "config": config, "started": time.time()}
+        )
+    except OSError as exc:
+        raise UserError(
+            f"cannot write {run_dir / RUN_FILE}: {exc.strerror}: free space or fix permissions"
+        ) from None
+    return resume
+
+
+def read_run_file(run_dir: Path) -> dict | None:
+    try:
+        recorded = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) and {"identity", "config"} <= set(recorded) else None
+
+
+def start_over(run_dir: Path) -> Path | None:
+    """Move everything the earlier run wrote (all but the lock and earlier moved-aside runs) to
+    previous/<time>/; nothing is deleted. None when there was nothing to move."""
+    entries = (
+        [p for p in run_dir.iterdir() if p.name not in (LOCK_FILE, PREVIOUS_DIR)] if run_dir.is_dir() else []
+    )
+    if not entries:
+        return None
+    target = run_dir / PREVIOUS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    suffix = 1
+    while target.exists():
+        target, suffix = target.with_name(f"{target.name.split('.')[0]}.{suffix}"), suffix + 1
+    target.mkdir(parents=True)
+    for entry in entries:
+        entry.rename(target / entry.name)
+    return target
