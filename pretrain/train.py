@@ -140,7 +140,7 @@ class Trainer:
                 if self.task.evaluates and (step == c.steps or (c.eval_every and step % c.eval_every == 0)):
                     self.evaluate(step)
                 if step % c.checkpoint_every == 0 or step == c.steps or stop_requested:
-                    self.save()
+                    self.save(last=step == c.steps or stop_requested)
                     last_saved = step
                 if stop_requested:
                     reason = "reached train.stop_at_step" if step == c.stop_at_step else "stop requested"
@@ -154,7 +154,7 @@ class Trainer:
                 ):
                     self.evaluate(self.state.step)  # resumed at the last step: its results all the same
                 if last_saved != self.state.step:
-                    self.save()
+                    self.save(last=True)
         return self.finish()
 
     # --------------------------------------------------------------------------- step boundary
@@ -245,8 +245,8 @@ class Trainer:
     def _evaluated(self, step: int) -> bool:
         return bool(self.summary["eval"]) and self.summary["eval"][-1]["step"] == step
 
-    def save(self) -> None:
-        self.checkpointer.save(self.engine, self.state, self.task.state_dict())
+    def save(self, last: bool = False) -> None:
+        self.checkpointer.save(self.engine, self.state, self.task.state_dict(), last)
         self.writer.flush()
 
     def finish(self) -> dict:

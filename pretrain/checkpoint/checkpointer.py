@@ -153,9 +153,10 @@ class Checkpointer:
         self.failures = 0  # failed saves in a row
         self.last_tag: str | None = None  # the newest checkpoint this timeline wrote or loaded
 
-    def save(self, engine, state: TrainState, data: dict | None) -> str | None:
+    def save(self, engine, state: TrainState, data: dict | None, last: bool = False) -> str | None:
         """Every rank: write checkpoint `step_<state.step>`; its tag once it is complete, or None
-        when the save failed and the run may try again (`checkpoint.save_retries`)."""
+        when the save failed and the run may try again (`checkpoint.save_retries`). The `last`
+        save of a run (its final step, a stop) has no next one: its failure always stops the job."""
         tag = layout.tag_for(state.step)
         directory = self.root / tag
         if self.env.is_main:
@@ -170,7 +171,7 @@ class Checkpointer:
                 problem = _failure(exc)
         problem = self._agree(problem)
         if problem is not None:
-            return self._failed(directory, problem)
+            return self._failed(directory, problem, last)
         self.failures, self.last_tag = 0, tag
         return tag
 
@@ -244,7 +245,7 @@ class Checkpointer:
             return None
         return problem or "another rank's write failed"
 
-    def _failed(self, directory: Path, problem: str) -> None:
+    def _failed(self, directory: Path, problem: str, last: bool) -> None:
         """Every rank: nothing that looks complete stays; one line; stop once the retries are spent."""
         if self.env.is_main:
             shutil.rmtree(directory, ignore_errors=True)
@@ -252,6 +253,9 @@ class Checkpointer:
         self.failures += 1
         free = _size(shutil.disk_usage(self.root if self.root.exists() else self.run_dir).free)
         line = f"checkpoint {directory.name} could not be saved in {self.root} ({free} free): {problem}"
+        if last:
+            raise CheckpointSaveError(f"{line}; it was the run's last save: free space or fix permissions, "
+                                      "then run the same command again to resume")  # fmt: skip
         if self.failures > self.save_retries:
             raise CheckpointSaveError(
                 f"{line}; {self.failures} failed save(s) in a row (checkpoint.save_retries={self.save_retries}): "

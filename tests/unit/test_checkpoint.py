@@ -249,6 +249,9 @@ def test_a_failed_save_leaves_nothing_behind_and_stops_once_the_retries_are_spen
     with pytest.raises(CheckpointSaveError, match="2 failed save\\(s\\) in a row") as failure:
         saver.save(engine, TrainState(3), {"consumed": 3})
     assert failure.value.exit_code == 4 and ck.tags_on_disk(run_dir) == ["step_00000001"]
+    saver.failures = 0
+    with pytest.raises(CheckpointSaveError, match="it was the run's last save"):  # no next save to retry at
+        saver.save(engine, TrainState(4), {"consumed": 4}, last=True)
 
 
 def test_a_save_is_not_tried_without_room_for_it(tmp_path, monkeypatch):
