@@ -327,10 +327,8 @@ class Checkpointer:
         barrier()
 
 
-def _failure(exc: BaseException | None) -> str | None:
+def _failure(exc: BaseException) -> str:
     """What went wrong, in one line: an OS error's own words, else the exception's first line."""
-    if exc is None:
-        return None
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

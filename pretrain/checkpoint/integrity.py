@@ -58,23 +58,28 @@ def set_aside(run_dir: str | Path, tag: str, reason: str, *, log=None) -> Path:
     return moved
 
 
-def newest_intact(run_dir: str | Path, at_most: int | None = None, *, log=None) -> str | None:
-    """Rank 0: the newest complete checkpoint at or before step `at_most` whose files verify;
-    corrupt ones met on the way are set aside. Incomplete ones (a save that never finished) are
-    skipped and left for retention."""
+def newest_intact(
+    run_dir: str | Path, at_most: int | None = None, *, log=None, read_only: bool = False
+) -> str | None:
+    """The newest complete checkpoint at or before step `at_most` whose files verify. Corrupt ones
+    met on the way are set aside (rank 0 of a training job), or only reported when `read_only`.
+    Incomplete ones (a save that never finished) are skipped and left for retention."""
     root = checkpoints_dir(run_dir)
+    say = log or _stderr
     for tag in reversed(tags_on_disk(run_dir)):
         if at_most is not None and step_of(tag) > at_most:
             continue
         if not (root / tag / COMPLETE).is_file():
-            (log or _stderr)(
-                f"skipping checkpoint {root / tag}: no completion marker (its save did not finish)"
-            )
+            if not read_only:
+                say(f"skipping checkpoint {root / tag}: no completion marker (its save did not finish)")
             continue
         reason = verify(root / tag)
         if reason is None:
             return tag
-        set_aside(run_dir, tag, reason, log=log)
+        if read_only:
+            say(f"checkpoint {root / tag} is corrupt ({reason}): skipping it")
+        else:
+            set_aside(run_dir, tag, reason, log=log)
     return None
 
 
@@ -91,15 +96,10 @@ def find_checkpoint(path: str | Path, *, log=None) -> Path:
             raise UserError(f"{path} is not a usable checkpoint: {reason}")
         return path
     run_dir = path.parent if path.name == "checkpoints" else path
-    root = checkpoints_dir(run_dir)
-    for tag in reversed(tags_on_disk(run_dir)):
-        if not (root / tag / COMPLETE).is_file():
-            continue
-        reason = verify(root / tag)
-        if reason is None:
-            return root / tag
-        (log or _stderr)(f"checkpoint {root / tag} is corrupt ({reason}): skipping it")
-    raise UserError(f"{path} holds no complete, intact checkpoint")
+    tag = newest_intact(run_dir, log=log, read_only=True)
+    if tag is None:
+        raise UserError(f"{path} holds no complete, intact checkpoint")
+    return checkpoints_dir(run_dir) / tag
 
 
 def timed_verify(directory: Path) -> tuple[str | None, int, float]:

@@ -17,8 +17,8 @@ pointer, and finding a checkpoint to resume or read.
                                   rollback abandoned, kept for inspection, never resumed from
 
 A directory without `complete.json` is incomplete (its save never finished): resuming skips it.
-One whose files no longer match the manifest is corrupt: see integrity.py. Tags are `step_` + 8 digits and nothing else, so no tag can point
-outside the run directory.
+One whose files no longer match the manifest is corrupt: see integrity.py. Tags are `step_` + 8
+digits and nothing else, so no tag can point outside the run directory.
 """
 
 from __future__ import annotations

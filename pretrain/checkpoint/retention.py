@@ -97,6 +97,7 @@ def trim_abandoned(run_dir: str | Path, keep: int = ABANDONED_KEPT) -> list[str]
     if not directory.is_dir():
         return []
     abandoned = sorted(directory.iterdir(), key=lambda p: p.stat().st_mtime)
-    for old in abandoned[: max(len(abandoned) - keep, 0)]:
+    dropped = abandoned[: max(len(abandoned) - keep, 0)]
+    for old in dropped:
         shutil.rmtree(old, ignore_errors=True)
-    return [p.name for p in abandoned[: max(len(abandoned) - keep, 0)]]
+    return [p.name for p in dropped]
