@@ -1,63 +1,79 @@
-"""Anomaly detection on training metrics, as pure functions and a small stateful wrapper.
+"""Anomaly detection on training metrics: robust bands, and the rules that grade each step.
 
-Three rules, applied to each step's loss and global gradient norm:
+Each series (the loss, the global gradient norm) has a band computed from its last `window`
+values, once `warmup` values have been seen:
 
-* **non-finite**: NaN or ±Inf, always an anomaly.
-* **spike**: a value above mean + k·σ of the last `window` healthy values, once `warmup` values
-  have been seen (OLMo-core's stability monitor flags gradient norms this way). σ has a floor of
-  `min_rel_std` × mean, so a series that has been nearly constant does not turn every wiggle into
-  an alarm. Anomalous values never enter the window, so a spike cannot widen its own band.
-* **divergence**: the exponential moving average of the loss has risen for `divergence_steps`
-  consecutive steps (a slow blow-up that never crosses the spike band).
+    level      the median of the window (robust: one outlier does not move it)
+    spread     1.4826 × the median absolute deviation (σ for normal noise), floored at
+               `min_rel_std` × level so that a series that has been nearly flat does not turn
+               every wiggle into an alarm
+    threshold  level + sigma × spread
 
-Why mean + kσ rather than a ratio to the median: the band adapts to each series' own noise (the
-gradient norm of a small model fluctuates by ±30% while its loss moves by 1%), and with k = 6 a
-clean run needs a 6σ excursion to alarm; the false-alarm rate on clean runs is measured in the
-tests and the README.
+The findings, from the most to the least severe (each mapped to an action by the policy):
+
+* `nonfinite`: a NaN or ±Inf loss or gradient norm.
+* `loss_spike`: the loss above its threshold.
+* `grad_norm_surge`: the gradient norm above its threshold *and* at least `surge_ratio` times its
+  level: an excursion large against the series' own robust level.
+* `divergence`: the loss's moving average has risen for `divergence_steps` steps in a row (a slow
+  blow-up that never crosses the band).
+* `grad_norm_spike`: the gradient norm above its threshold, but less than `surge_ratio` times its
+  level. Clean runs do this now and then (the calibration in docs/monitoring.md shows how often).
+
+Values judged a rollback never enter their window, so a spike cannot widen its own band; values
+that only warned do, so a lasting change of regime (a gradient norm that grows as the learning
+rate decays) moves the band instead of warning for ever.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pretrain.config import FINDINGS
+
+NORMAL_MAD = 1.4826  # MAD × this estimates σ for normally distributed noise
 
 
 @dataclass(frozen=True)
 class Band:
-    mean: float
-    std: float
+    level: float
+    spread: float
     threshold: float
 
 
-def band(history: Sequence[float], sigma: float, min_rel_std: float) -> Band:
-    """mean + sigma·max(std, min_rel_std·|mean|) of the history (at least two values)."""
-    mean = math.fsum(history) / len(history)
-    variance = math.fsum((x - mean) ** 2 for x in history) / len(history)  # population σ, two-pass
-    std = max(math.sqrt(variance), min_rel_std * abs(mean))
-    return Band(mean, std, mean + sigma * std)
-
-
-def is_nonfinite(value: float) -> bool:
-    return not math.isfinite(value)
+def band(history, sigma: float, min_rel_std: float) -> Band:
+    """level + sigma × max(1.4826·MAD, min_rel_std·|level|) of the history (at least one value)."""
+    level = statistics.median(history)
+    mad = statistics.median(abs(x - level) for x in history)
+    spread = max(NORMAL_MAD * mad, min_rel_std * abs(level))
+    return Band(level, spread, level + sigma * spread)
 
 
 @dataclass(frozen=True)
-class Verdict:
-    anomaly: bool
-    rule: str | None = None  # nonfinite | spike | divergence
-    value: float | None = None
+class Finding:
+    kind: str  # one of FINDINGS
+    series: str  # loss | grad_norm
+    value: float
     threshold: float | None = None
+    level: float | None = None
+
+    @property
+    def reason(self) -> str:
+        text = f"{self.series} {self.kind.removeprefix(self.series + '_')} {self.value:.4g}"
+        if self.threshold is not None:
+            text += f" > {self.threshold:.4g}"
+        if self.kind == "grad_norm_surge" and self.level:
+            text += f" ({self.value / self.level:.1f}x its level {self.level:.4g})"
+        return text
 
 
-HEALTHY = Verdict(False)
+class Series:
+    """The rolling window of one series."""
 
-
-class SpikeDetector:
-    """Rolling band for one series (loss or gradient norm)."""
-
-    def __init__(self, window: int = 128, warmup: int = 32, sigma: float = 6.0, min_rel_std: float = 0.02):
+    def __init__(self, window: int, warmup: int, sigma: float, min_rel_std: float):
         if warmup < 2 or window < warmup:
             raise ValueError("need 2 <= warmup <= window")
         self.history: deque[float] = deque(maxlen=window)
@@ -68,36 +84,70 @@ class SpikeDetector:
             return None
         return band(self.history, self.sigma, self.min_rel_std)
 
-    def update(self, value: float) -> Verdict:
-        if is_nonfinite(value):
-            return Verdict(True, "nonfinite", value)
-        current = self.band()
-        if current is not None and value > current.threshold:
-            return Verdict(True, "spike", value, current.threshold)
-        self.history.append(value)
-        return HEALTHY
-
-    def reset(self) -> None:
-        self.history.clear()
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.history.append(value)
 
 
-class DivergenceDetector:
-    """The loss's moving average rising for `steps` steps in a row."""
+class Divergence:
+    """The loss's moving average rising for `steps` steps in a row (0: never)."""
 
-    def __init__(self, steps: int = 50, alpha: float = 0.05):
+    def __init__(self, steps: int = 100, alpha: float = 0.05):
         self.steps, self.alpha = steps, alpha
         self.ema: float | None = None
         self.rising = 0
 
-    def update(self, loss: float) -> Verdict:
-        if self.steps <= 0 or is_nonfinite(loss):
-            return HEALTHY
+    def update(self, loss: float) -> bool:
+        if self.steps <= 0 or not math.isfinite(loss):
+            return False
         previous = self.ema
         self.ema = loss if previous is None else (1 - self.alpha) * previous + self.alpha * loss
         self.rising = self.rising + 1 if previous is not None and self.ema > previous else 0
-        if self.rising >= self.steps:
-            return Verdict(True, "divergence", self.ema, previous)
-        return HEALTHY
+        return self.rising >= self.steps
+
+
+class Detector:
+    """Judges one step at a time; `findings` lists every rule the step breaks, most severe first.
+    `severe(findings)` (from the policy) says whether the values stay out of the windows."""
+
+    def __init__(self, window=128, warmup=32, grad_norm_sigma=6.0, loss_sigma=6.0, min_rel_std=0.02,
+                 surge_ratio=8.0, divergence_steps=100):  # fmt: skip
+        self.loss = Series(window, warmup, loss_sigma, min_rel_std)
+        self.grad_norm = Series(window, warmup, grad_norm_sigma, min_rel_std)
+        self.divergence = Divergence(divergence_steps)
+        self.surge_ratio = surge_ratio
+
+    @classmethod
+    def of(cls, config) -> Detector:
+        c = config
+        return cls(c.window, c.warmup, c.grad_norm_sigma, c.loss_sigma, c.min_rel_std, c.grad_norm_surge_ratio,
+                   c.divergence_steps)  # fmt: skip
+
+    def bands(self) -> dict[str, Band | None]:
+        return {"loss": self.loss.band(), "grad_norm": self.grad_norm.band()}
+
+    def findings(self, loss: float, grad_norm: float) -> list[Finding]:
+        found = []
+        for series, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if not math.isfinite(value):
+                found.append(Finding("nonfinite", series, value))
+        loss_band, grad_band = self.loss.band(), self.grad_norm.band()
+        if loss_band is not None and math.isfinite(loss) and loss > loss_band.threshold:
+            found.append(Finding("loss_spike", "loss", loss, loss_band.threshold, loss_band.level))
+        if grad_band is not None and math.isfinite(grad_norm) and grad_norm > grad_band.threshold:
+            surge = grad_norm >= self.surge_ratio * grad_band.level
+            found.append(Finding("grad_norm_surge" if surge else "grad_norm_spike", "grad_norm", grad_norm,
+                                 grad_band.threshold, grad_band.level))  # fmt: skip
+        if self.divergence.update(loss):
+            found.append(Finding("divergence", "loss", self.divergence.ema, None, None))
+        return sorted(found, key=lambda f: FINDINGS.index(f.kind))
+
+    def admit(self, loss: float, grad_norm: float) -> None:
+        """The step's values enter their windows (a step that was not rolled back)."""
+        self.loss.add(loss)
+        self.grad_norm.add(grad_norm)
 
     def reset(self) -> None:
-        self.ema, self.rising = None, 0
+        for series in (self.loss, self.grad_norm):
+            series.history.clear()
+        self.divergence.ema, self.divergence.rising = None, 0

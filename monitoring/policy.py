@@ -1,28 +1,76 @@
-"""The rollback policy: from detector verdicts to an action, and which checkpoint to go back to.
+"""The rollback policy: from a step's findings to a response, and which checkpoint to go back to.
 
-On an anomaly at step s, the target is the newest complete checkpoint at or before s − 1 − margin
-(the weights before the anomalous update), and the data stream is reshuffled with a new seed from
-there. Each rollback may scale the learning rate (lr_scale ** rollbacks). A circuit breaker stops
-the job after `max_rollbacks` rollbacks that did not get past the step of the previous anomaly.
-The current rollback target is pinned so that checkpoint retention never deletes it; a rollback's
-target stays pinned until a checkpoint past its anomaly is complete, then is released.
+Each finding of the detector (`monitoring.detectors`) maps to a response by `monitor.on_<finding>`:
+`ignore`, `warn` (recorded, counted, shown; no action), `rollback` or `stop`. The most drastic
+response of a step's findings is the step's verdict.
+
+A rollback is a *decision*, numbered, that stays pending until the trainer reports its outcome
+(applied, or cancelled with a reason). While it is pending no step is judged: the steps the
+trainer reports meanwhile belong to the timeline the rollback abandons, and their answer repeats
+the decision, so an answer lost on the way is sent again. The target is the newest complete
+checkpoint at or before s − 1 − margin for an anomaly at step s (the weights before the anomalous
+update): every step it contains was judged (steps are judged in order) and none of them was
+rolled back. A step whose rollback could not be applied taints the checkpoints after it: they
+are never targets. Each rollback may scale the learning rate (lr_scale ** rollbacks) and
+reshuffles the data with a new seed. A circuit breaker stops the job after `max_rollbacks`
+rollbacks that did not get past the step of the previous anomaly. The current target is pinned
+so that checkpoint retention never deletes it; a rollback's target stays pinned until a
+checkpoint past its anomaly is complete, then is released.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import collections
+from dataclasses import asdict, dataclass, field
 
-from monitoring.detectors import DivergenceDetector, SpikeDetector, Verdict
-from monitoring.protocol import CONTINUE, Action, StepMetrics
+from monitoring.detectors import Detector, Finding
+from monitoring.protocol import CONTINUE, Action, Outcome, StepMetrics
 from pretrain import checkpoint
-from pretrain.config import MonitorConfig
+from pretrain.config import RESPONSES, MonitorConfig
 
 
 @dataclass
-class Incident:
+class Decision:
+    """A rollback decided at `step`, to checkpoint `target`."""
+
+    id: int
     step: int
-    series: str
-    verdict: Verdict
+    reason: str
+    finding: str
+    value: float | None
+    threshold: float | None
+    target: str
+    seed: int
+    lr_scale: float
+
+    def action(self) -> Action:
+        return Action("rollback", tag=self.target, seed=self.seed, lr_scale=self.lr_scale, reason=self.reason,
+                      decision=self.id, step=self.step)  # fmt: skip
+
+    def event(self) -> dict:
+        return {"type": "rollback", "decision": self.id, "step": self.step, "reason": self.reason,
+                "finding": self.finding, "value": self.value, "threshold": self.threshold, "target": self.target,
+                "seed": self.seed, "lr_scale": self.lr_scale}  # fmt: skip
+
+
+@dataclass
+class Verdict:
+    """What the policy says about one reported step.
+
+    level: `ok`, `warmup` (no band yet), `warn`, `rollback` (decided at this step; or, with no
+    checkpoint to go back to, recorded as `unresolved`), `stop`, or `superseded` (trained after a
+    pending rollback's anomaly: not judged, the answer repeats the decision)."""
+
+    action: Action
+    level: str
+    findings: list[Finding] = field(default_factory=list)
+    decision: Decision | None = None
+    note: str | None = None
+    cancelled: dict | None = None  # a pending decision this report showed the trainer will not apply
+
+    def to_json(self) -> dict:
+        out = {"level": self.level, "findings": [asdict(f) | {"reason": f.reason} for f in self.findings]}
+        return out | ({"note": self.note} if self.note else {})
 
 
 @dataclass
@@ -30,68 +78,143 @@ class Policy:
     config: MonitorConfig
     run_dir: str
     base_seed: int = 0
-    grad_norm: SpikeDetector = field(init=False)
-    loss: SpikeDetector = field(init=False)
-    divergence: DivergenceDetector = field(init=False)
-    rollbacks: list[dict] = field(default_factory=list)
+    detector: Detector = field(init=False)
+    decisions: list[Decision] = field(default_factory=list)  # every rollback decided
+    pending: Decision | None = None  # decided, its outcome not yet reported
+    applied: list[dict] = field(default_factory=list)  # outcomes of applied rollbacks
+    cancelled: list[dict] = field(default_factory=list)
+    warnings: int = 0
     stuck: int = 0  # rollbacks in a row that did not get past the previous anomaly
     tripped: bool = False
-    manual: str | None = None  # reason of an operator's pending rollback request
+    manual: str | None = None  # reason of an operator's rollback request, decided at the next step
+    tainted_from: int | None = None  # a rollback-worthy step still in the weights: no target after it
     pinned_tag: str | None = None
     last: StepMetrics | None = None
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
     _complete: set[str] = field(default_factory=set)  # tags known to be complete
 
     def __post_init__(self) -> None:
-        c = self.config
-        self.grad_norm = SpikeDetector(c.window, c.warmup, c.grad_norm_sigma, c.min_rel_std)
-        self.loss = SpikeDetector(c.window, c.warmup, c.loss_sigma, c.min_rel_std)
-        self.divergence = DivergenceDetector(c.divergence_steps)
+        self.detector = Detector.of(self.config)
 
-    def observe(self, metrics: StepMetrics) -> tuple[Action, Incident | None]:
-        """One step's metrics in, the action for this step boundary out."""
+    def response(self, finding: str) -> str:
+        return getattr(self.config, f"on_{finding}")
+
+    # ------------------------------------------------------------------------------ judging
+
+    def observe(self, metrics: StepMetrics) -> Verdict:
+        """One step's metrics in, in the order the trainer ran them; the verdict out."""
         self.last = metrics
         if self.tripped:
-            return Action("stop", reason="circuit breaker tripped earlier"), None
+            return self._remember(metrics, Verdict(Action("stop", reason="circuit breaker tripped earlier"), "stop"))
+        cancelled = None
+        if self.pending is not None:
+            if metrics.step > self.pending.step:
+                return self._remember(metrics, Verdict(self.pending.action(), "superseded"))
+            why = f"the job went back to step {metrics.step - 1} without applying it (restarted)"
+            cancelled = self._cancel(self.pending, why)
+        verdict = self._judge(metrics)
+        verdict.cancelled = cancelled
+        return self._remember(metrics, verdict)
+
+    def _judge(self, metrics: StepMetrics) -> Verdict:
         self.refresh_pin(metrics.step)
-        incident = self._detect(metrics)
-        if incident is None:
-            return CONTINUE, None
-        target = self.target(metrics.step)
+        findings = self.detector.findings(metrics.loss, metrics.grad_norm)
+        if self.manual is not None:
+            findings.insert(0, Finding("operator", "operator", float("nan")))
+        responses = ["rollback" if f.kind == "operator" else self.response(f.kind) for f in findings]
+        worst = max(responses, key=RESPONSES.index, default="ignore")
+        if worst in ("ignore", "warn"):
+            self.detector.admit(metrics.loss, metrics.grad_norm)
+            if worst == "warn":
+                self.warnings += 1
+                return Verdict(CONTINUE, "warn", findings)
+            level = "ok" if self.detector.grad_norm.band() and self.detector.loss.band() else "warmup"
+            return Verdict(CONTINUE, level, findings)
+        finding = findings[responses.index(worst)]
+        reason = self.manual if finding.kind == "operator" else finding.reason
+        self.manual = None
+        if worst == "stop":
+            self.tripped = True
+            return Verdict(Action("stop", reason=reason), "stop", findings)
+        return self._decide(metrics.step, finding, reason, findings)
+
+    def _decide(self, step: int, finding: Finding, reason: str, findings: list[Finding]) -> Verdict:
+        target = self.target(step)
         if target is None:
-            return CONTINUE, incident  # nothing to go back to yet; a NaN step was skipped by the trainer
-        previous = self.rollbacks[-1]["step"] if self.rollbacks else None
-        self.stuck = self.stuck + 1 if previous is not None and metrics.step <= previous else 1
+            # Nothing to go back to yet (a NaN step was skipped by the trainer all the same).
+            if finding.kind != "nonfinite":
+                self.tainted_from = step if self.tainted_from is None else min(self.tainted_from, step)
+            return Verdict(CONTINUE, "rollback", findings, note=f"no checkpoint before step {step}: nothing to roll back to")
+        previous = self.decisions[-1].step if self.decisions else None
+        self.stuck = self.stuck + 1 if previous is not None and step <= previous else 1
         if self.stuck > self.config.max_rollbacks:
             self.tripped = True
-            return Action(
-                "stop",
-                reason=f"circuit breaker: {self.stuck - 1} rollbacks made no progress past step {previous}",
-            ), incident
-        lr_scale = self.config.lr_scale ** (len(self.rollbacks) + 1)
-        seed = self.base_seed + 1_000_003 * (len(self.rollbacks) + 1)
-        reason = f"{incident.series} {incident.verdict.rule}"
-        self.rollbacks.append(
-            {"step": metrics.step, "reason": reason, "value": incident.verdict.value,
-             "threshold": incident.verdict.threshold, "target": target, "seed": seed, "lr_scale": lr_scale}
+            why = f"circuit breaker: {self.stuck - 1} rollbacks made no progress past step {previous}"
+            return Verdict(Action("stop", reason=why), "stop", findings)
+        n = len(self.decisions) + 1
+        decision = Decision(
+            id=(self.decisions[-1].id if self.decisions else 0) + 1, step=step, reason=reason, finding=finding.kind,
+            value=finding.value if finding.kind != "operator" else None, threshold=finding.threshold, target=target,
+            seed=self.base_seed + 1_000_003 * n, lr_scale=self.config.lr_scale ** n,
         )  # fmt: skip
-        return Action("rollback", tag=target, seed=seed, lr_scale=lr_scale, reason=reason), incident
+        self.decisions.append(decision)
+        self.pending = decision
+        return Verdict(decision.action(), "rollback", findings, decision)
 
-    def _detect(self, m: StepMetrics) -> Incident | None:
-        if self.manual is not None:
-            reason, self.manual = self.manual, None
-            return Incident(m.step, "operator", Verdict(True, reason))
-        for series, verdict in (
-            ("grad_norm", self.grad_norm.update(m.grad_norm)),
-            ("loss", self.loss.update(m.loss)),
-            ("loss", self.divergence.update(m.loss)),
-        ):
-            if verdict.anomaly:
-                return Incident(m.step, series, verdict)
+    def _remember(self, metrics: StepMetrics, verdict: Verdict) -> Verdict:
+        self.recent.append({"step": metrics.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm,
+                            "level": verdict.level, "reason": "; ".join(f.reason for f in verdict.findings
+                                                                        if f.kind != "operator") or None})  # fmt: skip
+        return verdict
+
+    # ------------------------------------------------------------------------ decisions' lives
+
+    def resolve(self, outcome: Outcome) -> bool:
+        """The trainer's report of what became of a decision; whether it was the pending one."""
+        record = {"decision": outcome.decision, "step": outcome.decided_at, "applied_at": outcome.applied_at,
+                  "tag": outcome.tag, "reason": outcome.reason}  # fmt: skip
+        known = self.pending is not None and self.pending.id == outcome.decision
+        if known:
+            record |= {"target": self.pending.target, "why": self.pending.reason}
+            self.pending = None
+        if outcome.applied:
+            self.applied.append(record)
+            if self.tainted_from is not None and outcome.tag and checkpoint.step_of(outcome.tag) < self.tainted_from:
+                self.tainted_from = None  # the weights are from before it again
+        else:
+            self.cancelled.append(record)
+            self._taint(outcome.decided_at)
+        return known
+
+    def _cancel(self, decision: Decision, reason: str) -> dict:
+        self.pending = None
+        record = {"decision": decision.id, "step": decision.step, "target": decision.target, "reason": reason}
+        self.cancelled.append(record)
+        return record
+
+    def _taint(self, step: int) -> None:
+        self.tainted_from = step if self.tainted_from is None else min(self.tainted_from, step)
+
+    def request(self, reason: str) -> str | None:
+        """An operator's rollback, decided at the next reported step; the reason it cannot be, if so."""
+        if self.tripped:
+            return "the circuit breaker has tripped: the job is stopping"
+        if self.pending is not None:
+            return f"rollback {self.pending.id} (decided at step {self.pending.step}) is not applied yet"
+        next_step = self.last.step + 1 if self.last else 1
+        if self.target(next_step) is None:
+            return f"no complete checkpoint before step {next_step} to roll back to"
+        self.manual = reason
         return None
 
+    # --------------------------------------------------------------------------------- targets
+
     def target(self, anomalous_step: int) -> str | None:
-        """Newest complete checkpoint saved before the anomalous update, `margin` steps back."""
+        """Newest complete checkpoint saved before the anomalous update, `margin` steps back, and
+        before any step whose rollback could not be applied."""
         limit = anomalous_step - 1 - self.config.rollback_margin
+        if self.tainted_from is not None:
+            limit = min(limit, self.tainted_from - 1)
         tags = checkpoint.tags_on_disk(self.run_dir)
         self._complete &= set(tags)  # one moved away (abandoned, deleted) is checked again if it returns
         for tag in reversed(tags):
@@ -110,13 +233,13 @@ class Policy:
         until a checkpoint newer than that rollback's anomaly is complete; release every other pin
         (also those an earlier service left), so retention treats them like any other."""
         keep = {self.target(step)} - {None}
-        if self.rollbacks:
-            last = self.rollbacks[-1]
+        if self.decisions:
+            last = self.decisions[-1]
             root = checkpoint.checkpoints_dir(self.run_dir)
-            past = [t for t in checkpoint.tags_on_disk(self.run_dir) if checkpoint.step_of(t) > last["step"]
+            past = [t for t in checkpoint.tags_on_disk(self.run_dir) if checkpoint.step_of(t) > last.step
                     and checkpoint.check_complete(root / t, verify_hashes=False) is None]  # fmt: skip
             if not past:
-                keep.add(last["target"])
+                keep.add(last.target)
         current = checkpoint.pinned(self.run_dir)
         try:
             for tag in keep - current:
@@ -126,3 +249,22 @@ class Policy:
         except OSError:
             pass  # a full disk: the pins are tried again at the next step
         self.pinned_tag = self.target(step)
+
+    # --------------------------------------------------------------------------------- restart
+
+    def restore(self, events: list[dict]) -> None:
+        """A service started again for a run that has history: decision numbers go on from the
+        last one, an unresolved decision is pending again, and the bands start from the last
+        judged values instead of an empty window (no warm-up, no false alarm after a restart)."""
+        resolved = {e.get("decision") for e in events if e.get("type") in ("rollback_applied", "rollback_cancelled")}
+        for e in events:
+            if e.get("type") == "step" and e.get("level", "ok") in ("ok", "warmup", "warn"):
+                loss, grad_norm = (float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm"))
+                self.detector.admit(loss, grad_norm)
+            elif e.get("type") == "rollback" and isinstance(e.get("decision"), int):
+                decision = Decision(e["decision"], e["step"], e.get("reason", ""), e.get("finding", ""),
+                                    e.get("value"), e.get("threshold"), e["target"], e["seed"], e["lr_scale"])  # fmt: skip
+                self.decisions.append(decision)
+                self.pending = None if decision.id in resolved else decision
+            elif e.get("type") == "rollback_applied":
+                self.applied.append({k: e.get(k) for k in ("decision", "decided_at", "applied_at", "tag")})

@@ -1,11 +1,15 @@
 """What the trainer (rank 0) and the monitoring service share: the messages, the monitor's files
 in the run directory, and the events file. The trainer imports nothing else from `monitoring`.
 
-Trainer → service, once per optimizer step: a `StepMetrics`.
+Trainer → service, once per optimizer step: a `StepMetrics` (POST /v1/metrics), sent from a
+background thread while the next step computes, in order, and sent again until answered (with
+`session` and `seq`, so the service answers a repeated report without judging it twice).
 Service → trainer, in the answer: an `Action` (`continue`; `rollback` to a checkpoint with a new
-data seed and an lr scale; or `stop`, when the circuit breaker trips), which rank 0 broadcasts so
-every rank acts at the same step boundary. Both are plain JSON so either side can be replaced or
-inspected with curl. Unknown fields are refused, so a typo never passes silently.
+data seed and an lr scale, identified by its `decision` number and the `step` it was decided at;
+or `stop`, when the circuit breaker trips), which rank 0 shares with every rank at the next step
+boundary so all act at the same one. Trainer → service, once a rollback was acted on: an
+`Outcome` (POST /v1/outcome): applied, or cancelled with a reason. All plain JSON, so either side
+can be replaced or inspected with curl. Unknown fields are refused, so a typo never passes silently.
 
     RUN_DIR/events.jsonl            append-only, one JSON object per line with `type` and `step`
     RUN_DIR/monitor/endpoint.json   where the service listens ({"url": ..., "pid": ...})
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 PROTOCOL_VERSION = 1
+MAX_INT = 2**53  # integers beyond this are not exact in JSON readers (and are no real step or count)
 ACTIONS = ("continue", "rollback", "stop")  # what the service may answer; their order is the wire code
 
 MONITOR_DIR = "monitor"
@@ -37,12 +42,23 @@ def monitor_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / MONITOR_DIR
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float spelled as a string ("nan", "inf"): JSON has no NaN, and
+    a NaN loss is exactly what the monitor must see."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def append_event(run_dir: str | Path, event: dict, *, sync: bool = True) -> None:
     """events.jsonl: append-only, one JSON object per line with at least `type` and `step`.
     `sync`: fsync, for the rare events (rollbacks, restarts) that must survive a crash."""
-    event = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
     with open(Path(run_dir) / EVENTS_FILE, "a") as f:
-        f.write(json.dumps({"time": time.time(), **event}, allow_nan=False) + "\n")
+        f.write(json.dumps(strict_json({"time": time.time(), **event}), allow_nan=False) + "\n")
         f.flush()
         if sync:
             os.fsync(f.fileno())
@@ -62,8 +78,11 @@ def _number(payload: dict, key: str, *, optional: bool = False) -> float | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ProtocolError(f"{key!r} must be a number, got {value!r}")
-    return float(value)
+        raise ProtocolError(f"{key!r} must be a number, got {str(value)[:40]}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ProtocolError(f"{key!r} is out of range") from None
 
 
 def _nonfinite_to_json(value: float | None) -> Any:
@@ -88,6 +107,7 @@ class StepMetrics:
     step_time: float  # seconds for this optimizer step
     tokens: int  # tokens consumed so far, all ranks
     layer_grad_norms: dict[str, float] = field(default_factory=dict)  # per layer group, when measured
+    total_steps: int | None = None  # the run's last step (for progress and ETA)
 
     def to_json(self) -> dict[str, Any]:
         payload = asdict(self)
@@ -106,16 +126,24 @@ class StepMetrics:
         payload = {k: _json_to_float(v) for k, v in payload.items()}
         step, tokens = payload.get("step"), payload.get("tokens")
         for key, value in (("step", step), ("tokens", tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ProtocolError(f"{key!r} must be a non-negative integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_INT:
+                raise ProtocolError(f"{key!r} must be an integer in [0, 2^53), got {value!r}")
+        for key in ("lr", "step_time"):  # the trainer's own numbers: never NaN, never negative
+            value = _number(payload, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ProtocolError(f"{key!r} must be a finite number >= 0, got {value!r}")
         layers = payload.get("layer_grad_norms") or {}
-        if not isinstance(layers, dict):
-            raise ProtocolError("'layer_grad_norms' must be an object of name → number")
+        if not isinstance(layers, dict) or len(layers) > 4096 or any(len(str(k)) > 200 for k in layers):
+            raise ProtocolError("'layer_grad_norms' must be an object of at most 4096 name → number")
         layers = {
             str(k): _number({f"layer_grad_norms.{k}": _json_to_float(v)}, f"layer_grad_norms.{k}")
             for k, v in layers.items()
         }
+        total = payload.get("total_steps")
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or not 0 <= total < MAX_INT):
+            raise ProtocolError(f"'total_steps' must be an integer in [0, 2^53), got {total!r}")
         return cls(
+            total_steps=total,
             step=step,
             loss=_number(payload, "loss"),
             grad_norm=_number(payload, "grad_norm"),
@@ -124,6 +152,31 @@ class StepMetrics:
             tokens=tokens,
             layer_grad_norms=layers,
         )
+
+
+def _sender(payload: Any, what: str) -> tuple[dict, str | None, int | None]:
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{what} must be a JSON object")
+    payload = dict(payload)
+    session, seq = payload.pop("session", None), payload.pop("seq", None)
+    if session is not None and not (isinstance(session, str) and 0 < len(session) <= 64):
+        raise ProtocolError(f"'session' must be a short string, got {session!r}")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < MAX_INT):
+        raise ProtocolError(f"'seq' must be a positive integer, got {seq!r}")
+    return payload, session, seq
+
+
+def parse_report(payload: Any) -> tuple[StepMetrics, str | None, int | None]:
+    """A POST /v1/metrics body: the step's metrics, and the sender's `session` and `seq` (optional:
+    a report without them, e.g. from curl, is judged every time it is sent)."""
+    payload, session, seq = _sender(payload, "metrics")
+    return StepMetrics.from_json(payload), session, seq
+
+
+def parse_outcome(payload: Any) -> tuple[Outcome, str | None, int | None]:
+    """A POST /v1/outcome body, with the sender's `session` and `seq` like a report."""
+    payload, session, seq = _sender(payload, "an outcome")
+    return Outcome.from_json(payload), session, seq
 
 
 @dataclass(frozen=True)
@@ -136,9 +189,11 @@ class Action:
     seed: int | None = None
     lr_scale: float = 1.0
     reason: str | None = None
+    decision: int | None = None  # the service's number for a rollback decision (1, 2, ...)
+    step: int | None = None  # the anomalous step the rollback was decided at
 
     def __post_init__(self) -> None:
-        for name, types in (("tag", str), ("seed", int), ("reason", str)):
+        for name, types in (("tag", str), ("seed", int), ("reason", str), ("decision", int), ("step", int)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
                 raise ProtocolError(f"{name!r} must be a {types.__name__}, got {value!r}")
@@ -159,7 +214,7 @@ class Action:
     def from_json(cls, payload: Any) -> Action:
         if not isinstance(payload, dict):
             raise ProtocolError("an action must be a JSON object")
-        unknown = set(payload) - {"action", "tag", "seed", "lr_scale", "reason"}
+        unknown = set(payload) - {"action", "tag", "seed", "lr_scale", "reason", "decision", "step"}
         if unknown:
             raise ProtocolError(f"unknown action fields {sorted(unknown)}")
         fields_ = {k: v for k, v in payload.items() if k != "action"}
@@ -167,3 +222,38 @@ class Action:
 
 
 CONTINUE = Action()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of rollback `decision` (decided at step `decided_at`): `applied` at the step
+    boundary after step `applied_at`, to checkpoint `tag`; or cancelled, with a `reason`."""
+
+    decision: int
+    decided_at: int
+    applied: bool
+    applied_at: int
+    tag: str | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, payload: Any) -> Outcome:
+        if not isinstance(payload, dict):
+            raise ProtocolError("an outcome must be a JSON object")
+        names = {f.name for f in fields(cls)}
+        unknown = set(payload) - names
+        if unknown:
+            raise ProtocolError(f"unknown outcome fields {sorted(unknown)}")
+        for key in ("decision", "decided_at", "applied_at"):
+            value = payload.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
+                raise ProtocolError(f"{key!r} must be a non-negative integer, got {value!r}")
+        if not isinstance(payload.get("applied"), bool):
+            raise ProtocolError(f"'applied' must be true or false, got {payload.get('applied')!r}")
+        for key in ("tag", "reason"):
+            if payload.get(key) is not None and not isinstance(payload[key], str):
+                raise ProtocolError(f"{key!r} must be a string, got {payload[key]!r}")
+        return cls(**payload)

@@ -1,9 +1,16 @@
 """The monitoring service: an HTTP server in its own process, one per run directory.
 
-    POST /v1/metrics     (token)  a StepMetrics from the trainer's rank 0 → the Action for this step
-    POST /v1/rollback    (token)  an operator's rollback request, carried out at the next step
-    GET  /status                  JSON: step, latest metrics, detector bands, rollbacks, circuit breaker
+    POST /v1/metrics     (token)  a StepMetrics from the trainer's rank 0 → the Action, the verdict
+    POST /v1/outcome     (token)  the trainer: what became of a rollback decision (applied / cancelled)
+    POST /v1/rollback    (token)  an operator's rollback request, decided at the next step (409 when
+                                  there is no checkpoint to go back to)
+    GET  /status                  JSON: progress and ETA, latest metrics, bands, recent verdicts,
+                                  warnings, rollbacks (applied, decided, pending, cancelled)
     GET  /metrics                 Prometheus text format
+    GET  /                        a small self-contained HTML page of the same (no token needed)
+
+Every request gets an answer: a malformed one a 4xx with a one-line JSON `error` (bodies are at
+most MAX_BODY bytes and need a Content-Length); nothing a client sends leaves a traceback.
 
 Requests that change state need `Authorization: Bearer TOKEN`; the token is in
 RUN_DIR/monitor/token (mode 0600). The service binds to 127.0.0.1 unless told otherwise and
@@ -15,28 +22,38 @@ norm, the action answered), so the file alone tells which steps ran, and which r
 from __future__ import annotations
 
 import argparse
+import collections
 import hmac
 import json
+import math
 import os
 import secrets
+import statistics
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from monitoring.page import render_page
 from monitoring.policy import Policy
 from monitoring.protocol import (
     ENDPOINT_FILE,
     EVENTS_FILE,
     TOKEN_FILE,
+    Outcome,
     ProtocolError,
     StepMetrics,
     append_event,
     monitor_dir,
+    parse_outcome,
+    parse_report,
+    read_events,
+    strict_json,
 )
 from pretrain import atomic
 from pretrain.config import MonitorConfig
@@ -54,37 +71,43 @@ def ensure_token(run_dir: str | Path) -> str:
     return path.read_text().strip()
 
 
+MAX_BODY = 64 * 1024  # bytes: a step's report is ~300 (a few KiB with per-layer norms)
+SERIES_KEPT = 600  # judged steps kept for /status and the page
+
+
 class MonitorState:
-    """The policy plus what /status and /metrics show; one lock serializes requests."""
+    """The policy plus what /status, /metrics and the page show; one lock serializes requests."""
 
     def __init__(self, run_dir: Path, config: MonitorConfig, base_seed: int = 0):
         self.run_dir = run_dir
         self.policy = Policy(config, str(run_dir), base_seed)
+        self.policy.restore(read_events(run_dir))
         self.lock = threading.Lock()
         self.registry = CollectorRegistry()
-        self.g_step = Gauge("pretrain_step", "last reported optimizer step", registry=self.registry)
-        self.g_loss = Gauge("pretrain_loss", "last reported training loss", registry=self.registry)
-        self.g_grad = Gauge(
-            "pretrain_grad_norm", "last reported global gradient norm", registry=self.registry
-        )
-        self.g_lr = Gauge("pretrain_lr", "last reported learning rate", registry=self.registry)
-        self.g_tps = Gauge(
-            "pretrain_tokens_per_second", "tokens per second, all ranks", registry=self.registry
-        )
-        self.g_band = Gauge(
-            "pretrain_spike_threshold", "detector threshold", ["series"], registry=self.registry
-        )
-        self.c_anomalies = Counter(
-            "pretrain_anomalies", "anomalies detected", ["series", "rule"], registry=self.registry
-        )
-        self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks ordered", registry=self.registry)
-        self.c_restarts = Counter(
-            "pretrain_restarts", "restarts of a crashed or hung job", registry=self.registry
-        )
+        r = self.registry
+        self.g_step = Gauge("pretrain_step", "last reported optimizer step", registry=r)
+        self.g_loss = Gauge("pretrain_loss", "last reported training loss", registry=r)
+        self.g_grad = Gauge("pretrain_grad_norm", "last reported global gradient norm", registry=r)
+        self.g_lr = Gauge("pretrain_lr", "last reported learning rate", registry=r)
+        self.g_tps = Gauge("pretrain_tokens_per_second", "tokens per second, all ranks", registry=r)
+        self.g_band = Gauge("pretrain_spike_threshold", "detector threshold", ["series"], registry=r)
+        self.c_findings = Counter("pretrain_anomalies", "findings of the detector", ["series", "rule"], registry=r)
+        self.c_warnings = Counter("pretrain_warnings", "steps that warned", registry=r)
+        self.c_decided = Counter("pretrain_rollbacks_decided", "rollbacks decided", registry=r)
+        self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks applied by the trainer", registry=r)
+        self.c_cancelled = Counter("pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r)
+        self.c_restarts = Counter("pretrain_restarts", "restarts of a crashed or hung job", registry=r)
         self.restarts: list[dict] = []
         self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
         self.job: dict | None = None  # the supervisor's view of the job
         self.append_failed = False
+        self.sender: tuple[str | None, int] = (None, 0)  # the trainer's session and its last seq
+        self.last_answer: dict | None = None
+        self.series: collections.deque[dict] = collections.deque(maxlen=SERIES_KEPT)
+        self.step_times: collections.deque[float] = collections.deque(maxlen=50)
+        self.tokens_per_second: float | None = None
+        self.total_steps: int | None = None
+        self.started = time.time()
 
     def record_restart(self, event: dict) -> None:
         with self.lock:
@@ -105,57 +128,134 @@ class MonitorState:
                 )
             self.append_failed = True
 
-    def handle_metrics(self, metrics: StepMetrics) -> dict:
+    def _repeated(self, session: str | None, seq: int | None) -> dict | None:
+        """The answer already given, when this is a report sent again (its answer was lost)."""
+        if session is None or seq is None:
+            return None
+        if session == self.sender[0] and seq <= self.sender[1]:
+            if seq == self.sender[1] and self.last_answer is not None:
+                return self.last_answer
+            return {"action": "continue", "repeated": True}
+        self.sender = (session, seq)
+        return None
+
+    def handle_metrics(self, metrics: StepMetrics, session: str | None = None, seq: int | None = None) -> dict:
         with self.lock:
-            action, incident = self.policy.observe(metrics)
+            repeated = self._repeated(session, seq)
+            if repeated is not None:
+                return repeated
+            verdict = self.policy.observe(metrics)
             if self.watch is not None:
                 self.watch.step(time.monotonic())
-            self._append({"type": "step", "step": metrics.step, "loss": metrics.loss,
-                          "grad_norm": metrics.grad_norm, "action": action.kind}, sync=False)  # fmt: skip
-            self.g_step.set(metrics.step)
-            for gauge, value in (
-                (self.g_loss, metrics.loss),
-                (self.g_grad, metrics.grad_norm),
-                (self.g_lr, metrics.lr),
-            ):
-                gauge.set(value)
-            if metrics.step_time > 0:
-                self.g_tps.set(metrics.tokens / max(metrics.step, 1) / metrics.step_time)
+            self._record(metrics, verdict)
             bands = self.bands()
-            for series, band in bands.items():
-                if band is not None:
-                    self.g_band.labels(series).set(band["threshold"])
-            if incident is not None:
-                self.c_anomalies.labels(incident.series, incident.verdict.rule).inc()
-            if action.kind == "rollback":
-                self.c_rollbacks.inc()
-                self._append({"type": "rollback", **self.policy.rollbacks[-1]})
-            elif action.kind == "stop" and incident is not None:
-                self._append({"type": "circuit_breaker", "step": metrics.step, "reason": action.reason})
-            return action.to_json() | {"bands": bands}
+            answer = verdict.action.to_json() | {
+                "judged": {"step": metrics.step, "loss": _finite_or_str(metrics.loss),
+                           "grad_norm": _finite_or_str(metrics.grad_norm)},
+                "verdict": verdict.to_json(), "bands": bands,
+            }  # fmt: skip
+            if session is not None:
+                self.last_answer = answer
+            return answer
+
+    def _record(self, metrics: StepMetrics, verdict) -> None:
+        """Events, counters and gauges for one judged step."""
+        if verdict.cancelled is not None:
+            self.c_cancelled.inc()
+            self._append({"type": "rollback_cancelled", **verdict.cancelled})
+        self._append({"type": "step", "step": metrics.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm,
+                      "action": verdict.action.kind, "level": verdict.level}, sync=False)  # fmt: skip
+        for finding in verdict.findings:
+            self.c_findings.labels(finding.series, finding.kind).inc()
+        if verdict.level == "warn":
+            self.c_warnings.inc()
+            self._append({"type": "warning", "step": metrics.step,
+                          "reason": "; ".join(f.reason for f in verdict.findings),
+                          "findings": [f.kind for f in verdict.findings]}, sync=False)  # fmt: skip
+        elif verdict.decision is not None:
+            self.c_decided.inc()
+            self._append(verdict.decision.event())
+        elif verdict.level == "rollback":  # no checkpoint to go back to
+            self._append({"type": "anomaly", "step": metrics.step, "note": verdict.note,
+                          "reason": "; ".join(f.reason for f in verdict.findings)})  # fmt: skip
+        elif verdict.level == "stop" and verdict.findings:
+            self._append({"type": "circuit_breaker", "step": metrics.step, "reason": verdict.action.reason})
+        self.g_step.set(metrics.step)
+        for gauge, value in ((self.g_loss, metrics.loss), (self.g_grad, metrics.grad_norm), (self.g_lr, metrics.lr)):
+            gauge.set(value)
+        previous = self.policy.recent[-2] if len(self.policy.recent) > 1 else None
+        if metrics.step_time > 0:
+            self.step_times.append(metrics.step_time)
+            if previous is not None and previous.get("tokens") is not None and metrics.tokens > previous["tokens"]:
+                self.tokens_per_second = (metrics.tokens - previous["tokens"]) / metrics.step_time
+                self.g_tps.set(self.tokens_per_second)
+        self.policy.recent[-1]["tokens"] = metrics.tokens
+        if metrics.total_steps is not None:
+            self.total_steps = metrics.total_steps
+        bands = self.policy.detector.bands()
+        for series, band in bands.items():
+            if band is not None:
+                self.g_band.labels(series).set(band.threshold)
+        self.series.append({"step": metrics.step, "loss": _finite_or_str(metrics.loss),
+                            "grad_norm": _finite_or_str(metrics.grad_norm), "level": verdict.level,
+                            **{f"{k}_{part}": getattr(b, part) for k, b in bands.items() if b is not None
+                               for part in ("level", "threshold")}})  # fmt: skip
+
+    def handle_outcome(self, outcome: Outcome, session: str | None, seq: int | None) -> dict:
+        with self.lock:
+            repeated = self._repeated(session, seq)
+            if repeated is not None:
+                return {"recorded": True, "repeated": True}
+            known = self.policy.resolve(outcome)
+            (self.c_rollbacks if outcome.applied else self.c_cancelled).inc()
+            answer = {"recorded": True, "pending": known}
+            if session is not None:
+                self.last_answer = answer
+            return answer
+
+    def request_rollback(self, reason: str) -> str | None:
+        with self.lock:
+            return self.policy.request(reason)
 
     def bands(self) -> dict:
-        out = {}
-        for series, detector in (("grad_norm", self.policy.grad_norm), ("loss", self.policy.loss)):
-            band = detector.band()
-            out[series] = (
-                None if band is None else {"mean": band.mean, "std": band.std, "threshold": band.threshold}
-            )
-        return out
+        return {
+            series: None if band is None else {"level": band.level, "spread": band.spread, "threshold": band.threshold}
+            for series, band in self.policy.detector.bands().items()
+        }
 
-    def status(self) -> dict:
+    def status(self, series: bool = False) -> dict:
         with self.lock:
-            last = self.policy.last
-            return {
+            p = self.policy
+            last = p.last
+            eta = None
+            if last is not None and self.total_steps and self.step_times:
+                eta = max(self.total_steps - last.step, 0) * statistics.median(self.step_times)
+            out = {
+                "run_dir": str(self.run_dir),
                 "step": last.step if last else None,
+                "total_steps": self.total_steps,
+                "tokens_per_second": self.tokens_per_second,
+                "eta_seconds": eta,
                 "latest": last.to_json() if last else None,
                 "detectors": self.bands(),
-                "rollbacks": list(self.policy.rollbacks),
-                "circuit_breaker": self.policy.tripped,
-                "pinned": self.policy.pinned_tag,
+                "warnings": p.warnings,
+                "rollbacks": list(p.applied),
+                "rollbacks_decided": [d.event() for d in p.decisions],
+                "rollback_pending": p.pending.event() if p.pending else None,
+                "rollbacks_cancelled": list(p.cancelled),
+                "recent": [dict(v) for v in p.recent],
+                "circuit_breaker": p.tripped,
+                "pinned": p.pinned_tag,
                 "restarts": list(self.restarts),
                 "job": self.job,
             }
+            if series:
+                out["series"] = list(self.series)
+            return out
+
+
+def _finite_or_str(value: float):
+    return value if math.isfinite(value) else str(value)
 
 
 def make_handler(state: MonitorState, token: str):
@@ -163,55 +263,105 @@ def make_handler(state: MonitorState, token: str):
         server_version = "pretrain-monitor/1"
         protocol_version = "HTTP/1.1"  # keep-alive: the trainer's one connection serves every step
         disable_nagle_algorithm = True  # else headers and body wait on each other (40 ms delayed ACK)
+        timeout = 600  # seconds a connection may sit idle or half-sent before it is closed
 
         def log_message(self, format, *args):  # quiet: one line per step would flood the log
             pass
 
         def _send(self, code: int, body: bytes, content_type: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:  # the client has gone (e.g. it timed out): it sends again
+                self.close_connection = True
 
         def _json(self, code: int, payload: dict) -> None:
-            self._send(code, json.dumps(payload).encode())
+            self._send(code, json.dumps(strict_json(payload), allow_nan=False).encode())
+
+        def _error(self, code: int, message: str, close: bool = False) -> None:
+            self.close_connection = self.close_connection or close
+            self._json(code, {"error": message})
 
         def _authorized(self) -> bool:
             given = self.headers.get("Authorization", "")
-            return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+            return hmac.compare_digest(given.encode(errors="replace"), f"Bearer {token}".encode())
 
         def do_GET(self):
-            if self.path == "/status":
-                self._json(200, state.status())
-            elif self.path == "/metrics":
+            path = urllib.parse.urlsplit(self.path).path
+            if path == "/status":
+                self._json(200, state.status(series="series=1" in self.path))
+            elif path == "/metrics":
                 self._send(200, generate_latest(state.registry), CONTENT_TYPE_LATEST)
+            elif path == "/":
+                self._send(200, render_page(state.status(series=True)).encode(), "text/html; charset=utf-8")
             else:
-                self._json(404, {"error": f"no such endpoint {self.path}"})
+                self._error(404, f"no such endpoint {path[:100]}")
+
+        def _body(self):
+            """The request's JSON body, or None after answering why not."""
+            if self.headers.get("Transfer-Encoding"):
+                return self._error(411, "send the body with a Content-Length, not chunked", close=True)
+            length = self.headers.get("Content-Length")
+            if length is None or not length.strip().isdigit():
+                return self._error(411 if length is None else 400,
+                                   "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
+            if int(length) > MAX_BODY:
+                return self._error(413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True)
+            raw = self.rfile.read(int(length))
+            if len(raw) < int(length):
+                return self._error(400, "the body is shorter than its Content-Length", close=True)
+            try:
+                return json.loads(raw or b"{}", parse_constant=_refuse_constant)
+            except (ValueError, RecursionError) as exc:
+                return self._error(400, f"the body is not JSON: {str(exc)[:100]}")
 
         def do_POST(self):
-            if self.path not in ("/v1/metrics", "/v1/rollback"):
-                return self._json(404, {"error": f"no such endpoint {self.path}"})
+            path = urllib.parse.urlsplit(self.path).path
+            if path not in ("/v1/metrics", "/v1/outcome", "/v1/rollback"):
+                return self._error(404, f"no such endpoint {path[:100]}", close=True)
             if not self._authorized():
-                return self._json(401, {"error": "missing or wrong bearer token (see RUN_DIR/monitor/token)"})
+                return self._error(401, "missing or wrong bearer token (see RUN_DIR/monitor/token)", close=True)
+            payload = self._body()
+            if payload is None:
+                return
             try:
-                length = int(self.headers.get("Content-Length", "0"))
-                payload = json.loads(self.rfile.read(length) or b"{}")
-            except (ValueError, json.JSONDecodeError):
-                return self._json(400, {"error": "the body is not JSON"})
-            if self.path == "/v1/metrics":
-                try:
-                    metrics = StepMetrics.from_json(payload)
-                except ProtocolError as exc:
-                    return self._json(400, {"error": str(exc)})
-                return self._json(200, state.handle_metrics(metrics))
-            with state.lock:
-                state.policy.manual = str(payload.get("reason", "operator request"))
-            return self._json(
-                202, {"accepted": True, "note": "the rollback happens at the next reported step"}
-            )
+                if path == "/v1/metrics":
+                    metrics, session, seq = parse_report(payload)
+                    return self._json(200, state.handle_metrics(metrics, session, seq))
+                if path == "/v1/outcome":
+                    outcome, session, seq = parse_outcome(payload)
+                    return self._json(200, state.handle_outcome(outcome, session, seq))
+                if not isinstance(payload, dict) or set(payload) - {"reason"}:
+                    raise ProtocolError('a rollback request is a JSON object with an optional "reason" (a string)')
+                reason = payload.get("reason", "operator request")
+                if not isinstance(reason, str) or len(reason) > 500:
+                    raise ProtocolError('"reason" must be a string of at most 500 characters')
+                refused = state.request_rollback(f"operator: {reason}")
+                if refused is not None:
+                    return self._error(409, refused)
+                return self._json(202, {"accepted": True, "note": "decided at the next reported step"})
+            except ProtocolError as exc:
+                return self._error(400, str(exc)[:300])
+            except Exception as exc:  # a bug here must not take the connection (or the service) down
+                print(f"monitor: error handling POST {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return self._error(500, f"internal error: {type(exc).__name__}")
+
+        def handle_one_request(self):
+            try:
+                super().handle_one_request()
+            except (TimeoutError, ConnectionError):
+                self.close_connection = True
 
     return Handler
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON (send a non-finite loss as the string \"nan\" or \"inf\")")
 
 
 def serve(

@@ -259,6 +259,10 @@ class LoggingConfig:
         _positive("logging.layer_grad_norms_every", self.layer_grad_norms_every, allow_zero=True)
 
 
+FINDINGS = ("nonfinite", "loss_spike", "grad_norm_surge", "divergence", "grad_norm_spike")
+RESPONSES = ("ignore", "warn", "rollback", "stop")  # what a finding may do, least to most drastic
+
+
 @dataclass
 class MonitorConfig:
     """The monitoring service (`pretrain monitor`) and the trainer's connection to it."""
@@ -269,10 +273,17 @@ class MonitorConfig:
     timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
     window: int = 128  # healthy values the spike band is computed over
     warmup: int = 32  # values seen before spikes are judged
-    grad_norm_sigma: float = 6.0  # spike: grad norm above mean + sigma·std of the window
-    loss_sigma: float = 6.0  # spike: loss above mean + sigma·std of the window
-    min_rel_std: float = 0.02  # floor for std, relative to the mean (a flat series is not all alarms)
+    grad_norm_sigma: float = 6.0  # band: threshold = median + sigma × 1.4826·MAD of the window
+    loss_sigma: float = 6.0  # the same for the loss
+    min_rel_std: float = 0.02  # floor for the spread, relative to the median (a flat series is not all alarms)
+    grad_norm_surge_ratio: float = 8.0  # above its threshold and this many times its median: a surge
     divergence_steps: int = 100  # loss moving average rising this many steps in a row; 0 disables
+    # What each finding does (docs/monitoring.md): ignore | warn | rollback | stop
+    on_nonfinite: str = "rollback"  # a NaN or Inf loss or gradient norm
+    on_loss_spike: str = "rollback"  # the loss above its threshold
+    on_grad_norm_surge: str = "rollback"  # the gradient norm above its threshold and surge_ratio × its median
+    on_divergence: str = "rollback"  # the loss's moving average rising divergence_steps steps in a row
+    on_grad_norm_spike: str = "warn"  # the gradient norm above its threshold, below surge_ratio × its median
     rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
     lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
@@ -291,8 +302,10 @@ class MonitorConfig:
             raise ConfigError(
                 f"monitor.warmup={self.warmup}, monitor.window={self.window}: need 2 <= warmup <= window"
             )
-        for key in ("grad_norm_sigma", "loss_sigma", "lr_scale"):
+        for key in ("grad_norm_sigma", "loss_sigma", "lr_scale", "grad_norm_surge_ratio"):
             _positive(f"monitor.{key}", getattr(self, key))
+        for finding in FINDINGS:
+            _choice(f"monitor.on_{finding}", getattr(self, f"on_{finding}"), RESPONSES)
         _positive("monitor.min_rel_std", self.min_rel_std, allow_zero=True)
         _positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
         _positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
@@ -308,6 +321,8 @@ class FaultsConfig:
 
     spike_steps: list[int] = field(default_factory=list)
     spike_factor: float = 50.0  # multiplies the loss and gradients at spike_steps
+    grad_spike_steps: list[int] = field(default_factory=list)
+    grad_spike_factor: float = 50.0  # multiplies the gradients (not the loss) at grad_spike_steps
     nan_steps: list[int] = field(default_factory=list)
     kill_step: int | None = None
     kill_rank: int = 0
@@ -319,7 +334,8 @@ class FaultsConfig:
 
     def __post_init__(self) -> None:
         _positive("faults.spike_factor", self.spike_factor)
-        for key in ("spike_steps", "nan_steps"):
+        _positive("faults.grad_spike_factor", self.grad_spike_factor)
+        for key in ("spike_steps", "grad_spike_steps", "nan_steps"):
             for step in getattr(self, key):
                 _positive(f"faults.{key}", step)
         for key in ("kill_rank", "hang_rank"):

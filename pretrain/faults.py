@@ -1,6 +1,7 @@
 """Fault injection (`faults.*`), for tests and rehearsals of the monitor and the supervisor.
 
-Scale the loss (and so the gradients) or make it NaN at given steps; kill or hang a rank as a step
+Scale the loss (and so the gradients), or the gradients alone (the loss reported is the true one),
+or make the loss NaN at given steps; kill or hang a rank as a step
 begins; corrupt the newest checkpoint's fp32 master weights (same size, other bytes) as a step begins. Each fault fires once: the faults fired ("spike:10", "kill:7", ...) are kept in
 RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs clean. Every
 rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung.
@@ -37,6 +38,8 @@ class FaultInjector:
             return "nan"
         if step in self.faults.spike_steps and self._pending("spike", step):
             return "spike"
+        if step in self.faults.grad_spike_steps and self._pending("grad_spike", step):
+            return "grad_spike"
         return None
 
     def before_step(self, step: int) -> None:
@@ -85,6 +88,9 @@ class FaultInjector:
         kind = self._loss_fault(step)
         if kind == "nan":
             return loss * float("nan")
+        if kind == "grad_spike":  # the same value, its gradient times the factor
+            detached = loss.detach()
+            return detached + self.faults.grad_spike_factor * (loss - detached)
         return loss * self.faults.spike_factor if kind == "spike" else loss
 
     def mark_fired(self, step: int) -> None:

@@ -6,6 +6,9 @@ TensorBoard tags (RUN_DIR/tensorboard):
     train/mfu (where a peak is known)  train/step_time  train/memory_gb  train/skipped_steps
     train/tokens  train/grad_norm/<group> (embeddings, layers.N, head; every
     logging.layer_grad_norms_every steps)  eval/loss  eval/perplexity  config (text)
+    with the monitor, at every step it judged: monitor/loss  monitor/grad_norm (the values judged)
+    monitor/<series>_level  monitor/<series>_threshold (its band)  monitor/warning
+    monitor/rollback (1 at a step that warned / was rolled back, else 0)  monitor/rollbacks (text)
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ class MetricsWriter:
                 self.writer.add_scalar(tag, value, step)
 
     def band_layout(self) -> None:
-        """TensorBoard 'Custom Scalars': each monitored series on one chart with its spike threshold."""
+        """TensorBoard 'Custom Scalars': what the monitor judged at every step, each series inside
+        its band (from the robust level to the threshold: a Margin chart, whose tags are exact
+        names), and its marks (a Multiline chart, whose tags are regular expressions: anchored)."""
         if self.writer is not None:
             self.writer.add_custom_scalars({
                 "monitor": {
-                    "gradient norm and spike threshold": ["Multiline", ["train/grad_norm", "monitor/grad_norm_threshold"]],
-                    "loss and spike threshold": ["Multiline", ["train/loss", "monitor/loss_threshold"]],
+                    "gradient norm in its band (level .. threshold)": ["Margin", ["monitor/grad_norm", "monitor/grad_norm_level", "monitor/grad_norm_threshold"]],
+                    "loss in its band (level .. threshold)": ["Margin", ["monitor/loss", "monitor/loss_level", "monitor/loss_threshold"]],
+                    "rollbacks and warnings (1 at the step judged)": ["Multiline", ["^monitor/rollback$", "^monitor/warning$"]],
                 }
             })  # fmt: skip
 

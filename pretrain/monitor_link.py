@@ -1,21 +1,29 @@
 """The trainer's side of the monitoring service: report each step, share the answer, apply it.
 
-Rank 0 posts the step's metrics to the service (its address and token are read from
-RUN_DIR/monitor/) and gets an `Action` back; every rank receives that action by broadcast, so all
-act at the same step boundary. When the service cannot be reached the trainer goes on: the client
-warns once, answers `continue`, and tries again (re-reading the endpoint, so a restarted service
-is found) at the next step. NaN/Inf steps are never applied to the weights either way: DeepSpeed's
-bf16 overflow check skips them. A rollback is applied here too: load the target (verified first;
-an older intact one if it is corrupt), move the abandoned timeline aside, record
-`rollback_applied` (with whether the loaded weights, fp32 master weights included, match the
-digests saved with them), reshuffle the rest of the epoch.
+Rank 0 hands each step's metrics to a `Reporter`, whose thread posts them to the service (its
+address and token are read from RUN_DIR/monitor/) while the next step computes: reporting never
+makes a step wait. The service's answers arrive in that thread; an action (rollback or stop) is
+shared with every rank at the next step boundary, inside the one all-reduce the step already
+makes, so all ranks act at the same boundary, one step after the report that caused it at the
+earliest. When the service is slow or unreachable, training goes on and the reports wait, in
+order, to be judged when it is back (re-sent with the same `session` and `seq`, so nothing is
+judged twice). NaN/Inf steps are never applied to the weights either way: DeepSpeed's bf16
+overflow check skips them. A rollback is applied here too: load the target (verified first; an
+older intact one if it is corrupt), move the abandoned timeline aside, record `rollback_applied`
+(with the step it was decided at and the step it was applied at, and whether the loaded weights,
+fp32 master weights included, match the digests saved with them), reshuffle the rest of the
+epoch, and tell the service the outcome; one that cannot be applied is `rollback_cancelled`.
 """
 
 from __future__ import annotations
 
+import collections
 import http.client
 import json
+import secrets
 import sys
+import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +36,7 @@ from monitoring.protocol import (
     ENDPOINT_FILE,
     TOKEN_FILE,
     Action,
+    Outcome,
     ProtocolError,
     StepMetrics,
     append_event,
@@ -37,110 +46,252 @@ from pretrain.checkpoint import abandon_after, step_of, tag_for, trim_abandoned
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.distributed import DistEnv, barrier, broadcast
 
+MAX_WAITING = 1_000_000  # reports kept for a service that is away (~300 bytes each)
+
+
+class Refused(ValueError):
+    """The service answered 4xx: the message will never be accepted, so it is dropped."""
+
 
 class MonitorClient:
-    """Rank 0's HTTP client of the service, one keep-alive connection for every step."""
+    """One keep-alive HTTP connection to the service; every call may raise (the Reporter retries)."""
 
     def __init__(self, run_dir: str | Path, timeout: float = 2.0):
         self.monitor_dir = monitor_dir(run_dir)
         self.timeout = timeout
         self.token: str | None = None
-        self.connection: http.client.HTTPConnection | None = None  # kept alive between steps
-        self.unreachable_since: int | None = None
-        self.last_response: dict = {}
+        self.connection: http.client.HTTPConnection | None = None
 
-    def _connect(self) -> None:
-        endpoint = json.loads((self.monitor_dir / ENDPOINT_FILE).read_text())
-        self.token = (self.monitor_dir / TOKEN_FILE).read_text().strip()
-        address = urllib.parse.urlsplit(endpoint["url"])
-        self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=self.timeout)
-
-    def _post(self, path: str, payload: dict) -> dict:
-        body = json.dumps(payload).encode()
+    def post(self, path: str, payload: dict) -> dict:
+        if self.connection is None:
+            endpoint = json.loads((self.monitor_dir / ENDPOINT_FILE).read_text())
+            self.token = (self.monitor_dir / TOKEN_FILE).read_text().strip()
+            address = urllib.parse.urlsplit(endpoint["url"])
+            self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=self.timeout)
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
-        self.connection.request("POST", path, body=body, headers=headers)
-        response = self.connection.getresponse()
-        answer = json.loads(response.read())
+        try:
+            self.connection.request("POST", path, body=json.dumps(payload).encode(), headers=headers)
+            response = self.connection.getresponse()
+            answer = json.loads(response.read())
+        except BaseException:
+            self.close()
+            raise
+        if 400 <= response.status < 500 and response.status not in (401, 404, 408, 429):
+            raise Refused(f"HTTP {response.status}: {answer.get('error', answer)}")
         if response.status != 200:
+            self.close()
             raise ValueError(f"HTTP {response.status}: {answer.get('error', answer)}")
         return answer
 
-    def report(self, metrics: StepMetrics) -> Action:
-        try:
-            if self.connection is None:
-                self._connect()
-            self.last_response = self._post("/v1/metrics", metrics.to_json())
-            action = Action.from_json({k: v for k, v in self.last_response.items() if k != "bands"})
-        except (OSError, http.client.HTTPException, ValueError, KeyError, ProtocolError) as exc:
-            if self.unreachable_since is None:
-                self.unreachable_since = metrics.step
-                print(f"warning: monitor unreachable at step {metrics.step} ({exc}); training goes on and "
-                      "will reconnect", file=sys.stderr, flush=True)  # fmt: skip
-            if self.connection is not None:
-                self.connection.close()
-            self.connection = None
-            return CONTINUE
-        if self.unreachable_since is not None:
-            print(f"monitor reachable again at step {metrics.step}", file=sys.stderr, flush=True)
-            self.unreachable_since = None
-        return action
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+        self.connection = None
 
-    def band(self, series: str) -> float | None:
-        band = (self.last_response.get("bands") or {}).get(series)
-        return band["threshold"] if band else None
+
+class Reporter:
+    """Rank 0: a thread that posts queued reports and outcomes to the service in order, each until
+    it is answered, and keeps the answers for the training loop to pick up without waiting."""
+
+    def __init__(self, run_dir: str | Path, timeout: float = 2.0):
+        self.client = MonitorClient(run_dir, timeout)
+        self.session = secrets.token_hex(8)
+        self._seq = 0
+        self._outbox: collections.deque[tuple[str, dict, int | None]] = collections.deque()
+        self._answers: list[dict] = []  # answered reports, for TensorBoard
+        self._action: Action | None = None  # the newest rollback or stop not yet taken
+        self._resolved = 0  # the newest rollback decision acted on here
+        self._cond = threading.Condition()
+        self._closed = False
+        self.unreachable_since: int | None = None  # the step whose report first went unanswered
+        self._thread = threading.Thread(target=self._run, name="monitor-reporter", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the training loop's side
+
+    def report(self, metrics: StepMetrics) -> None:
+        self._post("/v1/metrics", metrics.to_json(), metrics.step)
+
+    def outcome(self, outcome: Outcome) -> None:
+        with self._cond:
+            self._resolved = max(self._resolved, outcome.decision)
+            if self._action is not None and self._action.kind == "rollback":
+                self._action = None  # answers to reports sent before it was applied repeat it
+        self._post("/v1/outcome", outcome.to_json(), None)
+
+    def pending(self) -> bool:
+        with self._cond:
+            return self._action is not None
+
+    def take(self) -> Action | None:
+        with self._cond:
+            action, self._action = self._action, None
+            return action
+
+    def answered(self) -> list[dict]:
+        """Answers received since the last call (each with the `step` it judged)."""
+        with self._cond:
+            answers, self._answers = self._answers, []
+            return answers
+
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._outbox)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every report is answered (at most `timeout` seconds); whether it was."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._outbox and time.monotonic() < deadline:
+                self._cond.wait(min(0.05, max(deadline - time.monotonic(), 0)))
+            return not self._outbox
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        self.client.close()
+
+    # ------------------------------------------------------------------------------ the thread
+
+    def _post(self, path: str, payload: dict, step: int | None) -> None:
+        with self._cond:
+            self._seq += 1
+            if len(self._outbox) >= MAX_WAITING:
+                dropped = self._outbox.popleft()
+                print(f"warning: the monitor has been away for {MAX_WAITING} reports; the oldest "
+                      f"({dropped[2]}) will not be judged", file=sys.stderr, flush=True)  # fmt: skip
+            self._outbox.append((path, payload | {"session": self.session, "seq": self._seq}, step))
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not self._outbox and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                path, payload, step = self._outbox[0]
+            try:
+                answer = self.client.post(path, payload)
+            except Refused as exc:
+                print(f"warning: the monitor refused a report ({exc}); it is dropped", file=sys.stderr, flush=True)
+                answer = None
+            except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+                self._unreachable(step, exc)
+                backoff = min(max(2 * backoff, 0.05), 2.0)
+                with self._cond:
+                    self._cond.wait(backoff)  # (close() wakes it)
+                continue
+            backoff = 0.0
+            with self._cond:
+                self._outbox.popleft()
+                waiting = len(self._outbox)
+                if answer is not None and path == "/v1/metrics":
+                    self._take_answer(answer)
+                self._cond.notify_all()
+            if self.unreachable_since is not None and waiting == 0:
+                print(f"monitor reachable again: every step since {self.unreachable_since} judged",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self.unreachable_since = None
+
+    def _take_answer(self, answer: dict) -> None:
+        try:
+            action = Action.from_json({k: v for k, v in answer.items() if k not in ("bands", "verdict", "judged")})
+        except (ProtocolError, TypeError) as exc:
+            print(f"warning: the monitor answered {answer!r:.200}: {exc}", file=sys.stderr, flush=True)
+            return
+        self._answers.append(answer)
+        if action.kind == "stop":
+            self._action = action
+        elif action.kind == "rollback" and (action.decision or 0) > self._resolved:
+            if self._action is None or self._action.kind != "stop":
+                self._action = action
+
+    def _unreachable(self, step: int | None, exc: Exception) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = step if step is not None else -1
+            print(f"warning: monitor unreachable at step {step} ({exc}); training goes on and its steps "
+                  "will be judged when it is back", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def broadcast_action(action: Action | None, device) -> Action:
-    """Rank 0's action to every rank, as four numbers: (kind, target step, seed, lr scale)."""
-    packed = torch.zeros(4, dtype=torch.float64, device=device)
+    """Rank 0's action to every rank, as six numbers: (kind, target step, seed, lr scale,
+    decision, decided-at step)."""
+    packed = torch.zeros(6, dtype=torch.float64, device=device)
     if action is not None:
         target = step_of(action.tag) if action.tag else 0
         packed = torch.tensor(
-            [ACTIONS.index(action.kind), target, action.seed or 0, action.lr_scale],
-            dtype=torch.float64,
-            device=device,
-        )
+            [ACTIONS.index(action.kind), target, action.seed or 0, action.lr_scale, action.decision or 0,
+             action.step or 0], dtype=torch.float64, device=device,
+        )  # fmt: skip
     broadcast(packed, src=0)
-    kind = ACTIONS[int(packed[0].item())]
+    kind, target, seed, lr_scale, decision, step = packed.tolist()
+    kind = ACTIONS[int(kind)]
     if kind == "rollback":
-        return Action("rollback", tag=tag_for(int(packed[1].item())), seed=int(packed[2].item()),
-                      lr_scale=float(packed[3].item()), reason=action.reason if action else None)  # fmt: skip
+        return Action("rollback", tag=tag_for(int(target)), seed=int(seed), lr_scale=lr_scale,
+                      reason=action.reason if action else None, decision=int(decision) or None,
+                      step=int(step) or None)  # fmt: skip
     if kind == "stop":
         return Action("stop", reason=(action.reason if action else None) or "stopped by the monitor")
     return CONTINUE
 
 
 class MonitorLink:
-    """Every rank holds one; rank 0's also holds the client. `judge` is a collective."""
+    """Every rank holds one; rank 0's also holds the reporter."""
 
-    def __init__(self, run_dir: str | Path, timeout: float, env: DistEnv, device):
-        self.client = MonitorClient(run_dir, timeout) if env.is_main else None
+    def __init__(self, run_dir: str | Path, timeout: float, env: DistEnv, device, total_steps: int | None = None):
+        self.reporter = Reporter(run_dir, timeout) if env.is_main else None
+        self.total_steps = total_steps
+        self.timeout = timeout
         self.device = device
+        self.run_dir = Path(run_dir)
 
-    def judge(self, step: int, metrics: dict[str, float | None], tokens: int) -> Action:
-        """Rank 0 reports the step's metrics (the trainer's `train/*` values); every rank returns
-        the service's answer to it."""
-        answer = None
-        if self.client is not None:
-            grad_norm = metrics["train/grad_norm"]
-            layers = {
-                k.removeprefix("train/grad_norm/"): v
-                for k, v in metrics.items()
-                if k.startswith("train/grad_norm/")
-            }
-            report = StepMetrics(step, metrics["train/loss"], grad_norm if grad_norm is not None else float("nan"),
-                                 metrics["train/lr"], metrics["train/step_time"], tokens, layers)  # fmt: skip
-            answer = self.client.report(report)
-        return broadcast_action(answer, self.device)
+    def report(self, step: int, metrics: dict[str, float | None], tokens: int) -> None:
+        """Rank 0 hands the step's metrics (the trainer's `train/*` values) to the reporter; no wait."""
+        if self.reporter is None:
+            return
+        grad_norm = metrics["train/grad_norm"]
+        layers = {k.removeprefix("train/grad_norm/"): v for k, v in metrics.items() if k.startswith("train/grad_norm/")}
+        self.reporter.report(StepMetrics(step, metrics["train/loss"], grad_norm if grad_norm is not None else float("nan"),
+                                         metrics["train/lr"], metrics["train/step_time"], tokens, layers,
+                                         self.total_steps))  # fmt: skip
 
-    def thresholds(self) -> dict[str, float | None]:
-        """The detector bands of the last answer, for TensorBoard (rank 0; None elsewhere)."""
-        if self.client is None:
-            return {}
-        return {
-            "monitor/grad_norm_threshold": self.client.band("grad_norm"),
-            "monitor/loss_threshold": self.client.band("loss"),
-        }
+    def pending(self) -> float:
+        """1.0 on rank 0 when an action waits (summed into the step's all-reduce), else 0.0."""
+        return float(self.reporter is not None and self.reporter.pending())
+
+    def take(self) -> Action:
+        """Every rank, after the all-reduce said an action waits: rank 0's action (a collective)."""
+        return broadcast_action(self.reporter.take() if self.reporter else None, self.device)
+
+    def verdict(self, wait: bool = True) -> Action:
+        """Every rank, before a checkpoint is saved: wait (at most `timeout` seconds; with `wait`
+        false, not at all) until every reported step is judged, then rank 0's action, if any (a
+        collective). So a checkpoint holds only judged steps, unless the service is away."""
+        if self.reporter is not None and wait and not self.reporter.drain(self.timeout):
+            print(f"warning: the monitor has not judged the last {self.reporter.waiting()} step(s); saving "
+                  "the checkpoint all the same", file=sys.stderr, flush=True)  # fmt: skip
+        flag = torch.tensor([self.pending()], dtype=torch.float64, device=self.device)
+        broadcast(flag, src=0)
+        return self.take() if flag.item() > 0 else CONTINUE
+
+    def resolved(self, action: Action, applied_at: int, tag: str | None, reason: str | None = None) -> None:
+        """Rank 0: record what became of a rollback (event) and tell the service."""
+        if self.reporter is None or action.decision is None:
+            return
+        outcome = Outcome(action.decision, action.step or 0, tag is not None, applied_at, tag, reason)
+        self.reporter.outcome(outcome)
+
+    def judged(self) -> list[dict]:
+        """Rank 0: the service's answers since the last call, each naming the `step` it judged."""
+        return self.reporter.answered() if self.reporter is not None else []
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
 
 
 class Rewindable(Protocol):
@@ -151,19 +302,22 @@ class Rewindable(Protocol):
     def reshuffle(self, seed: int) -> None: ...
 
 
-def apply_rollback(action: Action, engine, task: Rewindable, checkpointer: Checkpointer) -> TrainState | None:
-    """Every rank: load the target checkpoint (or, if its files do not verify, the next older intact
-    one), put the data stream at its position, reshuffle the rest of the epoch with the new seed,
-    and carry on with the scaled learning rate. Newer checkpoints belong to the abandoned timeline
-    and move aside. None when no intact checkpoint is left to go back to (the rollback is
-    cancelled, with an event, and training goes on)."""
+def apply_rollback(
+    action: Action, applied_at: int, engine, task: Rewindable, checkpointer: Checkpointer
+) -> TrainState | None:
+    """Every rank, at the step boundary after step `applied_at`: load the target checkpoint (or, if
+    its files do not verify, the next older intact one), put the data stream at its position,
+    reshuffle the rest of the epoch with the new seed, and carry on with the scaled learning rate.
+    Newer checkpoints belong to the abandoned timeline and move aside. None when no intact
+    checkpoint is left to go back to (the rollback is cancelled, with an event, and training goes on)."""
     task.pause()
     loaded = checkpointer.load(engine, action.tag)
     run_dir = checkpointer.run_dir
+    decided = {"decision": action.decision, "decided_at": action.step, "applied_at": applied_at}
     if loaded is None:
         if checkpointer.env.is_main:
             append_event(run_dir, {"type": "rollback_cancelled", "step": step_of(action.tag), "tag": action.tag,
-                                   "reason": f"no intact checkpoint at or before {action.tag}"})  # fmt: skip
+                                   **decided, "reason": f"no intact checkpoint at or before {action.tag}"})  # fmt: skip
         return None
     saved, matches = loaded
     barrier()  # every rank has read the target before newer checkpoints move away
@@ -171,8 +325,8 @@ def apply_rollback(action: Action, engine, task: Rewindable, checkpointer: Check
         abandoned = abandon_after(run_dir, saved["step"])
         trim_abandoned(run_dir)
         append_event(run_dir, {"type": "rollback_applied", "step": saved["step"], "tag": tag_for(saved["step"]),
-                               "requested": action.tag, "seed": action.seed, "matches_checkpoint": matches,
-                               "abandoned": abandoned})  # fmt: skip
+                               "requested": action.tag, "seed": action.seed, **decided,
+                               "matches_checkpoint": matches, "abandoned": abandoned})  # fmt: skip
     task.load_state_dict(saved["data"])
     task.reshuffle(action.seed)
     return TrainState(step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale)

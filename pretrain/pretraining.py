@@ -182,7 +182,9 @@ def build_trainer(
         state = checkpointer.restore(engine, resume)
         task.load_state_dict(resume.data)
     writer = MetricsWriter(run_dir, cfg.train.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
-    monitor = MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device) if cfg.monitor.enabled else None
+    monitor = (
+        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps) if cfg.monitor.enabled else None
+    )
     if monitor is not None:
         writer.band_layout()
     writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)

@@ -109,57 +109,80 @@ class Trainer:
     data_trace: bool = False  # RUN_DIR/data_trace/rank_NNNNN.jsonl: the windows of every step
     state: TrainState = field(default_factory=TrainState)
     summary: dict = field(default_factory=dict)
+    last_saved: int = 0  # the step of the newest checkpoint of this timeline
 
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
-        c = self.cadence
         self.summary |= {"eval": [], "rollbacks": 0}
         with contextlib.ExitStack() as stack:
             stop = stack.enter_context(StopRequest())
             stack.callback(self.task.close)
             stack.callback(self.writer.close)
+            if self.monitor is not None:
+                stack.callback(self.monitor.close)
             trace = self._open_data_trace(stack)
             if self.task.evaluates and self.state.step == 0:
                 self.evaluate(0)  # the baseline every curve starts from
-            last_saved = self.state.step
-            while self.state.step < c.steps:
-                step = self.state.step + 1
-                self.faults.before_step(step)
-                metrics, served, stop_requested = self.optimizer_step(step, stop)
-                self.log(step, metrics, served, trace)
-                if self.monitor is not None:
-                    action = self.monitor.judge(step, metrics, self.state.tokens)
-                    self.writer.scalars(step, self.monitor.thresholds())
-                    if action.kind == "stop":
-                        self.stop_by_monitor(action)
-                        break
-                    if action.kind == "rollback":
-                        self.rollback(step, action)
-                        last_saved = self.state.step
-                        continue
-                if self.task.evaluates and (step == c.steps or (c.eval_every and step % c.eval_every == 0)):
-                    self.evaluate(step)
-                if step % c.checkpoint_every == 0 or step == c.steps or stop_requested:
-                    self.save(last=step == c.steps or stop_requested)
-                    last_saved = step
-                if stop_requested:
-                    reason = "reached train.stop_at_step" if step == c.stop_at_step else "stop requested"
-                    self.writer.message(f"{reason}: saved {tag_for(step)} and exiting")
-                    break
-            if "stopped_by_monitor" not in self.summary:  # (that state is the one the monitor refused)
+            self.last_saved = self.state.step
+            ending = self.steps(stop, trace)
+            if ending != "stopped_by_monitor":  # (that state is the one the monitor refused)
                 if (
-                    self.state.step >= c.steps
+                    self.state.step >= self.cadence.steps
                     and self.task.evaluates
                     and not self._evaluated(self.state.step)
                 ):
                     self.evaluate(self.state.step)  # resumed at the last step: its results all the same
-                if last_saved != self.state.step:
+                if self.last_saved != self.state.step:
                     self.save(last=True)
         return self.finish()
 
+    def steps(self, stop: StopRequest, trace: TextIO | None) -> str:
+        """Steps until the last one ("completed"), a stop request ("stop_requested") or the
+        monitor's stop ("stopped_by_monitor")."""
+        c = self.cadence
+        while self.state.step < c.steps:
+            step = self.state.step + 1
+            self.faults.before_step(step)
+            metrics, served, stop_requested, action_waits = self.optimizer_step(step, stop)
+            self.log(step, metrics, served, trace)
+            if self.monitor is not None:
+                self.monitor.report(step, metrics, self.state.tokens)  # judged while the next step runs
+                acted = self.act(step, self.monitor.take() if action_waits else None)  # about an earlier step
+                if acted == "rollback":
+                    continue
+                if acted == "stop":
+                    return "stopped_by_monitor"
+            if self.task.evaluates and (step == c.steps or (c.eval_every and step % c.eval_every == 0)):
+                self.evaluate(step)
+            if step % c.checkpoint_every == 0 or step == c.steps or stop_requested:
+                if self.monitor is not None:  # a checkpoint holds only steps the monitor has judged
+                    acted = self.act(step, self.monitor.verdict(wait=not stop_requested))
+                    if acted == "rollback":
+                        continue
+                    if acted == "stop":
+                        return "stopped_by_monitor"
+                self.save(last=step == c.steps or stop_requested)
+                self.last_saved = step
+            if stop_requested:
+                reason = "reached train.stop_at_step" if step == c.stop_at_step else "stop requested"
+                self.writer.message(f"{reason}: saved {tag_for(step)} and exiting")
+                return "stop_requested"
+        return "completed"
+
+    def act(self, step: int, action: Action | None) -> str | None:
+        """The monitor's action at the boundary after `step`: "rollback" (applied), "stop", or None.
+        Also charts the verdicts that arrived."""
+        self.chart_verdicts()
+        if action is not None and action.kind == "stop":
+            self.stop_by_monitor(action)
+            return "stop"
+        if action is not None and action.kind == "rollback" and self.rollback(step, action):
+            return "rollback"
+        return None
+
     # --------------------------------------------------------------------------- step boundary
 
-    def optimizer_step(self, step: int, stop: StopRequest) -> tuple[dict[str, float | None], list, bool]:
+    def optimizer_step(self, step: int, stop: StopRequest) -> tuple[dict[str, float | None], list, bool, bool]:
         """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping."""
         started = time.perf_counter()
         lr = self.lr_at(step) * self.state.lr_scale
@@ -177,9 +200,11 @@ class Trainer:
                 layer_norms = layer_grad_norms(self.engine.module)
             self.engine.step()
             loss_sum += loss.detach().float()
-        # One collective per step: the mean loss over ranks, and whether any rank was asked to stop.
+        # One collective per step: the mean loss over ranks, whether any rank was asked to stop, and
+        # whether rank 0 holds an action of the monitor (about an earlier step) for every rank.
         stopping = torch.tensor(float(stop.requested), device=device)
-        agreed = all_reduce_sum(torch.stack([loss_sum / self.grad_accum, stopping]))
+        action_waits = torch.tensor(self.monitor.pending() if self.monitor else 0.0, device=device)
+        agreed = all_reduce_sum(torch.stack([loss_sum / self.grad_accum, stopping, action_waits]))
         stop_requested = agreed[1].item() > 0 or step == self.cadence.stop_at_step
         # Pretraining's micro-batches have one shape on every rank; fine-tuning pads each rank's to
         # its own longest example, so there this counts rank 0's padded shape for every rank.
@@ -202,7 +227,8 @@ class Trainer:
             "train/skipped_steps": float(self.engine.skipped_steps),
             "train/tokens": float(self.state.tokens),
         }
-        return metrics | {f"train/grad_norm/{k}": v for k, v in layer_norms.items()}, served, stop_requested
+        metrics |= {f"train/grad_norm/{k}": v for k, v in layer_norms.items()}
+        return metrics, served, stop_requested, agreed[2].item() > 0
 
     def log(self, step: int, metrics: dict, served: list, trace: TextIO | None) -> None:
         if trace is not None:
@@ -212,21 +238,30 @@ class Trainer:
             self.writer.scalars(step, metrics)
             self.writer.console(step, metrics)
 
-    def rollback(self, step: int, action: Action) -> None:
-        self.writer.scalars(step, {"monitor/rollback": 1.0})
-        self.writer.text(
-            "monitor/rollbacks", f"step {step}: {action.reason} -> {action.tag}, seed {action.seed}", step
-        )
-        self.writer.message(f"monitor: {action.reason} at step {step}: rolling back to {action.tag} "
+    def rollback(self, step: int, action: Action) -> bool:
+        """At the boundary after `step`: the monitor's rollback (decided at step `action.step`).
+        Whether it was applied (else it is cancelled: no intact checkpoint to go back to)."""
+        self.writer.text("monitor/rollbacks", f"step {action.step}: {action.reason} -> {action.tag}, "
+                         f"seed {action.seed} (applied after step {step})", action.step or step)  # fmt: skip
+        self.writer.message(f"monitor: {action.reason} at step {action.step}: rolling back to {action.tag} "
                             f"with data seed {action.seed}, lr scale {action.lr_scale:g}")  # fmt: skip
-        state = apply_rollback(action, self.engine, self.task, self.checkpointer)
+        state = apply_rollback(action, step, self.engine, self.task, self.checkpointer)
         if state is None:
-            self.writer.message(
-                f"monitor: no intact checkpoint at or before {action.tag}: rollback cancelled"
-            )
-            return
+            reason = f"no intact checkpoint at or before {action.tag}"
+            self.writer.message(f"monitor: {reason}: rollback cancelled")
+            self.monitor.resolved(action, step, None, reason)
+            return False
+        self.monitor.resolved(action, step, tag_for(state.step))
         self.state = state
+        self.last_saved = state.step
         self.summary["rollbacks"] += 1
+        return True
+
+    def chart_verdicts(self) -> None:
+        """Rank 0: what the monitor judged (every step, at the step it judged): the series with
+        its band, and warnings and rollbacks as marks (1 at their step, 0 elsewhere)."""
+        for answer in self.monitor.judged():
+            self.writer.scalars(answer["judged"]["step"], monitor_scalars(answer))
 
     def stop_by_monitor(self, action: Action) -> None:
         self.summary["stopped_by_monitor"] = action.reason
@@ -266,6 +301,31 @@ class Trainer:
         directory = self.run_dir / "data_trace"
         directory.mkdir(parents=True, exist_ok=True)
         return stack.enter_context(open(directory / f"rank_{self.env.rank:05d}.jsonl", "a", buffering=1))
+
+
+def monitor_scalars(answer: dict) -> dict[str, float | None]:
+    """TensorBoard's `monitor/*` scalars for one judged step, from the service's answer."""
+    judged, bands, verdict = answer["judged"], answer.get("bands") or {}, answer.get("verdict") or {}
+    level = verdict.get("level")
+    out = {
+        "monitor/loss": judged.get("loss"),
+        "monitor/grad_norm": judged.get("grad_norm"),
+        "monitor/warning": float(level == "warn"),
+        "monitor/rollback": float(level == "rollback"),
+    }
+    for series in ("loss", "grad_norm"):
+        band = bands.get(series) or {}
+        out[f"monitor/{series}_level"] = band.get("level")
+        out[f"monitor/{series}_threshold"] = band.get("threshold")
+    numbers = {k: _number(v) for k, v in out.items()}
+    return {k: v for k, v in numbers.items() if v is not None and math.isfinite(v)}
+
+
+def _number(value) -> float | None:
+    try:
+        return float(value)  # (a non-finite value arrives as the string "nan" or "inf")
+    except (TypeError, ValueError):
+        return None
 
 
 def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""`pretrain bench data / monitor / train / ablation`: benchmarks that print figures."""
+"""`pretrain bench data / monitor / detection / train / ablation`: benchmarks that print figures."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ def cmd_bench_monitor(args: argparse.Namespace) -> int:
     from pretrain.bench.monitor import run
 
     run(as_json=args.json, quick=args.quick, batch_size=args.batch_size)
+    return 0
+
+
+def cmd_bench_detection(args: argparse.Namespace) -> int:
+    from pretrain.bench.detection import run
+
+    run(args.run_dirs, every=args.every, as_json=args.json, defaults=args.defaults)
     return 0
 
 
@@ -63,6 +70,17 @@ def register(sub) -> None:
     monitor.add_argument("--batch-size", type=int, default=2,
                          help="512-token sequences per step (default 2: ~100 ms steps here)")  # fmt: skip
     monitor.set_defaults(handler=cmd_bench_monitor)
+
+    detection = whats.add_parser(
+        "detection",
+        help="the monitor's warnings and rollbacks on real runs, and its detection of injected faults",
+    )
+    detection.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `pretrain launch`")
+    detection.add_argument("--every", type=int, default=5, help="replay: inject at every N-th step (default 5)")
+    detection.add_argument("--defaults", action="store_true",
+                           help="replay with the default monitor settings instead of each run's")  # fmt: skip
+    detection.add_argument("--json", action="store_true", help="print one JSON object")
+    detection.set_defaults(handler=cmd_bench_detection)
 
     train = whats.add_parser(
         "train",

@@ -79,23 +79,34 @@ def test_service_orders_rollbacks_and_reports_them(service):
     assert (
         answer["action"] == "rollback"
         and answer["tag"] == "step_00000006"
+        and answer["decision"] == 1
+        and answer["step"] == 10
         and isinstance(answer["seed"], int)
     )
-    assert answer["bands"]["grad_norm"]["threshold"] < 500
-    # An operator's rollback, carried out at the next report.
+    assert answer["bands"]["grad_norm"]["threshold"] < 500 and answer["verdict"]["level"] == "rollback"
+    # Until the trainer says what became of it, later steps are not judged: the answer repeats it.
+    again = json.loads(request(url, "/v1/metrics", metrics(11, grad=900.0).to_json(), token)[1])
+    assert again["decision"] == 1 and again["verdict"]["level"] == "superseded"
+    code, text = request(url, "/v1/rollback", {"reason": "operator says so"}, token)
+    assert code == 409 and "not applied yet" in json.loads(text)["error"]
+    outcome = {"decision": 1, "decided_at": 10, "applied": True, "applied_at": 11, "tag": "step_00000006"}
+    assert request(url, "/v1/outcome", outcome, token)[0] == 200
+    # An operator's rollback, decided at the next report.
     assert request(url, "/v1/rollback", {"reason": "operator says so"}, token)[0] == 202
-    manual = json.loads(request(url, "/v1/metrics", metrics(11).to_json(), token)[1])
-    assert manual["action"] == "rollback" and "operator says so" in manual["reason"]
+    manual = json.loads(request(url, "/v1/metrics", metrics(7).to_json(), token)[1])
+    assert manual["action"] == "rollback" and "operator says so" in manual["reason"] and manual["decision"] == 2
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["type"] == "step"] == list(range(1, 12))
+    assert [e["step"] for e in events if e["type"] == "step"] == [*range(1, 12), 7]
     events = [e for e in events if e["type"] != "step"]
     assert [e["type"] for e in events] == ["rollback", "rollback"]
-    assert {"step", "reason", "value", "threshold", "target", "seed"} <= set(events[0])
+    assert {"decision", "step", "reason", "value", "threshold", "target", "seed"} <= set(events[0])
     families = {f.name: f for f in text_string_to_metric_families(request(url, "/metrics")[1])}
-    assert families["pretrain_rollbacks"].samples[0].value == 2
-    assert families["pretrain_step"].samples[0].value == 11
+    assert families["pretrain_rollbacks"].samples[0].value == 1  # applied; the second is only decided
+    assert families["pretrain_rollbacks_decided"].samples[0].value == 2
+    assert families["pretrain_step"].samples[0].value == 7
     status = json.loads(request(url, "/status")[1])
-    assert len(status["rollbacks"]) == 2 and status["detectors"]["grad_norm"]["threshold"] > 0
+    assert [r["decision"] for r in status["rollbacks"]] == [1] and status["rollback_pending"]["decision"] == 2
+    assert status["detectors"]["grad_norm"]["threshold"] > 0
 
 
 # --------------------------------------------------------------------------- with real training runs
@@ -112,13 +123,13 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes(service, train_data):
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     ordered = [(e["step"], e["target"]) for e in events if e["type"] == "rollback"]
     assert ordered == [(10, "step_00000008"), (15, "step_00000012")]
-    assert all(
-        e["reason"] == "grad_norm spike" and e["value"] > e["threshold"]
-        for e in events
-        if e["type"] == "rollback"
-    )
+    assert all(e["finding"] == "loss_spike" and e["value"] > e["threshold"] for e in events if e["type"] == "rollback")
     applied = [e for e in events if e["type"] == "rollback_applied"]
     assert [e["step"] for e in applied] == [8, 12] and all(e["matches_checkpoint"] for e in applied)
+    assert [e["decided_at"] for e in applied] == [10, 15]
+    # Applied at the first step boundary after the answer came, and before any checkpoint.
+    first, second = (e["applied_at"] for e in applied)
+    assert 10 <= first <= 12 and 15 <= second <= 16
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["completed"] and summary["step"] == 16 and summary["rollbacks"] == 2
     assert "rolling back to step_00000008" in result.stdout
@@ -141,7 +152,7 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes(service, train_data):
         ]
         steps = [r["step"] for r in records]
         # the rolled-back steps, and only those, ran twice
-        assert steps == [*range(1, 11), *range(9, 16), *range(13, 17)]
+        assert steps == [*range(1, first + 1), *range(9, second + 1), *range(13, 17)]
         for step, windows in {r["step"]: r["windows"] for r in records}.items():
             served.setdefault(step, []).extend(windows)
     timeline = [w for step in range(1, 17) for w in served[step]]

@@ -65,3 +65,22 @@ def test_only_rank_0_writes_the_loss_faults(tmp_path):
     faults = FaultInjector(FaultsConfig(spike_steps=[1]), tmp_path, rank=1)
     faults.mark_fired(1)
     assert faults.fired == {"spike:1"} and not (tmp_path / "faults_fired.json").exists()
+
+
+def test_a_gradient_spike_scales_the_gradients_but_not_the_loss(tmp_path):
+    weight = torch.tensor([1.5, -2.0], requires_grad=True)
+    injector = FaultInjector(FaultsConfig(grad_spike_steps=[4], grad_spike_factor=10.0), tmp_path, rank=0)
+
+    def step(n):
+        weight.grad = None
+        loss = injector.apply(n, (weight**2).sum())
+        loss.backward()
+        injector.mark_fired(n)
+        return loss.item(), weight.grad.clone()
+
+    clean_loss, clean_grad = step(3)
+    spiked_loss, spiked_grad = step(4)
+    assert spiked_loss == clean_loss  # bit for bit: the monitor sees the true loss
+    assert torch.equal(spiked_grad, 10.0 * clean_grad)
+    assert step(4)[1].equal(clean_grad)  # fired once: the same step runs clean after a rollback
+    assert json.loads((tmp_path / "faults_fired.json").read_text()) == ["grad_spike:4"]

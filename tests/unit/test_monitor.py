@@ -1,11 +1,13 @@
+"""The detector's bands and findings, and the policy's graded responses and decisions."""
+
 import math
 
 import numpy as np
 import pytest
 
-from monitoring.detectors import DivergenceDetector, SpikeDetector, band
+from monitoring.detectors import Detector, band
 from monitoring.policy import Policy
-from monitoring.protocol import StepMetrics
+from monitoring.protocol import Outcome, StepMetrics
 from pretrain import checkpoint as ck
 from pretrain.config import MonitorConfig
 
@@ -19,47 +21,55 @@ def clean_run(steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return loss, grad
 
 
-def test_band_definition():
-    b = band([1.0, 2.0, 3.0], sigma=2, min_rel_std=0)
-    assert (
-        b.mean == 2.0
-        and b.std == pytest.approx(math.sqrt(2 / 3))
-        and b.threshold == pytest.approx(2 + 2 * b.std)
-    )
+def test_band_is_median_plus_sigma_robust_spreads():
+    b = band([1.0, 2.0, 3.0, 100.0], sigma=2, min_rel_std=0)
+    # median 2.5; absolute deviations 1.5, 0.5, 0.5, 97.5 → MAD 1.0; the outlier moves neither much
+    assert b.level == 2.5 and b.spread == pytest.approx(1.4826) and b.threshold == pytest.approx(2.5 + 2 * 1.4826)
     assert band([5.0, 5.0], sigma=6, min_rel_std=0.02).threshold == pytest.approx(5.0 + 6 * 0.1)
 
 
-def test_false_alarm_rate_on_clean_runs_and_spikes_caught():
-    alarms = 0
-    for seed in range(10):  # 10 clean runs of 5000 steps, heavy-tailed (log-normal) gradient norms
-        loss, grad = clean_run(5000, seed)
-        loss_d, grad_d = SpikeDetector(), SpikeDetector()
-        alarms += sum(
-            loss_d.update(a).anomaly or grad_d.update(b).anomaly for a, b in zip(loss, grad, strict=True)
-        )
-    assert alarms <= 2  # measured: 1 in 50,000 steps with the defaults (README)
-    detector = SpikeDetector()
-    _, grad = clean_run(400, 99)
-    verdicts = [detector.update(g) for g in grad[:300]]
-    assert not any(v.anomaly for v in verdicts)
-    spike = detector.update(grad[300] * 50)
-    assert spike.anomaly and spike.rule == "spike" and spike.value > spike.threshold
-    assert not detector.update(grad[301]).anomaly  # the spike did not widen the band
-    assert detector.update(float("nan")).rule == "nonfinite" and detector.update(float("inf")).anomaly
+def judge(detector, loss, grad):
+    findings = detector.findings(loss, grad)
+    if not any(f.kind in ("nonfinite", "loss_spike", "grad_norm_surge") for f in findings):
+        detector.admit(loss, grad)
+    return [f.kind for f in findings]
 
 
-def test_no_spike_judged_during_warmup():
-    detector = SpikeDetector(warmup=32)
-    assert not any(detector.update(v).anomaly for v in [1.0] * 31 + [100.0])
-    assert detector.update(1000.0).anomaly
+def test_graded_findings_on_a_synthetic_run():
+    detector = Detector(warmup=32)
+    loss, grad = clean_run(400, 99)
+    assert not any(judge(detector, a, b) for a, b in zip(loss[:300], grad[:300], strict=True))
+    assert judge(detector, loss[300], grad[300] * 5) == ["grad_norm_spike"]  # warns: small against its level
+    assert judge(detector, loss[301], grad[301] * 50) == ["grad_norm_surge"]  # large: rolls back
+    assert judge(detector, loss[302], grad[302]) == []  # the surge did not widen the band
+    assert judge(detector, loss[303] * 3, grad[303] * 3)[0] == "loss_spike"
+    assert judge(detector, float("nan"), float("nan")) == ["nonfinite", "nonfinite"]
+    assert judge(detector, loss[304], float("inf")) == ["nonfinite"]
+
+
+def test_a_lasting_change_of_regime_warns_briefly_then_moves_the_band():
+    detector = Detector(warmup=32, window=64)
+    rng = np.random.default_rng(0)
+    for g in rng.lognormal(0, 0.1, 100):
+        judge(detector, 3.0, float(g))
+    later = [judge(detector, 3.0, float(3 * g)) for g in rng.lognormal(0, 0.1, 200)]
+    warned = [i for i, kinds in enumerate(later) if kinds]
+    assert all(kinds in ([], ["grad_norm_spike"]) for kinds in later)  # never a surge, never a rollback
+    assert warned and max(warned) < 40  # the median moved within half a window
+
+
+def test_no_band_during_warmup():
+    detector = Detector(warmup=32)
+    assert not any(judge(detector, 3.0, v) for v in [1.0] * 31 + [100.0])
+    assert judge(detector, 3.0, 1000.0) == ["grad_norm_surge"]
 
 
 def test_divergence():
-    detector = DivergenceDetector(steps=20)
-    assert not any(detector.update(5.0 - 0.01 * i).anomaly for i in range(200))
-    verdicts = [detector.update(3.0 + 0.05 * i).anomaly for i in range(40)]
-    assert 20 <= verdicts.index(True) <= 25  # 20 rising steps of the average, once it turns
-    assert not DivergenceDetector(steps=0).update(1e9).anomaly
+    detector = Detector(divergence_steps=20, warmup=2, window=400, loss_sigma=1e9)
+    assert not any(judge(detector, 5.0 - 0.01 * i, 1.0) for i in range(200))
+    found = [judge(detector, 3.0 + 0.05 * i, 1.0) for i in range(40)]
+    assert 20 <= found.index(["divergence"]) <= 25  # 20 rising steps of the average, once it turns
+    assert not Detector(divergence_steps=0).findings(1e9, 1.0)
 
 
 def fake_checkpoint(run_dir, step):
@@ -73,29 +83,117 @@ def metrics(step, loss=3.0, grad=1.0):
     return StepMetrics(step=step, loss=loss, grad_norm=grad, lr=1e-3, step_time=0.1, tokens=step * 100)
 
 
-def test_policy_targets_pins_and_circuit_breaker(tmp_path):
+def applied(verdict, at, tag=None):
+    d = verdict.decision
+    return Outcome(d.id, d.step, True, at, tag or d.target)
+
+
+def test_a_decision_stays_pending_until_its_outcome_and_is_repeated_meanwhile(tmp_path):
+    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
+    fake_checkpoint(tmp_path, 5)
+    for step in range(1, 8):
+        assert policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3))).level in ("ok", "warmup")
+    decided = policy.observe(metrics(8, grad=80.0))
+    assert decided.level == "rollback" and decided.action.tag == "step_00000005" and decided.action.decision == 1
+    # The trainer ran steps 9 and 10 before the answer arrived: not judged, the decision repeated.
+    for step in (9, 10):
+        later = policy.observe(metrics(step, grad=500.0))
+        assert later.level == "superseded" and later.action == decided.action
+    assert policy.decisions == [decided.decision] and policy.warnings == 0
+    assert policy.resolve(applied(decided, 10))
+    assert policy.pending is None and [a["decision"] for a in policy.applied] == [1]
+    assert policy.observe(metrics(6)).level == "ok"  # judged again from the target on
+
+
+def test_a_restart_before_the_outcome_cancels_the_decision(tmp_path):
+    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
+    fake_checkpoint(tmp_path, 5)
+    for step in range(1, 8):
+        policy.observe(metrics(step))
+    policy.observe(metrics(8, loss=float("nan")))
+    verdict = policy.observe(metrics(6))  # the job restarted from step 5 and never applied it
+    assert verdict.cancelled["decision"] == 1 and "restarted" in verdict.cancelled["reason"]
+    assert policy.pending is None and policy.cancelled
+
+
+def test_a_step_that_could_not_be_rolled_back_taints_the_checkpoints_after_it(tmp_path):
+    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
+    for step in range(1, 8):
+        policy.observe(metrics(step))
+    unresolved = policy.observe(metrics(8, loss=30.0))  # no checkpoint yet
+    assert unresolved.level == "rollback" and unresolved.action.kind == "continue" and "nothing to roll back" in unresolved.note
+    fake_checkpoint(tmp_path, 10)  # saved with step 8's update in it
+    for step in range(9, 13):
+        policy.observe(metrics(step))
+    assert policy.target(13) is None  # never a target: it holds the anomalous step
+    assert policy.request("try") == "no complete checkpoint before step 13 to roll back to"
+
+
+def test_targets_pins_and_circuit_breaker(tmp_path):
     config = MonitorConfig(warmup=4, window=16, max_rollbacks=2, lr_scale=0.5, rollback_margin=1)
     policy = Policy(config, str(tmp_path), base_seed=7)
     for step in (5, 10):
         fake_checkpoint(tmp_path, step)
     for step in range(1, 12):
-        action, _ = policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
-        assert action.kind == "continue"
+        assert policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3))).action.kind == "continue"
     assert ck.pinned(tmp_path) == {"step_00000005"}  # a rollback at step 11 would go to <= 11 - 1 - margin
-    action, incident = policy.observe(metrics(12, grad=80.0))
+    first = policy.observe(metrics(12, grad=80.0))
     # target: at or before 12 - 1 - margin 1 = 10
-    assert action.kind == "rollback" and action.tag == "step_00000010" and action.lr_scale == 0.5
-    assert incident.series == "grad_norm" and incident.verdict.rule == "spike"
+    assert first.action.kind == "rollback" and first.action.tag == "step_00000010" and first.action.lr_scale == 0.5
+    assert first.findings[0].kind == "grad_norm_surge" and "surge" in first.action.reason
+    policy.resolve(applied(first, 12))
     # The same step spikes again after each rollback: no progress → the breaker trips after 2.
-    assert policy.observe(metrics(11))[0].kind == "continue"
-    second, _ = policy.observe(metrics(12, grad=80.0))
-    assert second.kind == "rollback" and second.seed != action.seed and second.lr_scale == 0.25
-    third, _ = policy.observe(metrics(12, grad=80.0))
-    assert third.kind == "stop" and "circuit breaker" in third.reason
-    assert policy.observe(metrics(13))[0].kind == "stop"
+    assert policy.observe(metrics(11)).action.kind == "continue"
+    second = policy.observe(metrics(12, grad=80.0))
+    assert second.action.kind == "rollback" and second.action.seed != first.action.seed
+    assert second.action.lr_scale == 0.25 and second.action.decision == 2
+    policy.resolve(applied(second, 12))
+    third = policy.observe(metrics(12, grad=80.0))
+    assert third.action.kind == "stop" and "circuit breaker" in third.action.reason
+    assert policy.observe(metrics(13)).action.kind == "stop"
 
 
-def test_policy_without_a_checkpoint_continues(tmp_path):
+def test_responses_are_configurable(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    strict = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_spike="rollback"), str(tmp_path))
+    quiet = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_surge="warn", on_nonfinite="ignore"), str(tmp_path))
+    for step in range(1, 8):
+        strict.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
+        quiet.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
+    assert strict.observe(metrics(8, grad=1.5)).level == "rollback"
+    assert quiet.observe(metrics(8, grad=80.0)).level == "warn" and quiet.warnings == 1
+    assert quiet.observe(metrics(9, loss=math.nan)).level == "ok"
+    with pytest.raises(Exception, match="on_loss_spike"):
+        MonitorConfig(on_loss_spike="panic")
+
+
+def test_an_operator_request(tmp_path):
     policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
-    action, incident = policy.observe(metrics(1, loss=float("nan")))
-    assert action.kind == "continue" and incident.verdict.rule == "nonfinite"
+    policy.observe(metrics(1))
+    assert "no complete checkpoint" in policy.request("bad data")  # nothing to go back to: refused
+    fake_checkpoint(tmp_path, 1)
+    assert policy.request("operator: bad data") is None
+    verdict = policy.observe(metrics(2))
+    assert verdict.level == "rollback" and verdict.action.reason == "operator: bad data"
+    assert "not applied yet" in policy.request("again")
+
+
+def test_a_restarted_service_goes_on_from_the_events(tmp_path):
+    from monitoring.protocol import append_event, read_events
+
+    config = MonitorConfig(warmup=4, window=16)
+    fake_checkpoint(tmp_path, 3)
+    first = Policy(config, str(tmp_path))
+    for step in range(1, 6):
+        verdict = first.observe(metrics(step))
+        append_event(tmp_path, {"type": "step", "step": step, "loss": 3.0, "grad_norm": 1.0, "level": verdict.level})
+    decided = first.observe(metrics(6, grad=90.0))
+    append_event(tmp_path, decided.decision.event())
+    again = Policy(config, str(tmp_path))
+    again.restore(read_events(tmp_path))
+    assert again.pending == decided.decision  # the answer may have been lost: it is sent again
+    assert again.observe(metrics(7)).action == decided.action
+    again.resolve(applied(decided, 7))
+    assert again.detector.grad_norm.band() is not None  # no warm-up again
+    assert again.observe(metrics(4, grad=1.0)).level == "ok"
+    assert again.observe(metrics(5, grad=90.0)).action.decision == 2  # numbers go on

@@ -124,6 +124,7 @@ def test_data_verify_passes_an_intact_dataset_and_reports_its_throughput(train_d
 
 def test_a_rollback_pin_is_released_once_a_checkpoint_past_the_anomaly_is_complete(tmp_path):
     from monitoring.policy import Policy
+    from monitoring.protocol import Outcome
     from pretrain.config import MonitorConfig
     from tests.unit.test_monitor import fake_checkpoint, metrics
 
@@ -134,8 +135,9 @@ def test_a_rollback_pin_is_released_once_a_checkpoint_past_the_anomaly_is_comple
     for step in range(1, 13):
         policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
     assert ck.pinned(tmp_path) == {"step_00000010"}  # the stale pin is gone
-    action, _ = policy.observe(metrics(13, grad=80.0))
+    action = policy.observe(metrics(13, grad=80.0)).action
     assert action.kind == "rollback" and action.tag == "step_00000010"
+    policy.resolve(Outcome(action.decision, 13, True, 13, action.tag))
     fake_checkpoint(tmp_path, 12)  # the trainer went back to 10 and saved again, not yet past 13
     policy.observe(metrics(13))
     assert ck.pinned(tmp_path) == {"step_00000010", "step_00000012"}

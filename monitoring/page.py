@@ -1,0 +1,146 @@
+"""`GET /`: the monitor's page, one self-contained HTML document (inline CSS and SVG, no script,
+no external asset) rendered from /status. It reloads itself every 10 seconds.
+
+It shows the run's progress (step, total, tokens/s, ETA), the loss and the gradient norm of the
+last judged steps against their bands (the shaded area runs from the robust level to the
+threshold; orange marks are warnings, red marks rollbacks), and the list of events: warnings,
+rollbacks decided, applied and cancelled, restarts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import math
+
+WIDTH, HEIGHT, PAD = 640, 180, 36
+
+
+def _number(value) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def chart(series: list[dict], name: str, title: str) -> str:
+    """An SVG line chart of `name` over the judged steps, with its band and marks."""
+    points = [(r["step"], _number(r.get(name))) for r in series]
+    values = [v for _, v in points if v is not None]
+    bands = [(r["step"], _number(r.get(f"{name}_level")), _number(r.get(f"{name}_threshold"))) for r in series]
+    values += [t for _, _, t in bands if t is not None]
+    if not values:
+        return f'<figure><figcaption>{html.escape(title)}</figcaption><p class="empty">no values yet</p></figure>'
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    steps = [s for s, _ in points]
+    first, last = min(steps), max(max(steps), min(steps) + 1)
+
+    def x(step: float) -> float:
+        return PAD + (step - first) / (last - first) * (WIDTH - 2 * PAD)
+
+    def y(value: float) -> float:
+        return HEIGHT - PAD / 2 - (value - lo) / (hi - lo) * (HEIGHT - PAD)
+
+    parts = [f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{html.escape(title)}">']
+    band = [(s, lv, th) for s, lv, th in bands if lv is not None and th is not None]
+    if band:
+        upper = " ".join(f"{x(s):.1f},{y(th):.1f}" for s, _, th in band)
+        lower = " ".join(f"{x(s):.1f},{y(lv):.1f}" for s, lv, _ in reversed(band))
+        parts.append(f'<polygon class="band" points="{upper} {lower}"/>')
+        parts.append(f'<polyline class="threshold" points="{upper}"/>')
+    line = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points if v is not None)
+    parts.append(f'<polyline class="value" points="{line}"/>')
+    for r in series:
+        if r.get("level") in ("warn", "rollback", "stop"):
+            cls = "warn" if r["level"] == "warn" else "rollback"
+            parts.append(f'<line class="{cls}" x1="{x(r["step"]):.1f}" x2="{x(r["step"]):.1f}" y1="{PAD / 2}" '
+                         f'y2="{HEIGHT - PAD / 2}"><title>step {r["step"]}: {r["level"]}</title></line>')  # fmt: skip
+    parts.append(f'<text x="2" y="{y(hi) + 4:.0f}">{hi:.4g}</text><text x="2" y="{y(lo):.0f}">{lo:.4g}</text>')
+    parts.append(f'<text x="{PAD}" y="{HEIGHT - 2}">step {first}</text>')
+    parts.append(f'<text x="{WIDTH - PAD}" y="{HEIGHT - 2}" text-anchor="end">step {max(steps)}</text></svg>')
+    return f"<figure><figcaption>{html.escape(title)}</figcaption>{''.join(parts)}</figure>"
+
+
+def _events(status: dict) -> list[tuple[int, str, str]]:
+    rows = []
+    for v in status.get("recent") or []:
+        if v.get("level") == "warn":
+            rows.append((v["step"], "warning", v.get("reason") or ""))
+    for d in status.get("rollbacks_decided") or []:
+        rows.append((d["step"], "rollback decided", f"{d.get('reason')} → {d.get('target')} (decision {d.get('decision')})"))
+    for a in status.get("rollbacks") or []:
+        rows.append((a.get("applied_at") or 0, "rollback applied", f"decision {a.get('decision')} → {a.get('tag')}"))
+    for c in status.get("rollbacks_cancelled") or []:
+        rows.append((c.get("step") or 0, "rollback cancelled", f"decision {c.get('decision')}: {c.get('reason')}"))
+    for r in status.get("restarts") or []:
+        rows.append((r.get("step") or 0, "restart", str(r.get("reason", ""))))
+    return sorted(rows, key=lambda row: row[0], reverse=True)[:50]
+
+
+STYLE = """
+body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #222; max-width: 700px; }
+h1 { font-size: 1.3em; margin-bottom: 0.2em; } .sub { color: #666; margin-top: 0; }
+.progress { background: #eee; height: 10px; border-radius: 5px; overflow: hidden; }
+.progress div { background: #3b7dd8; height: 100%; }
+dl { display: grid; grid-template-columns: max-content auto; gap: 0.2em 1em; }
+dt { color: #666; } dd { margin: 0; font-variant-numeric: tabular-nums; }
+figure { margin: 1em 0; } figcaption { font-weight: 600; }
+svg { width: 100%; height: auto; border: 1px solid #ddd; background: #fff; }
+svg text { font-size: 10px; fill: #666; }
+.band { fill: #3b7dd8; fill-opacity: 0.12; stroke: none; }
+.threshold { fill: none; stroke: #3b7dd8; stroke-dasharray: 4 3; stroke-width: 1; }
+.value { fill: none; stroke: #222; stroke-width: 1.3; }
+.warn { stroke: #e69500; stroke-width: 2; } .rollback { stroke: #d62728; stroke-width: 2; }
+table { border-collapse: collapse; width: 100%; } td, th { text-align: left; padding: 2px 8px 2px 0; }
+th { color: #666; font-weight: normal; border-bottom: 1px solid #ddd; }
+.tripped { color: #d62728; font-weight: 600; } .empty { color: #888; }
+"""
+
+
+def render_page(status: dict) -> str:
+    step, total = status.get("step"), status.get("total_steps")
+    done = 100 * step / total if step is not None and total else 0
+    tps = status.get("tokens_per_second")
+    rows = "".join(
+        f"<tr><td>{s}</td><td>{html.escape(kind)}</td><td>{html.escape(text)}</td></tr>"
+        for s, kind, text in _events(status)
+    ) or '<tr><td colspan="3" class="empty">no warnings or rollbacks</td></tr>'
+    pending = status.get("rollback_pending")
+    facts = [
+        ("step", f"{step if step is not None else '–'} / {total or '?'}"),
+        ("tokens/s", f"{tps:,.0f}" if tps else "–"),
+        ("ETA", _duration(status.get("eta_seconds"))),
+        ("warnings", str(status.get("warnings", 0))),
+        ("rollbacks applied", str(len(status.get("rollbacks") or []))),
+        ("rollback pending", f"decision {pending['decision']} (step {pending['step']})" if pending else "none"),
+        ("checkpoint pinned", status.get("pinned") or "none"),
+    ]
+    breaker = '<p class="tripped">circuit breaker tripped: the job was stopped</p>' if status.get("circuit_breaker") else ""
+    series = status.get("series") or []
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
+<title>monitor: step {step if step is not None else '–'}</title><style>{STYLE}</style></head>
+<body>
+<h1>Training monitor</h1>
+<p class="sub">{html.escape(str(status.get("run_dir", "")))} · updated {now}</p>
+<div class="progress" title="{done:.1f}%"><div style="width: {done:.1f}%"></div></div>
+{breaker}
+<dl>{"".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts)}</dl>
+{chart(series, "loss", "loss (shaded: its band, from the median to the threshold)")}
+{chart(series, "grad_norm", "gradient norm (shaded: its band; orange: warning, red: rollback)")}
+<h2>Events</h2>
+<table><tr><th>step</th><th>event</th><th>detail</th></tr>{rows}</table>
+<p class="sub">JSON: <a href="/status">/status</a> · Prometheus: <a href="/metrics">/metrics</a></p>
+</body></html>
+"""

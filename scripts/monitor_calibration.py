@@ -1,0 +1,148 @@
+"""Calibrate and check the monitor on real runs: three corpora of different kinds, clean runs of
+`configs/train/demo.yaml` and `configs/train/tiny.yaml`, and runs with injected faults.
+
+    python scripts/monitor_calibration.py corpora --prose PATH.txt [--out runs/calibration]
+    python scripts/monitor_calibration.py clean   [--out ...] [--steps 300] [overrides...]
+    python scripts/monitor_calibration.py faults  [--out ...] [--steps 120]
+    pretrain bench detection runs/calibration/runs/*     (the table, from what these runs recorded)
+
+Corpora (each capped at --max-mb of text, built only from files already on this machine):
+    prose   the text file given with --prose (e.g. tinyshakespeare), one document per 40 lines
+    code    the Python standard library's .py files, one document per file
+    docs    package documentation: the long descriptions (README) in site-packages' METADATA files
+            and the .md/.rst files shipped with packages, one document per file
+
+Every run goes through `pretrain launch` (the monitoring service with its default settings and,
+under it, 2 DeepSpeed processes), so its events.jsonl holds what the monitor decided on every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = {"demo": ("configs/train/demo.yaml", 4096), "tiny": ("configs/train/tiny.yaml", 2048)}
+KINDS = ("prose", "code", "docs")
+
+
+def _write_jsonl(path: Path, documents, max_bytes: int) -> int:
+    total = 0
+    with open(path, "w") as f:
+        for text in documents:
+            if not text.strip():
+                continue
+            f.write(json.dumps({"text": text}) + "\n")
+            total += len(text.encode())
+            if total >= max_bytes:
+                break
+    return total
+
+
+def _prose(path: Path):
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    for i in range(0, len(lines), 40):
+        yield "".join(lines[i : i + 40])
+
+
+def _code():
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
+            continue
+        yield path.read_text(errors="replace")
+
+
+def _docs():
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    for path in sorted(purelib.glob("*.dist-info/METADATA")):
+        body = path.read_text(errors="replace").partition("\n\n")[2]  # the long description
+        if len(body) > 500:
+            yield body
+    for pattern in ("**/*.md", "**/*.rst"):
+        for path in sorted(purelib.glob(pattern)):
+            if "LICENSE" not in path.name.upper():
+                yield path.read_text(errors="replace")
+
+
+def corpora(args) -> None:
+    from pretrain.demo import prepare_corpus
+
+    out = Path(args.out)
+    sources = {"prose": _prose(Path(args.prose)), "code": _code(), "docs": _docs()}
+    for kind in KINDS:
+        text = out / "text" / f"{kind}.jsonl"
+        text.parent.mkdir(parents=True, exist_ok=True)
+        if not text.exists():
+            size = _write_jsonl(text, sources[kind], int(args.max_mb * 2**20))
+            print(f"{kind}: {size / 2**20:.1f} MiB of text -> {text}", flush=True)
+        for config, (_, vocab) in CONFIGS.items():
+            prepare_corpus(str(text), out / "corpora" / f"{kind}-{vocab}", vocab_size=vocab)
+
+
+def _launch(out: Path, name: str, config: str, kind: str, overrides: list[str]) -> int:
+    path, vocab = CONFIGS[config]
+    run_dir = out / "runs" / name
+    command = [sys.executable, "-m", "pretrain", "launch", "--config", str(REPO / path),
+               f"run.dir={run_dir}", f"data.dir={out / 'corpora' / f'{kind}-{vocab}' / 'data'}",
+               f"model.vocab_size={vocab}", "checkpoint.resume=fresh", *overrides]  # fmt: skip
+    print(" ".join(command), flush=True)
+    with open(out / "runs" / f"{name}.log", "w") as log:
+        return subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def clean(args) -> None:
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    for config in args.configs.split(","):
+        for kind in KINDS:
+            name = f"clean-{config}-{kind}"
+            code = _launch(out, name, config, kind, [f"train.steps={args.steps}", *args.overrides])
+            print(f"{name}: exit {code}", flush=True)
+
+
+def faults(args) -> None:
+    """Injected faults on the demo config over the code corpus: loss spikes and gradient-only
+    spikes of each factor at three steps each, and NaN steps."""
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    steps = [60, 90, 120][: max(1, (args.steps - 30) // 30)]
+    at = "[" + ",".join(map(str, steps)) + "]"
+    cases = [(f"loss-x{f:g}", [f"faults.spike_steps={at}", f"faults.spike_factor={f}"]) for f in args.factors]
+    cases += [(f"grad-x{f:g}", [f"faults.grad_spike_steps={at}", f"faults.grad_spike_factor={f}"])
+              for f in args.factors]  # fmt: skip
+    cases.append(("nan", [f"faults.nan_steps={at}"]))
+    for label, overrides in cases:
+        name = f"fault-{args.config}-{args.kind}-{label}"
+        code = _launch(out, name, args.config, args.kind, [f"train.steps={args.steps}", *overrides, *args.overrides])
+        print(f"{name}: exit {code}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="stage", required=True)
+    c = sub.add_parser("corpora")
+    c.add_argument("--prose", required=True, help="a plain-text file of prose")
+    c.add_argument("--max-mb", type=float, default=8.0)
+    r = sub.add_parser("clean")
+    r.add_argument("--steps", type=int, default=300)
+    r.add_argument("--configs", default="demo,tiny")
+    f = sub.add_parser("faults")
+    f.add_argument("--steps", type=int, default=150)
+    f.add_argument("--config", default="tiny")
+    f.add_argument("--kind", default="code")
+    f.add_argument("--factors", type=float, nargs="+", default=[1.5, 2, 3, 5, 50])
+    for p in (c, r, f):
+        p.add_argument("--out", default="runs/calibration")
+    for p in (r, f):
+        p.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    {"corpora": corpora, "clean": clean, "faults": faults}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
