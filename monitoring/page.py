@@ -31,8 +31,9 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def chart(series: list[dict], name: str, title: str) -> str:
-    """An SVG line chart of `name` over the judged steps, with its band and marks."""
+def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) -> str:
+    """An SVG line chart of `name` over the judged steps, with its band, and marks at warnings
+    and at the steps rollbacks were decided at."""
     points = [(r["step"], _number(r.get(name))) for r in series]
     values = [v for _, v in points if v is not None]
     bands = [(r["step"], _number(r.get(f"{name}_level")), _number(r.get(f"{name}_threshold"))) for r in series]
@@ -43,7 +44,9 @@ def chart(series: list[dict], name: str, title: str) -> str:
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
     steps = [s for s, _ in points]
-    first, last = min(steps), max(max(steps), min(steps) + 1)
+    first = min(steps)
+    rollbacks = [s for s in rollbacks if s >= first]  # (decided on a timeline that went on past the chart's)
+    last = max(max(steps), *rollbacks, first + 1)
 
     def x(step: float) -> float:
         return PAD + (step - first) / (last - first) * (WIDTH - 2 * PAD)
@@ -60,22 +63,21 @@ def chart(series: list[dict], name: str, title: str) -> str:
         parts.append(f'<polyline class="threshold" points="{upper}"/>')
     line = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points if v is not None)
     parts.append(f'<polyline class="value" points="{line}"/>')
-    for r in series:
-        if r.get("level") in ("warn", "rollback", "stop"):
-            cls = "warn" if r["level"] == "warn" else "rollback"
-            parts.append(f'<line class="{cls}" x1="{x(r["step"]):.1f}" x2="{x(r["step"]):.1f}" y1="{PAD / 2}" '
-                         f'y2="{HEIGHT - PAD / 2}"><title>step {r["step"]}: {r["level"]}</title></line>')  # fmt: skip
+    marks = [(r["step"], "warn") for r in series if r.get("level") == "warn"]
+    marks += [(step, "rollback") for step in rollbacks]
+    for step, cls in marks:
+        parts.append(f'<line class="{cls}" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{PAD / 2}" '
+                     f'y2="{HEIGHT - PAD / 2}"><title>step {step}: {cls}</title></line>')  # fmt: skip
     parts.append(f'<text x="2" y="{y(hi) + 4:.0f}">{hi:.4g}</text><text x="2" y="{y(lo):.0f}">{lo:.4g}</text>')
     parts.append(f'<text x="{PAD}" y="{HEIGHT - 2}">step {first}</text>')
-    parts.append(f'<text x="{WIDTH - PAD}" y="{HEIGHT - 2}" text-anchor="end">step {max(steps)}</text></svg>')
+    parts.append(f'<text x="{WIDTH - PAD}" y="{HEIGHT - 2}" text-anchor="end">step {last}</text></svg>')
     return f"<figure><figcaption>{html.escape(title)}</figcaption>{''.join(parts)}</figure>"
 
 
 def _events(status: dict) -> list[tuple[int, str, str]]:
     rows = []
-    for v in status.get("recent") or []:
-        if v.get("level") == "warn":
-            rows.append((v["step"], "warning", v.get("reason") or ""))
+    for w in status.get("warnings_recent") or []:
+        rows.append((w.get("step") or 0, "warning", w.get("reason") or ""))
     for d in status.get("rollbacks_decided") or []:
         rows.append((d["step"], "rollback decided", f"{d.get('reason')} → {d.get('target')} (decision {d.get('decision')})"))
     for a in status.get("rollbacks") or []:
@@ -127,6 +129,7 @@ def render_page(status: dict) -> str:
     ]
     breaker = '<p class="tripped">circuit breaker tripped: the job was stopped</p>' if status.get("circuit_breaker") else ""
     series = status.get("series") or []
+    rollbacks = [d["step"] for d in status.get("rollbacks_decided") or []]
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
@@ -137,8 +140,8 @@ def render_page(status: dict) -> str:
 <div class="progress" title="{done:.1f}%"><div style="width: {done:.1f}%"></div></div>
 {breaker}
 <dl>{"".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts)}</dl>
-{chart(series, "loss", "loss (shaded: its band, from the median to the threshold)")}
-{chart(series, "grad_norm", "gradient norm (shaded: its band; orange: warning, red: rollback)")}
+{chart(series, "loss", "loss (shaded: its band, from the median to the threshold)", rollbacks)}
+{chart(series, "grad_norm", "gradient norm (shaded: its band; orange: warning, red: rollback)", rollbacks)}
 <h2>Events</h2>
 <table><tr><th>step</th><th>event</th><th>detail</th></tr>{rows}</table>
 <p class="sub">JSON: <a href="/status">/status</a> · Prometheus: <a href="/metrics">/metrics</a></p>

@@ -90,7 +90,8 @@ class Policy:
     tainted_from: int | None = None  # a rollback-worthy step still in the weights: no target after it
     pinned_tag: str | None = None
     last: StepMetrics | None = None
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))  # verdicts
+    warned: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))  # warnings
     _complete: set[str] = field(default_factory=set)  # tags known to be complete
 
     def __post_init__(self) -> None:
@@ -127,6 +128,7 @@ class Policy:
             self.detector.admit(metrics.loss, metrics.grad_norm)
             if worst == "warn":
                 self.warnings += 1
+                self.warned.append({"step": metrics.step, "reason": "; ".join(f.reason for f in findings)})
                 return Verdict(CONTINUE, "warn", findings)
             level = "ok" if self.detector.grad_norm.band() and self.detector.loss.band() else "warmup"
             return Verdict(CONTINUE, level, findings)
@@ -252,19 +254,33 @@ class Policy:
 
     # --------------------------------------------------------------------------------- restart
 
-    def restore(self, events: list[dict]) -> None:
+    def restore(self, events: list[dict]) -> list[dict]:
         """A service started again for a run that has history: decision numbers go on from the
         last one, an unresolved decision is pending again, and the bands start from the last
-        judged values instead of an empty window (no warm-up, no false alarm after a restart)."""
+        judged values instead of an empty window (no warm-up, no false alarm after a restart).
+        Returns the judged steps with the bands they had, for the charts."""
         resolved = {e.get("decision") for e in events if e.get("type") in ("rollback_applied", "rollback_cancelled")}
+        judged = []
         for e in events:
+            if e.get("type") == "step":
+                bands = {k: b for k, b in self.detector.bands().items() if b is not None}
+                judged.append({"step": e.get("step"), "loss": e.get("loss"), "grad_norm": e.get("grad_norm"),
+                               "level": e.get("level", "ok"), **{f"{k}_{part}": getattr(b, part) for k, b in
+                                                                  bands.items() for part in ("level", "threshold")}})  # fmt: skip
             if e.get("type") == "step" and e.get("level", "ok") in ("ok", "warmup", "warn"):
                 loss, grad_norm = (float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm"))
                 self.detector.admit(loss, grad_norm)
+            elif e.get("type") == "warning":
+                self.warnings += 1
+                self.warned.append({"step": e.get("step"), "reason": e.get("reason")})
             elif e.get("type") == "rollback" and isinstance(e.get("decision"), int):
                 decision = Decision(e["decision"], e["step"], e.get("reason", ""), e.get("finding", ""),
                                     e.get("value"), e.get("threshold"), e["target"], e["seed"], e["lr_scale"])  # fmt: skip
                 self.decisions.append(decision)
                 self.pending = None if decision.id in resolved else decision
             elif e.get("type") == "rollback_applied":
-                self.applied.append({k: e.get(k) for k in ("decision", "decided_at", "applied_at", "tag")})
+                self.applied.append({"decision": e.get("decision"), "step": e.get("decided_at"),
+                                     "applied_at": e.get("applied_at"), "tag": e.get("tag")})  # fmt: skip
+            elif e.get("type") == "rollback_cancelled":
+                self.cancelled.append({k: e.get(k) for k in ("decision", "step", "reason")})
+        return judged

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import statistics
 import sys
 import threading
@@ -71,6 +72,7 @@ def ensure_token(run_dir: str | Path) -> str:
     return path.read_text().strip()
 
 
+ANSWERED = object()  # what reading a request's body returns once it has answered the request itself
 MAX_BODY = 64 * 1024  # bytes: a step's report is ~300 (a few KiB with per-layer norms)
 SERIES_KEPT = 600  # judged steps kept for /status and the page
 
@@ -81,7 +83,7 @@ class MonitorState:
     def __init__(self, run_dir: Path, config: MonitorConfig, base_seed: int = 0):
         self.run_dir = run_dir
         self.policy = Policy(config, str(run_dir), base_seed)
-        self.policy.restore(read_events(run_dir))
+        history = self.policy.restore(read_events(run_dir))
         self.lock = threading.Lock()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -104,6 +106,10 @@ class MonitorState:
         self.sender: tuple[str | None, int] = (None, 0)  # the trainer's session and its last seq
         self.last_answer: dict | None = None
         self.series: collections.deque[dict] = collections.deque(maxlen=SERIES_KEPT)
+        for judged in history:
+            while self.series and self.series[-1]["step"] >= judged["step"]:
+                self.series.pop()
+            self.series.append(judged)
         self.step_times: collections.deque[float] = collections.deque(maxlen=50)
         self.tokens_per_second: float | None = None
         self.total_steps: int | None = None
@@ -196,6 +202,8 @@ class MonitorState:
         for series, band in bands.items():
             if band is not None:
                 self.g_band.labels(series).set(band.threshold)
+        while self.series and self.series[-1]["step"] >= metrics.step:
+            self.series.pop()  # a rollback went back: the chart shows the timeline that goes on
         self.series.append({"step": metrics.step, "loss": _finite_or_str(metrics.loss),
                             "grad_norm": _finite_or_str(metrics.grad_norm), "level": verdict.level,
                             **{f"{k}_{part}": getattr(b, part) for k, b in bands.items() if b is not None
@@ -239,6 +247,7 @@ class MonitorState:
                 "latest": last.to_json() if last else None,
                 "detectors": self.bands(),
                 "warnings": p.warnings,
+                "warnings_recent": list(p.warned),
                 "rollbacks": list(p.applied),
                 "rollbacks_decided": [d.event() for d in p.decisions],
                 "rollback_pending": p.pending.event() if p.pending else None,
@@ -263,7 +272,7 @@ def make_handler(state: MonitorState, token: str):
         server_version = "pretrain-monitor/1"
         protocol_version = "HTTP/1.1"  # keep-alive: the trainer's one connection serves every step
         disable_nagle_algorithm = True  # else headers and body wait on each other (40 ms delayed ACK)
-        timeout = 600  # seconds a connection may sit idle or half-sent before it is closed
+        timeout = 120  # seconds a connection may sit idle or half-sent before it is closed
 
         def log_message(self, format, *args):  # quiet: one line per step would flood the log
             pass
@@ -287,38 +296,59 @@ def make_handler(state: MonitorState, token: str):
             self.close_connection = self.close_connection or close
             self._json(code, {"error": message})
 
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (a malformed request line, an unknown method, headers too
+            long): a status line and a one-line JSON error like every other answer."""
+            if self.request_version == "HTTP/0.9":
+                self.request_version = "HTTP/1.0"  # (it answers a request it cannot parse without a status line)
+            self._error(code, message or "bad request", close=True)
+
         def _authorized(self) -> bool:
             given = self.headers.get("Authorization", "")
             return hmac.compare_digest(given.encode(errors="replace"), f"Bearer {token}".encode())
 
         def do_GET(self):
             path = urllib.parse.urlsplit(self.path).path
-            if path == "/status":
-                self._json(200, state.status(series="series=1" in self.path))
-            elif path == "/metrics":
-                self._send(200, generate_latest(state.registry), CONTENT_TYPE_LATEST)
-            elif path == "/":
-                self._send(200, render_page(state.status(series=True)).encode(), "text/html; charset=utf-8")
-            else:
-                self._error(404, f"no such endpoint {path[:100]}")
+            try:
+                if path == "/status":
+                    self._json(200, state.status(series="series=1" in self.path))
+                elif path == "/metrics":
+                    self._send(200, generate_latest(state.registry), CONTENT_TYPE_LATEST)
+                elif path == "/":
+                    self._send(200, render_page(state.status(series=True)).encode(), "text/html; charset=utf-8")
+                else:
+                    self._error(404, f"no such endpoint {path[:100]}")
+            except Exception as exc:  # a bug here must not take the connection (or the service) down
+                print(f"monitor: error handling GET {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                self._error(500, f"internal error: {type(exc).__name__}")
+
+        def parse_request(self) -> bool:
+            parsed = super().parse_request()
+            if not parsed and not self.requestline.split():  # http.server drops a blank request line unanswered
+                self.send_error(400, "an empty request line")
+            return parsed
 
         def _body(self):
-            """The request's JSON body, or None after answering why not."""
+            """The request's JSON body, or ANSWERED after answering why not."""
             if self.headers.get("Transfer-Encoding"):
-                return self._error(411, "send the body with a Content-Length, not chunked", close=True)
+                return self._refuse(411, "send the body with a Content-Length, not chunked", close=True)
             length = self.headers.get("Content-Length")
             if length is None or not length.strip().isdigit():
-                return self._error(411 if length is None else 400,
-                                   "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
+                return self._refuse(411 if length is None else 400,
+                                    "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
             if int(length) > MAX_BODY:
-                return self._error(413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True)
+                return self._refuse(413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True)
             raw = self.rfile.read(int(length))
             if len(raw) < int(length):
-                return self._error(400, "the body is shorter than its Content-Length", close=True)
+                return self._refuse(400, "the body is shorter than its Content-Length", close=True)
             try:
                 return json.loads(raw or b"{}", parse_constant=_refuse_constant)
             except (ValueError, RecursionError) as exc:
-                return self._error(400, f"the body is not JSON: {str(exc)[:100]}")
+                return self._refuse(400, f"the body is not JSON: {str(exc)[:100]}")
+
+        def _refuse(self, code: int, message: str, close: bool = False):
+            self._error(code, message, close)
+            return ANSWERED
 
         def do_POST(self):
             path = urllib.parse.urlsplit(self.path).path
@@ -327,7 +357,7 @@ def make_handler(state: MonitorState, token: str):
             if not self._authorized():
                 return self._error(401, "missing or wrong bearer token (see RUN_DIR/monitor/token)", close=True)
             payload = self._body()
-            if payload is None:
+            if payload is ANSWERED:
                 return
             try:
                 if path == "/v1/metrics":
@@ -356,6 +386,22 @@ def make_handler(state: MonitorState, token: str):
                 super().handle_one_request()
             except (TimeoutError, ConnectionError):
                 self.close_connection = True
+
+        def finish(self):
+            """A lingering close: after the last answer, read (and drop) what the client is still
+            sending, briefly, so closing does not reset the connection under its answer."""
+            super().finish()
+            try:
+                self.connection.shutdown(socket.SHUT_WR)
+                self.connection.settimeout(1.0)
+                drained = 0
+                while drained < 4 * MAX_BODY:
+                    chunk = self.connection.recv(65536)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
+            except OSError:
+                pass
 
     return Handler
 

@@ -69,9 +69,17 @@ class MonitorClient:
             address = urllib.parse.urlsplit(endpoint["url"])
             self.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=self.timeout)
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
+        body = json.dumps(payload).encode()
         try:
-            self.connection.request("POST", path, body=json.dumps(payload).encode(), headers=headers)
-            response = self.connection.getresponse()
+            try:
+                self.connection.request("POST", path, body=body, headers=headers)
+                response = self.connection.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                # The service closed the kept-alive connection while it was idle: connect again
+                # (a report it had already judged is answered, not judged again).
+                self.connection.close()
+                self.connection.request("POST", path, body=body, headers=headers)
+                response = self.connection.getresponse()
             answer = json.loads(response.read())
         except BaseException:
             self.close()

@@ -110,6 +110,7 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     summary: dict = field(default_factory=dict)
     last_saved: int = 0  # the step of the newest checkpoint of this timeline
+    charted_to: int = 0  # the newest step whose verdict is on TensorBoard
 
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
@@ -261,7 +262,11 @@ class Trainer:
         """Rank 0: what the monitor judged (every step, at the step it judged): the series with
         its band, and warnings and rollbacks as marks (1 at their step, 0 elsewhere)."""
         for answer in self.monitor.judged():
-            self.writer.scalars(answer["judged"]["step"], monitor_scalars(answer))
+            step, scalars = answer["judged"]["step"], monitor_scalars(answer)
+            if step <= self.charted_to:  # a step run again after a rollback: keep the marks it had
+                scalars = {k: v for k, v in scalars.items() if k not in MARKS or v}
+            self.charted_to = max(self.charted_to, step)
+            self.writer.scalars(step, scalars)
 
     def stop_by_monitor(self, action: Action) -> None:
         self.summary["stopped_by_monitor"] = action.reason
@@ -301,6 +306,9 @@ class Trainer:
         directory = self.run_dir / "data_trace"
         directory.mkdir(parents=True, exist_ok=True)
         return stack.enter_context(open(directory / f"rank_{self.env.rank:05d}.jsonl", "a", buffering=1))
+
+
+MARKS = ("monitor/warning", "monitor/rollback")
 
 
 def monitor_scalars(answer: dict) -> dict[str, float | None]:

@@ -4,6 +4,7 @@
     python scripts/monitor_calibration.py corpora --prose PATH.txt [--out runs/calibration]
     python scripts/monitor_calibration.py clean   [--out ...] [--steps 300] [overrides...]
     python scripts/monitor_calibration.py faults  [--out ...] [--steps 120]
+    python scripts/monitor_calibration.py overhead [--out ...] [--pairs 3] [--steps 150]
     pretrain bench detection runs/calibration/runs/*     (the table, from what these runs recorded)
 
 Corpora (each capped at --max-mb of text, built only from files already on this machine):
@@ -122,6 +123,48 @@ def faults(args) -> None:
         print(f"{name}: exit {code}", flush=True)
 
 
+def _step_times(run_dir: Path, skip: int = 10) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/step_time"] for r in rows if r["step"] > skip]
+
+
+def overhead(args) -> None:
+    """The real loop's cost of the monitor: the same job under `pretrain launch` (service and
+    supervisor, monitor.enabled=true) and under the DeepSpeed launcher alone with
+    monitor.enabled=false, alternated; the ratio of their median step times."""
+    import statistics
+
+    from pretrain.distributed import free_port
+
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    path, vocab = CONFIGS[args.config]
+    data = out / "corpora" / f"{args.kind}-{vocab}" / "data"
+    common = [f"data.dir={data}", f"model.vocab_size={vocab}", "checkpoint.resume=fresh", f"train.steps={args.steps}",
+              "eval.every=0", f"checkpoint.every={args.steps}"]  # fmt: skip
+    medians = {"with": [], "without": []}
+    for pair in range(args.pairs):
+        for kind in (("with", "without") if pair % 2 == 0 else ("without", "with")):
+            run_dir = out / "runs" / f"overhead-{kind}-{pair}"
+            if kind == "with":
+                command = [sys.executable, "-m", "pretrain", "launch", "--config", str(REPO / path)]
+            else:
+                command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                           str(free_port()), "--module", "pretrain.train", "--config", str(REPO / path),
+                           "monitor.enabled=false"]  # fmt: skip
+            with open(f"{run_dir}.log", "w") as log:
+                subprocess.check_call([*command, f"run.dir={run_dir}", *common], stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=REPO)  # fmt: skip
+            medians[kind].append(statistics.median(_step_times(run_dir)))
+            print(f"{kind} the monitor, pair {pair}: median step {1e3 * medians[kind][-1]:.1f} ms", flush=True)
+    ratios = [w / wo for w, wo in zip(medians["with"], medians["without"], strict=True)]
+    result = {"config": args.config, "steps": args.steps, "pairs": args.pairs,
+              "median_step_ms_with": [1e3 * m for m in medians["with"]],
+              "median_step_ms_without": [1e3 * m for m in medians["without"]],
+              "ratio_with_to_without": ratios, "ratio_median": statistics.median(ratios)}  # fmt: skip
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="stage", required=True)
@@ -136,12 +179,17 @@ def main() -> None:
     f.add_argument("--config", default="tiny")
     f.add_argument("--kind", default="code")
     f.add_argument("--factors", type=float, nargs="+", default=[1.5, 2, 3, 5, 50])
-    for p in (c, r, f):
+    o = sub.add_parser("overhead")
+    o.add_argument("--pairs", type=int, default=3)
+    o.add_argument("--steps", type=int, default=150)
+    o.add_argument("--config", default="tiny")
+    o.add_argument("--kind", default="code")
+    for p in (c, r, f, o):
         p.add_argument("--out", default="runs/calibration")
     for p in (r, f):
         p.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    {"corpora": corpora, "clean": clean, "faults": faults}[args.stage](args)
+    {"corpora": corpora, "clean": clean, "faults": faults, "overhead": overhead}[args.stage](args)
 
 
 if __name__ == "__main__":

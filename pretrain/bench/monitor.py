@@ -3,10 +3,11 @@
 A real monitoring service runs in its own process (`python -m monitoring`), as under `pretrain
 launch`. In this process a small Llama-style model trains (forward, backward, AdamW) on random
 tokens, with steps of at least ~100 ms on a CPU. Steps alternate between plain steps and steps
-that also report their metrics to the service and wait for its answer, as rank 0 does; the
-overhead is the difference of the median step times. The answer's round trip is also timed on
+that also report their metrics to the service as rank 0 does (hand the report to the reporter
+thread, which posts it while the next step computes, and look for an answer that waits); the
+overhead is the difference of the step times, paired. The answer's round trip is also timed on
 its own. Last, a spike (the gradient norm times 50) is reported after the warm-up: the service
-must answer `rollback` to that very report.
+must answer `rollback` to that very report, and the answer reach the training loop.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from monitoring.protocol import ENDPOINT_FILE, StepMetrics, monitor_dir, read_ev
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
-from pretrain.monitor_link import MonitorClient
+from pretrain.monitor_link import MonitorClient, Reporter
 
 
 def _start_service(run_dir: Path) -> subprocess.Popen:
@@ -88,18 +89,17 @@ def run(
         run_dir = Path(tmp)
         service = _start_service(run_dir)
         try:
-            client = MonitorClient(run_dir, timeout=5.0)
-            step, plain, reported, round_trips = 0, [], [], []
+            reporter = Reporter(run_dir, timeout=5.0)
+            step, plain, reported = 0, [], []
 
-            def report(loss: float, grad_norm: float, step_time: float) -> str:
-                started = time.perf_counter()
-                action = client.report(StepMetrics(step, loss, grad_norm, 1e-4, step_time, step * 2048))
-                round_trips.append(time.perf_counter() - started)
-                return action.kind
+            def report(loss: float, grad_norm: float, step_time: float) -> bool:
+                reporter.report(StepMetrics(step, loss, grad_norm, 1e-4, step_time, step * 2048))
+                return reporter.pending()  # what the loop asks at each step boundary
 
             for _ in range(3):  # warm-up: allocator, autocast caches, the first connection
                 step += 1
                 report(*train_step(), 0.1)
+            reporter.drain(30)
             for pair in range(pairs):
                 for with_monitor in (pair % 2 == 0, pair % 2 == 1):  # alternate which goes first
                     step += 1
@@ -110,10 +110,23 @@ def run(
                         reported.append(time.perf_counter() - started)
                     else:
                         plain.append(time.perf_counter() - started)
+            reporter.drain(30)
+            round_trips = []
+            client = MonitorClient(run_dir, timeout=5.0)
+            for _ in range(50):  # the answer's round trip, on its own connection
+                step += 1
+                started = time.perf_counter()
+                client.post("/v1/metrics", StepMetrics(step, loss, grad_norm, 1e-4, 0.1, step * 2048).to_json())
+                round_trips.append(time.perf_counter() - started)
+            client.close()
             _fake_checkpoint(run_dir)
             step += 1
             loss, grad_norm = train_step()
-            spike_answer = report(loss, grad_norm * 50, 0.1)
+            report(loss, grad_norm * 50, 0.1)
+            reporter.drain(30)
+            action = reporter.take()
+            spike_answer = action.kind if action else "continue"
+            reporter.close()
             logged = read_events(run_dir)
             rollback_steps = [e["step"] for e in logged if e["type"] == "rollback"]
         finally:
@@ -152,5 +165,6 @@ def run(
         f"{result['report_round_trip_ms_max']:.2f} ms max "
         f"({result['report_share_of_step_pct']:.2f} % of a step)"
     )
-    print(f"  spike reported at step {step}: answered '{spike_answer}' for that same step")
+    print(f"  spike reported at step {step}: answered '{spike_answer}' for that same step; rollback events "
+          f"at steps {rollback_steps}")
     return result

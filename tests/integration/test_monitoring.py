@@ -1,12 +1,17 @@
 """The monitoring service as its own process (`python -m monitoring`), and real 2-process
 training runs that report to it: spikes rolled back, a service that is down."""
 
+import collections
 import json
 import math
 import os
+import random
+import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,25 +19,30 @@ import urllib.request
 import pytest
 import torch
 
-from tests.integration.runs import launcher, train
+from tests.integration.runs import events, launcher, train
 from tests.integration.runs import metrics as step_metrics
 from tests.unit.test_monitor import fake_checkpoint, metrics
 
 
-@pytest.fixture
-def service(tmp_path):
+def _start_service(run_dir, *overrides):
     process = subprocess.Popen(
-        [sys.executable, "-m", "monitoring", "--run-dir", str(tmp_path), "monitor.warmup=4", "monitor.window=16"],
+        [sys.executable, "-m", "monitoring", "--run-dir", str(run_dir), *overrides],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    endpoint = tmp_path / "monitor" / "endpoint.json"
+    endpoint = run_dir / "monitor" / "endpoint.json"
     deadline = time.time() + 60
     while not endpoint.exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.1)
     assert endpoint.exists(), process.communicate()[0]
     url = json.loads(endpoint.read_text())["url"]
-    token = (tmp_path / "monitor" / "token").read_text().strip()
+    return process, url, (run_dir / "monitor" / "token").read_text().strip()
+
+
+@pytest.fixture
+def service(tmp_path):
+    process, url, token = _start_service(tmp_path, "monitor.warmup=4", "monitor.window=16")
     yield url, token, tmp_path
+    os.kill(process.pid, signal.SIGCONT)  # (in case a test stopped it)
     process.terminate()
     process.wait(timeout=30)
 
@@ -182,3 +192,167 @@ def test_training_goes_on_when_the_monitor_is_down_and_never_applies_a_nan(tmp_p
     steps = step_metrics(tmp_path)
     assert math.isnan(steps[2]["train/loss"]) and steps[4]["train/skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in load_trained(tmp_path).model.parameters())
+
+
+def _train_in_background(*args, **kwargs):
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("result", train(*args, check=False, **kwargs)))
+    thread.start()
+    return thread, done
+
+
+def _wait_for_step(run_dir, step, thread, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and thread.is_alive():
+        path = run_dir / "events.jsonl"
+        if path.exists() and any(e["type"] == "step" and e["step"] >= step for e in events(run_dir)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} was never reported")
+
+
+def test_a_stalled_service_loses_no_rollback_and_never_targets_the_spike(service, train_data):
+    """The service is stopped (SIGSTOP) for 3 s, six times the client's timeout, while the spike at
+    step 22 is reported. Training goes on meanwhile; when the service is back it judges every step
+    in order, the rollback is decided and applied, and the checkpoints saved during the stall
+    (which hold the spike) are abandoned, never loaded."""
+    _, _, run_dir = service
+    pid = json.loads((run_dir / "monitor" / "endpoint.json").read_text())["pid"]
+    runner, done = _train_in_background(
+        launcher(2), run_dir, train_data, "train.steps=40", "checkpoint.every=5", "checkpoint.keep=3",
+        "eval.every=0", "monitor.enabled=true", "monitor.timeout=0.5", "faults.spike_steps=[22]",
+    )  # fmt: skip
+    _wait_for_step(run_dir, 19, runner)
+    os.kill(pid, signal.SIGSTOP)
+    stalled = time.time()
+    time.sleep(3)
+    os.kill(pid, signal.SIGCONT)
+    runner.join(timeout=600)
+    result = done["result"]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "monitor unreachable" in result.stderr and "monitor reachable again" in result.stderr
+    log = events(run_dir)
+    decided = [e for e in log if e["type"] == "rollback"]
+    closed = [e for e in log if e["type"] in ("rollback_applied", "rollback_cancelled")]
+    assert sorted(e["decision"] for e in decided) == sorted(e["decision"] for e in closed)  # none lost
+    (spike,) = [e for e in decided if e["step"] == 22]
+    assert spike["time"] > stalled + 2.5 and spike["target"] == "step_00000020"  # judged after the stall
+    (applied,) = [e for e in log if e["type"] == "rollback_applied"]
+    assert applied["tag"] == "step_00000020" and applied["decided_at"] == 22 and applied["matches_checkpoint"]
+    # What ran past the spike before the verdict came (checkpoints included) was abandoned.
+    assert applied["applied_at"] >= 22 and all(int(t.split("_")[1]) > 20 for t in applied["abandoned"])
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["completed"] and summary["step"] == 40 and summary["rollbacks"] == 1
+    assert all(step_metrics(run_dir)[s]["train/loss"] < 10 for s in range(1, 41))  # the timeline kept is clean
+    status = json.loads(request(service[0], "/status")[1])
+    assert [r["decision"] for r in status["rollbacks"]] == [spike["decision"]] and status["rollback_pending"] is None
+
+
+# ------------------------------------------------------------------------------------ the fuzzer
+
+
+def _fuzz_requests(token: str, n: int, seed: int = 0) -> list[bytes]:
+    """Raw HTTP requests that the service must refuse (none is a valid state change)."""
+    rng = random.Random(seed)
+    auth = f"Authorization: Bearer {token}\r\n"
+    invalid = {  # per field of a step's report, values it must refuse
+        "step": [None, True, -1, 1.5, 10**400, 2**64, "x"], "tokens": [None, -5, 2**53, "7"],
+        "loss": [None, True, "x" * 300, [], {}], "grad_norm": [None, False, "high", [1]],
+        "lr": [None, -1, "NaN", "-inf", 10**400, []], "step_time": [None, -0.5, "inf", {}],
+        "layer_grad_norms": [[1], "x", 5, {"a": "b"}], "session": ["x" * 300, 5, True, ""],
+        "seq": [0, -1, "x", 1.5, True], "surprise": [1],
+    }  # fmt: skip
+    values = [None, True, -1, 0, 1.5, 10**400, "x" * 300, [], [1, {"a": 2}], {"nested": {"deep": [None]}}]
+
+    def metrics_body():
+        body = {"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "step_time": 0.1, "tokens": 100}
+        key = rng.choice(list(invalid))
+        body[key] = rng.choice(invalid[key])
+        return json.dumps(body).encode()
+
+    def bodies():
+        yield rng.choice([b"[]", b'"text"', b"42", b"null", b"{", b'{"step": NaN}', b'{"lr": Infinity}',
+                          b"[" * 5000 + b"]" * 5000, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))])
+        yield metrics_body()
+        yield json.dumps({"reason": rng.choice(values), "extra": 1}).encode()
+        yield json.dumps({"decision": rng.choice(values), "decided_at": 1, "applied": "yes", "applied_at": 1}).encode()
+
+    requests = []
+    for _ in range(n):
+        path = rng.choice(["/v1/metrics", "/v1/rollback", "/v1/outcome", "/v1/nothing", "/status?x=1", "/../etc"])
+        body = rng.choice(list(bodies()))
+        kind = rng.randrange(10)
+        if kind == 0:  # garbage instead of a request line
+            requests.append(bytes(rng.randrange(1, 256) for _ in range(rng.randrange(1, 100))) + b"\r\n\r\n")
+        elif kind == 1:  # a negative, non-numeric or huge Content-Length, or none
+            length = rng.choice(["-1", "abc", "99999999999", "1e3", None])
+            header = f"Content-Length: {length}\r\n" if length is not None else ""
+            requests.append(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}{header}\r\n".encode() + body)
+        elif kind == 2:  # over the size limit
+            requests.append(f"POST /v1/metrics HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 70000\r\n\r\n".encode()
+                            + b" " * 70000)
+        elif kind == 3:  # chunked
+            requests.append(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n".encode()
+                            + b"5\r\nhello\r\n0\r\n\r\n")
+        elif kind == 4:  # other methods
+            method = rng.choice(["PUT", "DELETE", "PATCH", "FOO"])
+            requests.append(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+        elif kind == 5:  # no token, or a wrong one, on a body that would be valid
+            valid = json.dumps({"reason": "fuzz"}).encode()
+            header = rng.choice(["", "Authorization: Bearer wrong\r\n", "Authorization: \xff\r\n"])
+            requests.append(f"POST /v1/rollback HTTP/1.1\r\nHost: x\r\n{header}Content-Length: {len(valid)}\r\n\r\n"
+                            .encode("latin-1") + valid)
+        else:  # a well-formed request with the token and a body that is not a valid message
+            requests.append(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode()
+                            + body)
+    return requests
+
+
+def _send(address, raw: bytes) -> int | None:
+    """The status code of the answer to one raw request (None: the connection ended unanswered)."""
+    with socket.create_connection(address, timeout=10) as conn:
+        conn.sendall(raw)
+        conn.shutdown(socket.SHUT_WR)  # a body shorter than its Content-Length ends here
+        data = b""
+        while b"\r\n" not in data:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    parts = data.split(b" ", 2)
+    return int(parts[1]) if len(parts) > 1 and parts[0].startswith(b"HTTP/") else None
+
+
+def test_the_service_answers_every_malformed_request_and_the_run_is_unchanged(tmp_path, train_data):
+    """Two identical 2-process runs, each with its own service: one quiet, one while a fuzzer
+    sends 2,000 malformed and random requests to the service. Every request is answered with a
+    4xx, none is a traceback, and the run's losses are bit for bit the quiet run's."""
+    runs = {}
+    for name in ("quiet", "fuzzed"):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        process, url, token = _start_service(run_dir)
+        try:
+            runner, done = _train_in_background(
+                launcher(2), run_dir, train_data, "train.steps=24", "checkpoint.every=6", "eval.every=0",
+                "monitor.enabled=true",
+            )  # fmt: skip
+            codes = []
+            if name == "fuzzed":
+                _wait_for_step(run_dir, 1, runner)
+                host, port = url.removeprefix("http://").split(":")
+                for raw in _fuzz_requests(token, 2000):
+                    codes.append(_send((host, int(port)), raw))
+                status = json.loads(request(url, "/status")[1])  # still serving, and still judging
+                assert status["step"] > 1 and status["rollbacks_decided"] == [] and status["warnings"] == 0
+            runner.join(timeout=600)
+            result = done["result"]
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        finally:
+            process.terminate()
+            output = process.communicate(timeout=30)[0]
+        assert "Traceback" not in output, output[-3000:]
+        runs[name] = ([step_metrics(run_dir)[s]["train/loss"] for s in range(1, 13)], codes)
+    codes = runs["fuzzed"][1]
+    assert None not in codes and all(400 <= c <= 501 and c != 500 for c in codes), collections.Counter(codes)
+    assert runs["fuzzed"][0] == runs["quiet"][0]

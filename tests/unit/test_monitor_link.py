@@ -125,6 +125,27 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     steps = [e["step"] for e in log if e["type"] == "step"]
     assert steps == list(range(1, applied["applied_at"] + 1)) + [7, 8, 9, 10]
     assert service.status()["rollbacks"][0]["decision"] == ordered["decision"]  # counted once applied
+    # TensorBoard (read with its own reader): every judged step is charted, at the step judged;
+    # the rollback is a mark at step 8; the Custom Scalars charts name exactly the monitor's tags.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    board = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    board.Reload()
+    judged = board.Scalars("monitor/grad_norm")
+    assert sorted({e.step for e in judged}) == list(range(1, 11))
+    marks = [(e.step, e.value) for e in board.Scalars("monitor/rollback")]
+    assert [step for step, value in marks if value] == [8] and [s for s, _ in marks] == list(range(1, 11))
+    assert {e.step for e in board.Scalars("monitor/grad_norm_threshold")} >= set(range(5, 11))  # after warm-up
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(board.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {c.title: c for category in layout.category for c in category.chart}
+    grad_chart = next(c for title, c in charts.items() if title.startswith("gradient norm"))
+    series = grad_chart.margin.series[0]
+    assert (series.value, series.lower, series.upper) == (
+        "monitor/grad_norm", "monitor/grad_norm_level", "monitor/grad_norm_threshold")  # fmt: skip
+    marks_chart = next(c for title, c in charts.items() if title.startswith("rollbacks"))
+    assert list(marks_chart.multiline.tag) == ["^monitor/rollback$", "^monitor/warning$"]
     # The data position is an uninterrupted run's; the order after the target was reshuffled.
     state = json.loads((checkpoints_dir(tmp_path) / "step_00000009" / "train_state.json").read_text())["data"]
     assert state["consumed"] == 18 and [start for start, _ in state["epoch_seeds"]] == [0, 12]
