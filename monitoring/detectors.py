@@ -12,7 +12,8 @@ values, once `warmup` values have been seen:
 The findings, from the most to the least severe (each mapped to an action by the policy):
 
 * `nonfinite`: a NaN or ±Inf loss or gradient norm.
-* `loss_spike`: the loss above its threshold.
+* `loss_spike`: the loss above its threshold, or at least `loss_spike_ratio` times its level (early
+  in a run the window still holds the first, much higher losses, and the band is wide).
 * `grad_norm_surge`: the gradient norm above its threshold *and* at least `surge_ratio` times its
   level: an excursion large against the series' own robust level.
 * `divergence`: the loss's moving average has risen for `divergence_steps` steps in a row (a slow
@@ -111,17 +112,17 @@ class Detector:
     `severe(findings)` (from the policy) says whether the values stay out of the windows."""
 
     def __init__(self, window=128, warmup=32, grad_norm_sigma=6.0, loss_sigma=6.0, min_rel_std=0.02,
-                 surge_ratio=8.0, divergence_steps=100):  # fmt: skip
+                 surge_ratio=8.0, divergence_steps=100, loss_spike_ratio=2.0):  # fmt: skip
         self.loss = Series(window, warmup, loss_sigma, min_rel_std)
         self.grad_norm = Series(window, warmup, grad_norm_sigma, min_rel_std)
         self.divergence = Divergence(divergence_steps)
-        self.surge_ratio = surge_ratio
+        self.surge_ratio, self.loss_spike_ratio = surge_ratio, loss_spike_ratio
 
     @classmethod
     def of(cls, config) -> Detector:
         c = config
         return cls(c.window, c.warmup, c.grad_norm_sigma, c.loss_sigma, c.min_rel_std, c.grad_norm_surge_ratio,
-                   c.divergence_steps)  # fmt: skip
+                   c.divergence_steps, c.loss_spike_ratio)  # fmt: skip
 
     def bands(self) -> dict[str, Band | None]:
         return {"loss": self.loss.band(), "grad_norm": self.grad_norm.band()}
@@ -132,8 +133,10 @@ class Detector:
             if not math.isfinite(value):
                 found.append(Finding("nonfinite", series, value))
         loss_band, grad_band = self.loss.band(), self.grad_norm.band()
-        if loss_band is not None and math.isfinite(loss) and loss > loss_band.threshold:
-            found.append(Finding("loss_spike", "loss", loss, loss_band.threshold, loss_band.level))
+        if loss_band is not None and math.isfinite(loss):
+            threshold = min(loss_band.threshold, self.loss_spike_ratio * loss_band.level)
+            if loss > threshold:
+                found.append(Finding("loss_spike", "loss", loss, threshold, loss_band.level))
         if grad_band is not None and math.isfinite(grad_norm) and grad_norm > grad_band.threshold:
             surge = grad_norm >= self.surge_ratio * grad_band.level
             found.append(Finding("grad_norm_surge" if surge else "grad_norm_spike", "grad_norm", grad_norm,

@@ -277,6 +277,7 @@ class MonitorConfig:
     loss_sigma: float = 6.0  # the same for the loss
     min_rel_std: float = 0.02  # floor for the spread, relative to the median (a flat series is not all alarms)
     grad_norm_surge_ratio: float = 8.0  # above its threshold and this many times its median: a surge
+    loss_spike_ratio: float = 2.0  # a loss this many times its median is a spike, however wide the band
     divergence_steps: int = 100  # loss moving average rising this many steps in a row; 0 disables
     # What each finding does (docs/monitoring.md): ignore | warn | rollback | stop
     on_nonfinite: str = "rollback"  # a NaN or Inf loss or gradient norm
@@ -302,7 +303,7 @@ class MonitorConfig:
             raise ConfigError(
                 f"monitor.warmup={self.warmup}, monitor.window={self.window}: need 2 <= warmup <= window"
             )
-        for key in ("grad_norm_sigma", "loss_sigma", "lr_scale", "grad_norm_surge_ratio"):
+        for key in ("grad_norm_sigma", "loss_sigma", "lr_scale", "grad_norm_surge_ratio", "loss_spike_ratio"):
             _positive(f"monitor.{key}", getattr(self, key))
         for finding in FINDINGS:
             _choice(f"monitor.on_{finding}", getattr(self, f"on_{finding}"), RESPONSES)

@@ -141,6 +141,8 @@ def summarize(result: dict) -> dict:
             for key, value in counts.items():
                 total[key] += value
     summary["replay"] = injected
+    summary["replay_clean"] = {key: sum(rep["clean"][key] for rep in result["replay"].values())
+                               for key in ("warn", "rollback", "stop")}  # fmt: skip
     real: dict[str, dict[str, int]] = {}
     for run in result["runs"].values():
         for fault, outcome in (run.get("faults") or {}).items():
@@ -169,6 +171,9 @@ def print_table(result: dict) -> None:
         for label, b in sorted(s["real_faults"].items()):
             print(f"  {label:<10} {b['rollback']}/{b['injected']} rolled back, {b['warn']} warned, {b['missed']} missed")
     if s["replay"]:
+        clean = s["replay_clean"]
+        print(f"replay of the clean series with these settings: {clean['warn']} warnings, "
+              f"{clean['rollback'] + clean['stop']} rollbacks in {s['clean_steps']} steps")
         print("replay on the clean runs' recorded series (share of injected steps):")
         print(f"  {'fault':<10} {'trials':>7} {'rollback':>9} {'warn':>7} {'none':>7}")
         for label, b in s["replay"].items():

@@ -197,3 +197,23 @@ def test_a_restarted_service_goes_on_from_the_events(tmp_path):
     assert again.detector.grad_norm.band() is not None  # no warm-up again
     assert again.observe(metrics(4, grad=1.0)).level == "ok"
     assert again.observe(metrics(5, grad=90.0)).action.decision == 2  # numbers go on
+
+
+def test_the_default_policy_on_recorded_clean_runs():
+    """Six real clean runs (recorded series): no rollback; every injected loss spike of factor
+    >= 3, gradient surge of 50 and NaN is rolled back wherever it lands after the warm-up, and a
+    gradient-only excursion of 3 never is."""
+    import json
+    from pathlib import Path
+
+    from pretrain.bench.detection import replay
+
+    runs = json.loads((Path(__file__).parent / "data" / "clean_runs.json").read_text())["runs"]
+    assert len(runs) == 6
+    for name, run in runs.items():
+        result = replay(list(zip(run["loss"], run["grad_norm"], strict=True)), MonitorConfig(), every=10)
+        assert result["steps"] == 300 and result["clean"]["rollback"] == 0 and result["clean"]["warn"] <= 2, name
+        injected = result["injected"]
+        for fault in ("loss x3", "loss x5", "loss x50", "grad x50", "nan"):
+            assert injected[fault]["rollback"] == injected[fault]["trials"] > 20, (name, fault)
+        assert injected["grad x3"]["rollback"] == 0, name
