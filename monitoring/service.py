@@ -112,7 +112,7 @@ class MonitorState:
             self.series.append(judged)
         self.step_times: collections.deque[float] = collections.deque(maxlen=50)
         self.tokens_per_second: float | None = None
-        self.total_steps: int | None = None
+        self.total_steps: int | None = _total_steps(run_dir)  # until the trainer says
         self.started = time.time()
 
     def record_restart(self, event: dict) -> None:
@@ -261,6 +261,15 @@ class MonitorState:
             if series:
                 out["series"] = list(self.series)
             return out
+
+
+def _total_steps(run_dir: Path) -> int | None:
+    """train.steps of the run's last start (RUN_DIR/run.json), if there is one."""
+    try:
+        steps = json.loads((run_dir / "run.json").read_text())["config"].get("train.steps")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def _finite_or_str(value: float):
