@@ -276,143 +276,148 @@ def _finite_or_str(value: float):
     return value if math.isfinite(value) else str(value)
 
 
-def make_handler(state: MonitorState, token: str):
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "pretrain-monitor/1"
-        protocol_version = "HTTP/1.1"  # keep-alive: the trainer's one connection serves every step
-        disable_nagle_algorithm = True  # else headers and body wait on each other (40 ms delayed ACK)
-        timeout = 120  # seconds a connection may sit idle or half-sent before it is closed
+class MonitorHandler(BaseHTTPRequestHandler):
+    """The service's requests; `make_handler` binds it to one MonitorState and token."""
 
-        def log_message(self, format, *args):  # quiet: one line per step would flood the log
+    state: MonitorState
+    token: str
+    server_version = "pretrain-monitor/1"
+    protocol_version = "HTTP/1.1"  # keep-alive: the trainer's one connection serves every step
+    disable_nagle_algorithm = True  # else headers and body wait on each other (40 ms delayed ACK)
+    timeout = 120  # seconds a connection may sit idle or half-sent before it is closed
+
+    def log_message(self, format, *args):  # quiet: one line per step would flood the log
+        pass
+
+    def _send(self, code: int, body: bytes, content_type: str = "application/json") -> None:
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client has gone (e.g. it timed out): it sends again
+            self.close_connection = True
+
+    def _json(self, code: int, payload: dict) -> None:
+        self._send(code, json.dumps(strict_json(payload), allow_nan=False).encode())
+
+    def _error(self, code: int, message: str, close: bool = False) -> None:
+        self.close_connection = self.close_connection or close
+        self._json(code, {"error": message})
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a malformed request line, an unknown method, headers too
+        long): a status line and a one-line JSON error like every other answer."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"  # (it answers a request it cannot parse without a status line)
+        self._error(code, message or "bad request", close=True)
+
+    def _authorized(self) -> bool:
+        given = self.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(errors="replace"), f"Bearer {self.token}".encode())
+
+    def do_GET(self):
+        path = urllib.parse.urlsplit(self.path).path
+        try:
+            if path == "/status":
+                self._json(200, self.state.status(series="series=1" in self.path))
+            elif path == "/metrics":
+                self._send(200, generate_latest(self.state.registry), CONTENT_TYPE_LATEST)
+            elif path == "/":
+                self._send(200, render_page(self.state.status(series=True)).encode(), "text/html; charset=utf-8")
+            else:
+                self._error(404, f"no such endpoint {path[:100]}")
+        except Exception as exc:  # a bug here must not take the connection (or the service) down
+            print(f"monitor: error handling GET {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._error(500, f"internal error: {type(exc).__name__}")
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        if not parsed and not self.requestline.split():  # http.server drops a blank request line unanswered
+            self.send_error(400, "an empty request line")
+        return parsed
+
+    def _body(self):
+        """The request's JSON body, or ANSWERED after answering why not."""
+        if self.headers.get("Transfer-Encoding"):
+            return self._refuse(411, "send the body with a Content-Length, not chunked", close=True)
+        length = self.headers.get("Content-Length")
+        if length is None or not length.strip().isdigit():
+            return self._refuse(411 if length is None else 400,
+                                "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
+        if int(length) > MAX_BODY:
+            return self._refuse(413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True)
+        raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            return self._refuse(400, "the body is shorter than its Content-Length", close=True)
+        try:
+            return json.loads(raw or b"{}", parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as exc:
+            return self._refuse(400, f"the body is not JSON: {str(exc)[:100]}")
+
+    def _refuse(self, code: int, message: str, close: bool = False):
+        self._error(code, message, close)
+        return ANSWERED
+
+    def do_POST(self):
+        path = urllib.parse.urlsplit(self.path).path
+        if path not in ("/v1/metrics", "/v1/outcome", "/v1/rollback"):
+            return self._error(404, f"no such endpoint {path[:100]}", close=True)
+        if not self._authorized():
+            return self._error(401, "missing or wrong bearer token (see RUN_DIR/monitor/token)", close=True)
+        payload = self._body()
+        if payload is ANSWERED:
+            return
+        try:
+            if path == "/v1/metrics":
+                metrics, session, seq = parse_report(payload)
+                return self._json(200, self.state.handle_metrics(metrics, session, seq))
+            if path == "/v1/outcome":
+                outcome, session, seq = parse_outcome(payload)
+                return self._json(200, self.state.handle_outcome(outcome, session, seq))
+            if not isinstance(payload, dict) or set(payload) - {"reason"}:
+                raise ProtocolError('a rollback request is a JSON object with an optional "reason" (a string)')
+            reason = payload.get("reason", "operator request")
+            if not isinstance(reason, str) or len(reason) > 500:
+                raise ProtocolError('"reason" must be a string of at most 500 characters')
+            refused = self.state.request_rollback(f"operator: {reason}")
+            if refused is not None:
+                return self._error(409, refused)
+            return self._json(202, {"accepted": True, "note": "decided at the next reported step"})
+        except ProtocolError as exc:
+            return self._error(400, str(exc)[:300])
+        except Exception as exc:  # a bug here must not take the connection (or the service) down
+            print(f"monitor: error handling POST {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return self._error(500, f"internal error: {type(exc).__name__}")
+
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+
+    def finish(self):
+        """A lingering close: after the last answer, read (and drop) what the client is still
+        sending, briefly, so closing does not reset the connection under its answer."""
+        super().finish()
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(1.0)
+            drained = 0
+            while drained < 4 * MAX_BODY:
+                chunk = self.connection.recv(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:
             pass
 
-        def _send(self, code: int, body: bytes, content_type: str = "application/json") -> None:
-            try:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                if self.close_connection:
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:  # the client has gone (e.g. it timed out): it sends again
-                self.close_connection = True
 
-        def _json(self, code: int, payload: dict) -> None:
-            self._send(code, json.dumps(strict_json(payload), allow_nan=False).encode())
-
-        def _error(self, code: int, message: str, close: bool = False) -> None:
-            self.close_connection = self.close_connection or close
-            self._json(code, {"error": message})
-
-        def send_error(self, code, message=None, explain=None):
-            """http.server's own refusals (a malformed request line, an unknown method, headers too
-            long): a status line and a one-line JSON error like every other answer."""
-            if self.request_version == "HTTP/0.9":
-                self.request_version = "HTTP/1.0"  # (it answers a request it cannot parse without a status line)
-            self._error(code, message or "bad request", close=True)
-
-        def _authorized(self) -> bool:
-            given = self.headers.get("Authorization", "")
-            return hmac.compare_digest(given.encode(errors="replace"), f"Bearer {token}".encode())
-
-        def do_GET(self):
-            path = urllib.parse.urlsplit(self.path).path
-            try:
-                if path == "/status":
-                    self._json(200, state.status(series="series=1" in self.path))
-                elif path == "/metrics":
-                    self._send(200, generate_latest(state.registry), CONTENT_TYPE_LATEST)
-                elif path == "/":
-                    self._send(200, render_page(state.status(series=True)).encode(), "text/html; charset=utf-8")
-                else:
-                    self._error(404, f"no such endpoint {path[:100]}")
-            except Exception as exc:  # a bug here must not take the connection (or the service) down
-                print(f"monitor: error handling GET {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                self._error(500, f"internal error: {type(exc).__name__}")
-
-        def parse_request(self) -> bool:
-            parsed = super().parse_request()
-            if not parsed and not self.requestline.split():  # http.server drops a blank request line unanswered
-                self.send_error(400, "an empty request line")
-            return parsed
-
-        def _body(self):
-            """The request's JSON body, or ANSWERED after answering why not."""
-            if self.headers.get("Transfer-Encoding"):
-                return self._refuse(411, "send the body with a Content-Length, not chunked", close=True)
-            length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
-                return self._refuse(411 if length is None else 400,
-                                    "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
-            if int(length) > MAX_BODY:
-                return self._refuse(413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True)
-            raw = self.rfile.read(int(length))
-            if len(raw) < int(length):
-                return self._refuse(400, "the body is shorter than its Content-Length", close=True)
-            try:
-                return json.loads(raw or b"{}", parse_constant=_refuse_constant)
-            except (ValueError, RecursionError) as exc:
-                return self._refuse(400, f"the body is not JSON: {str(exc)[:100]}")
-
-        def _refuse(self, code: int, message: str, close: bool = False):
-            self._error(code, message, close)
-            return ANSWERED
-
-        def do_POST(self):
-            path = urllib.parse.urlsplit(self.path).path
-            if path not in ("/v1/metrics", "/v1/outcome", "/v1/rollback"):
-                return self._error(404, f"no such endpoint {path[:100]}", close=True)
-            if not self._authorized():
-                return self._error(401, "missing or wrong bearer token (see RUN_DIR/monitor/token)", close=True)
-            payload = self._body()
-            if payload is ANSWERED:
-                return
-            try:
-                if path == "/v1/metrics":
-                    metrics, session, seq = parse_report(payload)
-                    return self._json(200, state.handle_metrics(metrics, session, seq))
-                if path == "/v1/outcome":
-                    outcome, session, seq = parse_outcome(payload)
-                    return self._json(200, state.handle_outcome(outcome, session, seq))
-                if not isinstance(payload, dict) or set(payload) - {"reason"}:
-                    raise ProtocolError('a rollback request is a JSON object with an optional "reason" (a string)')
-                reason = payload.get("reason", "operator request")
-                if not isinstance(reason, str) or len(reason) > 500:
-                    raise ProtocolError('"reason" must be a string of at most 500 characters')
-                refused = state.request_rollback(f"operator: {reason}")
-                if refused is not None:
-                    return self._error(409, refused)
-                return self._json(202, {"accepted": True, "note": "decided at the next reported step"})
-            except ProtocolError as exc:
-                return self._error(400, str(exc)[:300])
-            except Exception as exc:  # a bug here must not take the connection (or the service) down
-                print(f"monitor: error handling POST {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return self._error(500, f"internal error: {type(exc).__name__}")
-
-        def handle_one_request(self):
-            try:
-                super().handle_one_request()
-            except (TimeoutError, ConnectionError):
-                self.close_connection = True
-
-        def finish(self):
-            """A lingering close: after the last answer, read (and drop) what the client is still
-            sending, briefly, so closing does not reset the connection under its answer."""
-            super().finish()
-            try:
-                self.connection.shutdown(socket.SHUT_WR)
-                self.connection.settimeout(1.0)
-                drained = 0
-                while drained < 4 * MAX_BODY:
-                    chunk = self.connection.recv(65536)
-                    if not chunk:
-                        break
-                    drained += len(chunk)
-            except OSError:
-                pass
-
-    return Handler
+def make_handler(state: MonitorState, token: str) -> type[MonitorHandler]:
+    return type("Handler", (MonitorHandler,), {"state": state, "token": token})
 
 
 def _refuse_constant(name: str):

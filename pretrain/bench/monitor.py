@@ -62,6 +62,48 @@ def _fake_checkpoint(run_dir: Path) -> None:
     checkpoint.mark_complete(directory, {"step": 1})
 
 
+def _measure(run_dir: Path, train_step, pairs: int) -> tuple[list, list, list, str, int]:
+    """Interleaved plain and reported steps, the round trip on its own, and a spike's answer."""
+    reporter = Reporter(run_dir, timeout=5.0)
+    step, plain, reported = 0, [], []
+
+    def report(loss: float, grad_norm: float, step_time: float) -> bool:
+        reporter.report(StepMetrics(step, loss, grad_norm, 1e-4, step_time, step * 2048))
+        return reporter.pending()  # what the loop asks at each step boundary
+
+    for _ in range(3):  # warm-up: allocator, autocast caches, the first connection
+        step += 1
+        report(*train_step(), 0.1)
+    reporter.drain(30)
+    for pair in range(pairs):
+        for with_monitor in (pair % 2 == 0, pair % 2 == 1):  # alternate which goes first
+            step += 1
+            started = time.perf_counter()
+            loss, grad_norm = train_step()
+            if with_monitor:
+                report(loss, grad_norm, time.perf_counter() - started)
+                reported.append(time.perf_counter() - started)
+            else:
+                plain.append(time.perf_counter() - started)
+    reporter.drain(30)
+    round_trips = []
+    client = MonitorClient(run_dir, timeout=5.0)
+    for _ in range(50):  # the answer's round trip, on its own connection
+        step += 1
+        started = time.perf_counter()
+        client.post("/v1/metrics", StepMetrics(step, loss, grad_norm, 1e-4, 0.1, step * 2048).to_json())
+        round_trips.append(time.perf_counter() - started)
+    client.close()
+    _fake_checkpoint(run_dir)
+    step += 1
+    loss, grad_norm = train_step()
+    report(loss, grad_norm * 50, 0.1)
+    reporter.drain(30)
+    action = reporter.take()
+    reporter.close()
+    return plain, reported, round_trips, action.kind if action else "continue", step
+
+
 def run(
     as_json: bool = False, quick: bool = False, d_model: int = 192, n_layers: int = 4, batch_size: int = 2
 ) -> dict:
@@ -89,46 +131,8 @@ def run(
         run_dir = Path(tmp)
         service = _start_service(run_dir)
         try:
-            reporter = Reporter(run_dir, timeout=5.0)
-            step, plain, reported = 0, [], []
-
-            def report(loss: float, grad_norm: float, step_time: float) -> bool:
-                reporter.report(StepMetrics(step, loss, grad_norm, 1e-4, step_time, step * 2048))
-                return reporter.pending()  # what the loop asks at each step boundary
-
-            for _ in range(3):  # warm-up: allocator, autocast caches, the first connection
-                step += 1
-                report(*train_step(), 0.1)
-            reporter.drain(30)
-            for pair in range(pairs):
-                for with_monitor in (pair % 2 == 0, pair % 2 == 1):  # alternate which goes first
-                    step += 1
-                    started = time.perf_counter()
-                    loss, grad_norm = train_step()
-                    if with_monitor:
-                        report(loss, grad_norm, time.perf_counter() - started)
-                        reported.append(time.perf_counter() - started)
-                    else:
-                        plain.append(time.perf_counter() - started)
-            reporter.drain(30)
-            round_trips = []
-            client = MonitorClient(run_dir, timeout=5.0)
-            for _ in range(50):  # the answer's round trip, on its own connection
-                step += 1
-                started = time.perf_counter()
-                client.post("/v1/metrics", StepMetrics(step, loss, grad_norm, 1e-4, 0.1, step * 2048).to_json())
-                round_trips.append(time.perf_counter() - started)
-            client.close()
-            _fake_checkpoint(run_dir)
-            step += 1
-            loss, grad_norm = train_step()
-            report(loss, grad_norm * 50, 0.1)
-            reporter.drain(30)
-            action = reporter.take()
-            spike_answer = action.kind if action else "continue"
-            reporter.close()
-            logged = read_events(run_dir)
-            rollback_steps = [e["step"] for e in logged if e["type"] == "rollback"]
+            plain, reported, round_trips, spike_answer, step = _measure(run_dir, train_step, pairs)
+            rollback_steps = [e["step"] for e in read_events(run_dir) if e["type"] == "rollback"]
         finally:
             service.terminate()
             service.wait(timeout=30)

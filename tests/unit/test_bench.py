@@ -1,6 +1,9 @@
 """The benchmarks' pieces, and their refusals of bad input (in this process): `pretrain bench train`
 (ours vs transformers' Llama in the same DeepSpeed engine) and `pretrain bench ablation`."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +89,33 @@ def test_the_deepspeed_launchers_local_rank_argument_is_accepted(small_preset, c
     for given in (["--local_rank=1"], ["--local_rank", "1"], ["--local-rank=0"]):  # launchers use each form
         result = cli("bench", "train", str(small_preset), *given, "--seq-len", "4096")
         assert_one_line_error(result, "must be in [1, model.max_seq_len=512]")
+
+
+def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path, capsys):
+    """`pretrain bench detection` on two run directories laid out as `pretrain launch` leaves them:
+    a clean one (a recorded real series) and one with injected faults."""
+    from pretrain.bench.detection import run
+
+    runs = json.loads((Path(__file__).parent / "data" / "clean_runs.json").read_text())["runs"]
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    for run_dir, faults in ((clean, {}), (faulty, {"faults.spike_steps": [60], "faults.spike_factor": 3.0,
+                                                    "faults.grad_spike_steps": [90], "faults.grad_spike_factor": 3.0})):
+        run_dir.mkdir()
+        (run_dir / "run.json").write_text(json.dumps({"config": {"monitor.warmup": 32, **faults}}))
+        series = runs["tiny-code"]
+        (run_dir / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "train/loss": loss, "train/grad_norm": grad}) + "\n"
+            for i, (loss, grad) in enumerate(zip(series["loss"], series["grad_norm"], strict=True))))  # fmt: skip
+        events = [{"type": "step", "step": i} for i in range(1, 301)]
+        if faults:
+            events += [{"type": "rollback", "step": 60}, {"type": "warning", "step": 90}]
+            (run_dir / "faults_fired.json").write_text(json.dumps(["spike:60", "grad_spike:90", "kill:5"]))
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    result = run([str(clean), str(faulty)], every=10, as_json=True)
+    summary = result["summary"]
+    assert summary["clean_runs"] == 1 and summary["clean_steps"] == 300
+    assert summary["rollbacks_per_1000_clean_steps"] == 0
+    assert summary["real_faults"] == {"loss x3": {"injected": 1, "rollback": 1, "warn": 0, "missed": 0},
+                                      "grad x3": {"injected": 1, "rollback": 0, "warn": 1, "missed": 0}}  # fmt: skip
+    assert summary["replay"]["nan"]["rollback"] == summary["replay"]["nan"]["trials"] == 26  # steps 41, 51, .. 291
+    assert json.loads(capsys.readouterr().out)["summary"] == summary
