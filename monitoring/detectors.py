@@ -7,13 +7,13 @@ values, once `warmup` values have been seen:
     spread     1.4826 × the median absolute deviation (σ for normal noise), floored at
                `min_rel_std` × level so that a series that has been nearly flat does not turn
                every wiggle into an alarm
-    threshold  level + sigma × spread
+    threshold  level + sigma × spread; for the loss, never above `loss_spike_ratio` × level (early
+               in a run the window still holds the first, much higher losses, and the band is wide)
 
 The findings, from the most to the least severe (each mapped to an action by the policy):
 
 * `nonfinite`: a NaN or ±Inf loss or gradient norm.
-* `loss_spike`: the loss above its threshold, or at least `loss_spike_ratio` times its level (early
-  in a run the window still holds the first, much higher losses, and the band is wide).
+* `loss_spike`: the loss above its threshold.
 * `grad_norm_surge`: the gradient norm above its threshold *and* at least `surge_ratio` times its
   level: an excursion large against the series' own robust level.
 * `divergence`: the loss's moving average has risen for `divergence_steps` steps in a row (a slow
@@ -45,12 +45,16 @@ class Band:
     threshold: float
 
 
-def band(history, sigma: float, min_rel_std: float) -> Band:
-    """level + sigma × max(1.4826·MAD, min_rel_std·|level|) of the history (at least one value)."""
+def band(history, sigma: float, min_rel_std: float, cap_ratio: float | None = None) -> Band:
+    """level + sigma × max(1.4826·MAD, min_rel_std·|level|) of the history (at least one value),
+    and never above cap_ratio × level when a cap is given."""
     level = statistics.median(history)
     mad = statistics.median(abs(x - level) for x in history)
     spread = max(NORMAL_MAD * mad, min_rel_std * abs(level))
-    return Band(level, spread, level + sigma * spread)
+    threshold = level + sigma * spread
+    if cap_ratio is not None:
+        threshold = min(threshold, cap_ratio * level)
+    return Band(level, spread, threshold)
 
 
 @dataclass(frozen=True)
@@ -74,16 +78,16 @@ class Finding:
 class Series:
     """The rolling window of one series."""
 
-    def __init__(self, window: int, warmup: int, sigma: float, min_rel_std: float):
+    def __init__(self, window: int, warmup: int, sigma: float, min_rel_std: float, cap_ratio: float | None = None):
         if warmup < 2 or window < warmup:
             raise ValueError("need 2 <= warmup <= window")
         self.history: deque[float] = deque(maxlen=window)
-        self.warmup, self.sigma, self.min_rel_std = warmup, sigma, min_rel_std
+        self.warmup, self.sigma, self.min_rel_std, self.cap_ratio = warmup, sigma, min_rel_std, cap_ratio
 
     def band(self) -> Band | None:
         if len(self.history) < self.warmup:
             return None
-        return band(self.history, self.sigma, self.min_rel_std)
+        return band(self.history, self.sigma, self.min_rel_std, self.cap_ratio)
 
     def add(self, value: float) -> None:
         if math.isfinite(value):
@@ -113,10 +117,10 @@ class Detector:
 
     def __init__(self, window=128, warmup=32, grad_norm_sigma=6.0, loss_sigma=6.0, min_rel_std=0.02,
                  surge_ratio=8.0, divergence_steps=100, loss_spike_ratio=2.0):  # fmt: skip
-        self.loss = Series(window, warmup, loss_sigma, min_rel_std)
+        self.loss = Series(window, warmup, loss_sigma, min_rel_std, cap_ratio=loss_spike_ratio)
         self.grad_norm = Series(window, warmup, grad_norm_sigma, min_rel_std)
         self.divergence = Divergence(divergence_steps)
-        self.surge_ratio, self.loss_spike_ratio = surge_ratio, loss_spike_ratio
+        self.surge_ratio = surge_ratio
 
     @classmethod
     def of(cls, config) -> Detector:
@@ -133,10 +137,8 @@ class Detector:
             if not math.isfinite(value):
                 found.append(Finding("nonfinite", series, value))
         loss_band, grad_band = self.loss.band(), self.grad_norm.band()
-        if loss_band is not None and math.isfinite(loss):
-            threshold = min(loss_band.threshold, self.loss_spike_ratio * loss_band.level)
-            if loss > threshold:
-                found.append(Finding("loss_spike", "loss", loss, threshold, loss_band.level))
+        if loss_band is not None and math.isfinite(loss) and loss > loss_band.threshold:
+            found.append(Finding("loss_spike", "loss", loss, loss_band.threshold, loss_band.level))
         if grad_band is not None and math.isfinite(grad_norm) and grad_norm > grad_band.threshold:
             surge = grad_norm >= self.surge_ratio * grad_band.level
             found.append(Finding("grad_norm_surge" if surge else "grad_norm_spike", "grad_norm", grad_norm,

@@ -240,7 +240,7 @@ class MonitorState:
                 eta = max(self.total_steps - last.step, 0) * statistics.median(self.step_times)
             out = {
                 "run_dir": str(self.run_dir),
-                "step": last.step if last else None,
+                "step": last.step if last else (self.series[-1]["step"] if self.series else None),
                 "total_steps": self.total_steps,
                 "tokens_per_second": self.tokens_per_second,
                 "eta_seconds": eta,
