@@ -78,7 +78,9 @@ class Finding:
 class Series:
     """The rolling window of one series."""
 
-    def __init__(self, window: int, warmup: int, sigma: float, min_rel_std: float, cap_ratio: float | None = None):
+    def __init__(
+        self, window: int, warmup: int, sigma: float, min_rel_std: float, cap_ratio: float | None = None
+    ):
         if warmup < 2 or window < warmup:
             raise ValueError("need 2 <= warmup <= window")
         self.history: deque[float] = deque(maxlen=window)

@@ -36,7 +36,9 @@ def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) 
     and at the steps rollbacks were decided at."""
     points = [(r["step"], _number(r.get(name))) for r in series]
     values = [v for _, v in points if v is not None]
-    bands = [(r["step"], _number(r.get(f"{name}_level")), _number(r.get(f"{name}_threshold"))) for r in series]
+    bands = [
+        (r["step"], _number(r.get(f"{name}_level")), _number(r.get(f"{name}_threshold"))) for r in series
+    ]
     values += [t for _, _, t in bands if t is not None]
     if not values:
         return f'<figure><figcaption>{html.escape(title)}</figcaption><p class="empty">no values yet</p></figure>'
@@ -68,7 +70,9 @@ def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) 
     for step, cls in marks:
         parts.append(f'<line class="{cls}" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{PAD / 2}" '
                      f'y2="{HEIGHT - PAD / 2}"><title>step {step}: {cls}</title></line>')  # fmt: skip
-    parts.append(f'<text x="2" y="{y(hi) + 4:.0f}">{hi:.4g}</text><text x="2" y="{y(lo):.0f}">{lo:.4g}</text>')
+    parts.append(
+        f'<text x="2" y="{y(hi) + 4:.0f}">{hi:.4g}</text><text x="2" y="{y(lo):.0f}">{lo:.4g}</text>'
+    )
     parts.append(f'<text x="{PAD}" y="{HEIGHT - 2}">step {first}</text>')
     parts.append(f'<text x="{WIDTH - PAD}" y="{HEIGHT - 2}" text-anchor="end">step {last}</text></svg>')
     return f"<figure><figcaption>{html.escape(title)}</figcaption>{''.join(parts)}</figure>"
@@ -79,11 +83,21 @@ def _events(status: dict) -> list[tuple[int, str, str]]:
     for w in status.get("warnings_recent") or []:
         rows.append((w.get("step") or 0, "warning", w.get("reason") or ""))
     for d in status.get("rollbacks_decided") or []:
-        rows.append((d["step"], "rollback decided", f"{d.get('reason')} → {d.get('target')} (decision {d.get('decision')})"))
+        rows.append(
+            (
+                d["step"],
+                "rollback decided",
+                f"{d.get('reason')} → {d.get('target')} (decision {d.get('decision')})",
+            )
+        )
     for a in status.get("rollbacks") or []:
-        rows.append((a.get("applied_at") or 0, "rollback applied", f"decision {a.get('decision')} → {a.get('tag')}"))
+        rows.append(
+            (a.get("applied_at") or 0, "rollback applied", f"decision {a.get('decision')} → {a.get('tag')}")
+        )
     for c in status.get("rollbacks_cancelled") or []:
-        rows.append((c.get("step") or 0, "rollback cancelled", f"decision {c.get('decision')}: {c.get('reason')}"))
+        rows.append(
+            (c.get("step") or 0, "rollback cancelled", f"decision {c.get('decision')}: {c.get('reason')}")
+        )
     for r in status.get("restarts") or []:
         rows.append((r.get("step") or 0, "restart", str(r.get("reason", ""))))
     return sorted(rows, key=lambda row: row[0], reverse=True)[:50]
@@ -113,10 +127,13 @@ def render_page(status: dict) -> str:
     step, total = status.get("step"), status.get("total_steps")
     done = 100 * step / total if step is not None and total else 0
     tps = status.get("tokens_per_second")
-    rows = "".join(
-        f"<tr><td>{s}</td><td>{html.escape(kind)}</td><td>{html.escape(text)}</td></tr>"
-        for s, kind, text in _events(status)
-    ) or '<tr><td colspan="3" class="empty">no warnings or rollbacks</td></tr>'
+    rows = (
+        "".join(
+            f"<tr><td>{s}</td><td>{html.escape(kind)}</td><td>{html.escape(text)}</td></tr>"
+            for s, kind, text in _events(status)
+        )
+        or '<tr><td colspan="3" class="empty">no warnings or rollbacks</td></tr>'
+    )
     pending = status.get("rollback_pending")
     facts = [
         ("step", f"{step if step is not None else '–'} / {total or '?'}"),
@@ -124,16 +141,23 @@ def render_page(status: dict) -> str:
         ("ETA", _duration(status.get("eta_seconds"))),
         ("warnings", str(status.get("warnings", 0))),
         ("rollbacks applied", str(len(status.get("rollbacks") or []))),
-        ("rollback pending", f"decision {pending['decision']} (step {pending['step']})" if pending else "none"),
+        (
+            "rollback pending",
+            f"decision {pending['decision']} (step {pending['step']})" if pending else "none",
+        ),
         ("checkpoint pinned", status.get("pinned") or "none"),
     ]
-    breaker = '<p class="tripped">circuit breaker tripped: the job was stopped</p>' if status.get("circuit_breaker") else ""
+    breaker = (
+        '<p class="tripped">circuit breaker tripped: the job was stopped</p>'
+        if status.get("circuit_breaker")
+        else ""
+    )
     series = status.get("series") or []
     rollbacks = [d["step"] for d in status.get("rollbacks_decided") or []]
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
-<title>monitor: step {step if step is not None else '–'}</title><style>{STYLE}</style></head>
+<title>monitor: step {step if step is not None else "–"}</title><style>{STYLE}</style></head>
 <body>
 <h1>Training monitor</h1>
 <p class="sub">{html.escape(str(status.get("run_dir", "")))} · updated {now}</p>

@@ -106,7 +106,9 @@ class Policy:
         """One step's metrics in, in the order the trainer ran them; the verdict out."""
         self.last = metrics
         if self.tripped:
-            return self._remember(metrics, Verdict(Action("stop", reason="circuit breaker tripped earlier"), "stop"))
+            return self._remember(
+                metrics, Verdict(Action("stop", reason="circuit breaker tripped earlier"), "stop")
+            )
         cancelled = None
         if self.pending is not None:
             if metrics.step > self.pending.step:
@@ -146,7 +148,12 @@ class Policy:
             # Nothing to go back to yet (a NaN step was skipped by the trainer all the same).
             if finding.kind != "nonfinite":
                 self.tainted_from = step if self.tainted_from is None else min(self.tainted_from, step)
-            return Verdict(CONTINUE, "rollback", findings, note=f"no checkpoint before step {step}: nothing to roll back to")
+            return Verdict(
+                CONTINUE,
+                "rollback",
+                findings,
+                note=f"no checkpoint before step {step}: nothing to roll back to",
+            )
         previous = self.decisions[-1].step if self.decisions else None
         self.stuck = self.stuck + 1 if previous is not None and step <= previous else 1
         if self.stuck > self.config.max_rollbacks:
@@ -181,7 +188,11 @@ class Policy:
             self.pending = None
         if outcome.applied:
             self.applied.append(record)
-            if self.tainted_from is not None and outcome.tag and checkpoint.step_of(outcome.tag) < self.tainted_from:
+            if (
+                self.tainted_from is not None
+                and outcome.tag
+                and checkpoint.step_of(outcome.tag) < self.tainted_from
+            ):
                 self.tainted_from = None  # the weights are from before it again
         else:
             self.cancelled.append(record)
@@ -259,7 +270,9 @@ class Policy:
         last one, an unresolved decision is pending again, and the bands start from the last
         judged values instead of an empty window (no warm-up, no false alarm after a restart).
         Returns the judged steps with the bands they had, for the charts."""
-        resolved = {e.get("decision") for e in events if e.get("type") in ("rollback_applied", "rollback_cancelled")}
+        resolved = {
+            e.get("decision") for e in events if e.get("type") in ("rollback_applied", "rollback_cancelled")
+        }
         judged = []
         for e in events:
             if e.get("type") == "step":
@@ -268,7 +281,9 @@ class Policy:
                                "level": e.get("level", "ok"), **{f"{k}_{part}": getattr(b, part) for k, b in
                                                                   bands.items() for part in ("level", "threshold")}})  # fmt: skip
             if e.get("type") == "step" and e.get("level", "ok") in ("ok", "warmup", "warn"):
-                loss, grad_norm = (float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm"))
+                loss, grad_norm = (
+                    float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm")
+                )
                 self.detector.admit(loss, grad_norm)
             elif e.get("type") == "warning":
                 self.warnings += 1

@@ -140,7 +140,9 @@ class StepMetrics:
             for k, v in layers.items()
         }
         total = payload.get("total_steps")
-        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or not 0 <= total < MAX_INT):
+        if total is not None and (
+            isinstance(total, bool) or not isinstance(total, int) or not 0 <= total < MAX_INT
+        ):
             raise ProtocolError(f"'total_steps' must be an integer in [0, 2^53), got {total!r}")
         return cls(
             total_steps=total,

@@ -93,11 +93,15 @@ class MonitorState:
         self.g_lr = Gauge("pretrain_lr", "last reported learning rate", registry=r)
         self.g_tps = Gauge("pretrain_tokens_per_second", "tokens per second, all ranks", registry=r)
         self.g_band = Gauge("pretrain_spike_threshold", "detector threshold", ["series"], registry=r)
-        self.c_findings = Counter("pretrain_anomalies", "findings of the detector", ["series", "rule"], registry=r)
+        self.c_findings = Counter(
+            "pretrain_anomalies", "findings of the detector", ["series", "rule"], registry=r
+        )
         self.c_warnings = Counter("pretrain_warnings", "steps that warned", registry=r)
         self.c_decided = Counter("pretrain_rollbacks_decided", "rollbacks decided", registry=r)
         self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks applied by the trainer", registry=r)
-        self.c_cancelled = Counter("pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r)
+        self.c_cancelled = Counter(
+            "pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r
+        )
         self.c_restarts = Counter("pretrain_restarts", "restarts of a crashed or hung job", registry=r)
         self.restarts: list[dict] = []
         self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
@@ -145,7 +149,9 @@ class MonitorState:
         self.sender = (session, seq)
         return None
 
-    def handle_metrics(self, metrics: StepMetrics, session: str | None = None, seq: int | None = None) -> dict:
+    def handle_metrics(
+        self, metrics: StepMetrics, session: str | None = None, seq: int | None = None
+    ) -> dict:
         with self.lock:
             repeated = self._repeated(session, seq)
             if repeated is not None:
@@ -187,12 +193,20 @@ class MonitorState:
         elif verdict.level == "stop" and verdict.findings:
             self._append({"type": "circuit_breaker", "step": metrics.step, "reason": verdict.action.reason})
         self.g_step.set(metrics.step)
-        for gauge, value in ((self.g_loss, metrics.loss), (self.g_grad, metrics.grad_norm), (self.g_lr, metrics.lr)):
+        for gauge, value in (
+            (self.g_loss, metrics.loss),
+            (self.g_grad, metrics.grad_norm),
+            (self.g_lr, metrics.lr),
+        ):
             gauge.set(value)
         previous = self.policy.recent[-2] if len(self.policy.recent) > 1 else None
         if metrics.step_time > 0:
             self.step_times.append(metrics.step_time)
-            if previous is not None and previous.get("tokens") is not None and metrics.tokens > previous["tokens"]:
+            if (
+                previous is not None
+                and previous.get("tokens") is not None
+                and metrics.tokens > previous["tokens"]
+            ):
                 self.tokens_per_second = (metrics.tokens - previous["tokens"]) / metrics.step_time
                 self.g_tps.set(self.tokens_per_second)
         self.policy.recent[-1]["tokens"] = metrics.tokens
@@ -227,7 +241,9 @@ class MonitorState:
 
     def bands(self) -> dict:
         return {
-            series: None if band is None else {"level": band.level, "spread": band.spread, "threshold": band.threshold}
+            series: None
+            if band is None
+            else {"level": band.level, "spread": band.spread, "threshold": band.threshold}
             for series, band in self.policy.detector.bands().items()
         }
 
@@ -327,7 +343,9 @@ class MonitorHandler(BaseHTTPRequestHandler):
             elif path == "/metrics":
                 self._send(200, generate_latest(self.state.registry), CONTENT_TYPE_LATEST)
             elif path == "/":
-                self._send(200, render_page(self.state.status(series=True)).encode(), "text/html; charset=utf-8")
+                self._send(
+                    200, render_page(self.state.status(series=True)).encode(), "text/html; charset=utf-8"
+                )
             else:
                 self._error(404, f"no such endpoint {path[:100]}")
         except Exception as exc:  # a bug here must not take the connection (or the service) down
@@ -349,7 +367,9 @@ class MonitorHandler(BaseHTTPRequestHandler):
             return self._refuse(411 if length is None else 400,
                                 "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
         if int(length) > MAX_BODY:
-            return self._refuse(413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True)
+            return self._refuse(
+                413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True
+            )
         raw = self.rfile.read(int(length))
         if len(raw) < int(length):
             return self._refuse(400, "the body is shorter than its Content-Length", close=True)
@@ -379,7 +399,9 @@ class MonitorHandler(BaseHTTPRequestHandler):
                 outcome, session, seq = parse_outcome(payload)
                 return self._json(200, self.state.handle_outcome(outcome, session, seq))
             if not isinstance(payload, dict) or set(payload) - {"reason"}:
-                raise ProtocolError('a rollback request is a JSON object with an optional "reason" (a string)')
+                raise ProtocolError(
+                    'a rollback request is a JSON object with an optional "reason" (a string)'
+                )
             reason = payload.get("reason", "operator request")
             if not isinstance(reason, str) or len(reason) > 500:
                 raise ProtocolError('"reason" must be a string of at most 500 characters')
@@ -421,7 +443,7 @@ def make_handler(state: MonitorState, token: str) -> type[MonitorHandler]:
 
 
 def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not JSON (send a non-finite loss as the string \"nan\" or \"inf\")")
+    raise ValueError(f'{name} is not JSON (send a non-finite loss as the string "nan" or "inf")')
 
 
 def serve(

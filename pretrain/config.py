@@ -275,7 +275,9 @@ class MonitorConfig:
     warmup: int = 32  # values seen before spikes are judged
     grad_norm_sigma: float = 6.0  # band: threshold = median + sigma × 1.4826·MAD of the window
     loss_sigma: float = 6.0  # the same for the loss
-    min_rel_std: float = 0.02  # floor for the spread, relative to the median (a flat series is not all alarms)
+    min_rel_std: float = (
+        0.02  # floor for the spread, relative to the median (a flat series is not all alarms)
+    )
     grad_norm_surge_ratio: float = 8.0  # above its threshold and this many times its median: a surge
     loss_spike_ratio: float = 2.0  # a loss this many times its median is a spike, however wide the band
     divergence_steps: int = 100  # loss moving average rising this many steps in a row; 0 disables

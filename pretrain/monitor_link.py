@@ -185,7 +185,11 @@ class Reporter:
             try:
                 answer = self.client.post(path, payload)
             except Refused as exc:
-                print(f"warning: the monitor refused a report ({exc}); it is dropped", file=sys.stderr, flush=True)
+                print(
+                    f"warning: the monitor refused a report ({exc}); it is dropped",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 answer = None
             except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
                 self._unreachable(step, exc)
@@ -207,16 +211,21 @@ class Reporter:
 
     def _take_answer(self, answer: dict) -> None:
         try:
-            action = Action.from_json({k: v for k, v in answer.items() if k not in ("bands", "verdict", "judged")})
+            action = Action.from_json(
+                {k: v for k, v in answer.items() if k not in ("bands", "verdict", "judged")}
+            )
         except (ProtocolError, TypeError) as exc:
             print(f"warning: the monitor answered {answer!r:.200}: {exc}", file=sys.stderr, flush=True)
             return
         self._answers.append(answer)
         if action.kind == "stop":
             self._action = action
-        elif action.kind == "rollback" and (action.decision or 0) > self._resolved:
-            if self._action is None or self._action.kind != "stop":
-                self._action = action
+        elif (
+            action.kind == "rollback"
+            and (action.decision or 0) > self._resolved
+            and (self._action is None or self._action.kind != "stop")
+        ):
+            self._action = action  # (answers to reports sent before it was applied repeat it)
 
     def _unreachable(self, step: int | None, exc: Exception) -> None:
         if self.unreachable_since is None:
@@ -250,7 +259,9 @@ def broadcast_action(action: Action | None, device) -> Action:
 class MonitorLink:
     """Every rank holds one; rank 0's also holds the reporter."""
 
-    def __init__(self, run_dir: str | Path, timeout: float, env: DistEnv, device, total_steps: int | None = None):
+    def __init__(
+        self, run_dir: str | Path, timeout: float, env: DistEnv, device, total_steps: int | None = None
+    ):
         self.reporter = Reporter(run_dir, timeout) if env.is_main else None
         self.total_steps = total_steps
         self.timeout = timeout
@@ -262,7 +273,11 @@ class MonitorLink:
         if self.reporter is None:
             return
         grad_norm = metrics["train/grad_norm"]
-        layers = {k.removeprefix("train/grad_norm/"): v for k, v in metrics.items() if k.startswith("train/grad_norm/")}
+        layers = {
+            k.removeprefix("train/grad_norm/"): v
+            for k, v in metrics.items()
+            if k.startswith("train/grad_norm/")
+        }
         self.reporter.report(StepMetrics(step, metrics["train/loss"], grad_norm if grad_norm is not None else float("nan"),
                                          metrics["train/lr"], metrics["train/step_time"], tokens, layers,
                                          self.total_steps))  # fmt: skip

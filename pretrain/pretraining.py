@@ -183,7 +183,9 @@ def build_trainer(
         task.load_state_dict(resume.data)
     writer = MetricsWriter(run_dir, cfg.train.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
     monitor = (
-        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps) if cfg.monitor.enabled else None
+        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
+        if cfg.monitor.enabled
+        else None
     )
     if monitor is not None:
         writer.band_layout()

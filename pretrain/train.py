@@ -183,7 +183,9 @@ class Trainer:
 
     # --------------------------------------------------------------------------- step boundary
 
-    def optimizer_step(self, step: int, stop: StopRequest) -> tuple[dict[str, float | None], list, bool, bool]:
+    def optimizer_step(
+        self, step: int, stop: StopRequest
+    ) -> tuple[dict[str, float | None], list, bool, bool]:
         """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping."""
         started = time.perf_counter()
         lr = self.lr_at(step) * self.state.lr_scale

@@ -81,7 +81,7 @@ def corpora(args) -> None:
         if not text.exists():
             size = _write_jsonl(text, sources[kind], int(args.max_mb * 2**20))
             print(f"{kind}: {size / 2**20:.1f} MiB of text -> {text}", flush=True)
-        for config, (_, vocab) in CONFIGS.items():
+        for _, vocab in CONFIGS.values():
             prepare_corpus(str(text), out / "corpora" / f"{kind}-{vocab}", vocab_size=vocab)
 
 
@@ -119,7 +119,9 @@ def faults(args) -> None:
     cases.append(("nan", [f"faults.nan_steps={at}"]))
     for label, overrides in cases:
         name = f"fault-{args.config}-{args.kind}-{label}"
-        code = _launch(out, name, args.config, args.kind, [f"train.steps={args.steps}", *overrides, *args.overrides])
+        code = _launch(
+            out, name, args.config, args.kind, [f"train.steps={args.steps}", *overrides, *args.overrides]
+        )
         print(f"{name}: exit {code}", flush=True)
 
 
@@ -144,7 +146,7 @@ def overhead(args) -> None:
               "eval.every=0", f"checkpoint.every={args.steps}"]  # fmt: skip
     medians = {"with": [], "without": []}
     for pair in range(args.pairs):
-        for kind in (("with", "without") if pair % 2 == 0 else ("without", "with")):
+        for kind in ("with", "without") if pair % 2 == 0 else ("without", "with"):
             run_dir = out / "runs" / f"overhead-{kind}-{pair}"
             if kind == "with":
                 command = [sys.executable, "-m", "pretrain", "launch", "--config", str(REPO / path)]
@@ -156,7 +158,9 @@ def overhead(args) -> None:
                 subprocess.check_call([*command, f"run.dir={run_dir}", *common], stdout=log, stderr=subprocess.STDOUT,
                                       cwd=REPO)  # fmt: skip
             medians[kind].append(statistics.median(_step_times(run_dir)))
-            print(f"{kind} the monitor, pair {pair}: median step {1e3 * medians[kind][-1]:.1f} ms", flush=True)
+            print(
+                f"{kind} the monitor, pair {pair}: median step {1e3 * medians[kind][-1]:.1f} ms", flush=True
+            )
     ratios = [w / wo for w, wo in zip(medians["with"], medians["without"], strict=True)]
     result = {"config": args.config, "steps": args.steps, "pairs": args.pairs,
               "median_step_ms_with": [1e3 * m for m in medians["with"]],
@@ -166,7 +170,9 @@ def overhead(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="stage", required=True)
     c = sub.add_parser("corpora")
     c.add_argument("--prose", required=True, help="a plain-text file of prose")

@@ -6,7 +6,7 @@ scripts/monitor_calibration.py), two kinds of figures:
 * **What the monitor did**, from RUN_DIR/events.jsonl: steps judged, warnings and rollbacks
   decided. For a clean run (no `faults.*` in run.json) these are false alarms, reported per
   1,000 steps. For a run with injected faults: whether each injected step (RUN_DIR/faults_fired.json)
-  was rolled back, warned about, or missed.
+  was rolled back, warned about, or not flagged.
 * **Replay** of the same policy, with the monitor settings the run had (`--defaults`: the
   default settings), on each clean run's
   recorded series (RUN_DIR/metrics.jsonl, the values the monitor judged): at every
@@ -73,7 +73,13 @@ def replay(series: list[tuple[float, float]], config: MonitorConfig, every: int)
                 response = _response(config, trial, loss * loss_factor, grad_norm * grad_factor)
                 bucket = counts.setdefault(name, {"trials": 0, "rollback": 0, "warn": 0, "none": 0})
                 bucket["trials"] += 1
-                bucket["rollback" if response in ("rollback", "stop") else response if response == "warn" else "none"] += 1
+                bucket[
+                    "rollback"
+                    if response in ("rollback", "stop")
+                    else response
+                    if response == "warn"
+                    else "none"
+                ] += 1
         response = _response(config, detector, loss, grad_norm)
         if response in clean:
             clean[response] += 1
@@ -97,7 +103,9 @@ def _observed(run_dir: Path) -> dict:
             kind, _, step = fault.partition(":")
             step = int(step)
             if kind in ("spike", "grad_spike", "nan"):
-                out["faults"][fault] = "rollback" if step in decided else "warn" if step in warned else "missed"
+                out["faults"][fault] = (
+                    "rollback" if step in decided else "warn" if step in warned else "not_flagged"
+                )
     return out
 
 
@@ -132,7 +140,9 @@ def summarize(result: dict) -> dict:
         "clean_runs": len(clean),
         "clean_steps": steps,
         "warnings_per_1000_clean_steps": 1000 * sum(r["warnings"] for r in clean) / steps if steps else None,
-        "rollbacks_per_1000_clean_steps": 1000 * sum(r["rollbacks"] for r in clean) / steps if steps else None,
+        "rollbacks_per_1000_clean_steps": 1000 * sum(r["rollbacks"] for r in clean) / steps
+        if steps
+        else None,
     }
     injected: dict[str, dict[str, int]] = {}
     for rep in result["replay"].values():
@@ -149,7 +159,7 @@ def summarize(result: dict) -> dict:
             kind = fault.partition(":")[0]
             factor = (run.get("fault_factors") or {}).get(kind)
             label = "nan" if kind == "nan" else f"{'loss' if kind == 'spike' else 'grad'} x{factor:g}"
-            bucket = real.setdefault(label, {"injected": 0, "rollback": 0, "warn": 0, "missed": 0})
+            bucket = real.setdefault(label, {"injected": 0, "rollback": 0, "warn": 0, "not_flagged": 0})
             bucket["injected"] += 1
             bucket[outcome] += 1
     summary["real_faults"] = real
@@ -167,13 +177,17 @@ def print_table(result: dict) -> None:
               f"{s['warnings_per_1000_clean_steps']:.2f} warnings and "
               f"{s['rollbacks_per_1000_clean_steps']:.2f} rollbacks per 1,000 steps")  # fmt: skip
     if s["real_faults"]:
-        print("injected faults in real runs (rolled back / warned / missed):")
+        print("injected faults in real runs:")
         for label, b in sorted(s["real_faults"].items()):
-            print(f"  {label:<10} {b['rollback']}/{b['injected']} rolled back, {b['warn']} warned, {b['missed']} missed")
+            print(
+                f"  {label:<10} {b['rollback']}/{b['injected']} rolled back, {b['warn']} warned, {b['not_flagged']} not flagged"
+            )
     if s["replay"]:
         clean = s["replay_clean"]
-        print(f"replay of the clean series with these settings: {clean['warn']} warnings, "
-              f"{clean['rollback'] + clean['stop']} rollbacks in {s['clean_steps']} steps")
+        print(
+            f"replay of the clean series with these settings: {clean['warn']} warnings, "
+            f"{clean['rollback'] + clean['stop']} rollbacks in {s['clean_steps']} steps"
+        )
         print("replay on the clean runs' recorded series (share of injected steps):")
         print(f"  {'fault':<10} {'trials':>7} {'rollback':>9} {'warn':>7} {'none':>7}")
         for label, b in s["replay"].items():

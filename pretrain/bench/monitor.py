@@ -169,6 +169,8 @@ def run(
         f"{result['report_round_trip_ms_max']:.2f} ms max "
         f"({result['report_share_of_step_pct']:.2f} % of a step)"
     )
-    print(f"  spike reported at step {step}: answered '{spike_answer}' for that same step; rollback events "
-          f"at steps {rollback_steps}")
+    print(
+        f"  spike reported at step {step}: answered '{spike_answer}' for that same step; rollback events "
+        f"at steps {rollback_steps}"
+    )
     return result

@@ -75,8 +75,12 @@ def register(sub) -> None:
         "detection",
         help="the monitor's warnings and rollbacks on real runs, and its detection of injected faults",
     )
-    detection.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `pretrain launch`")
-    detection.add_argument("--every", type=int, default=5, help="replay: inject at every N-th step (default 5)")
+    detection.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `pretrain launch`"
+    )
+    detection.add_argument(
+        "--every", type=int, default=5, help="replay: inject at every N-th step (default 5)"
+    )
     detection.add_argument("--defaults", action="store_true",
                            help="replay with the default monitor settings instead of each run's")  # fmt: skip
     detection.add_argument("--json", action="store_true", help="print one JSON object")

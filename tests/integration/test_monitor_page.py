@@ -1,9 +1,9 @@
 """The monitor's page (`GET /`), rendered by a real headless browser (Debian's `chromium`)."""
 
 import json
-import re
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -38,12 +38,21 @@ def test_the_page_shows_progress_bands_and_events_in_a_browser(tmp_path):
         outcome = {"decision": 1, "decided_at": 55, "applied": True, "applied_at": 60, "tag": "step_00000040"}
         assert request(url, "/v1/outcome", outcome, token)[0] == 200
         for step in range(41, 50):
-            request(url, "/v1/metrics", metrics(step, loss=4.0 - 0.01 * step).to_json() | {"total_steps": 200}, token)
+            request(
+                url,
+                "/v1/metrics",
+                metrics(step, loss=4.0 - 0.01 * step).to_json() | {"total_steps": 200},
+                token,
+            )
         code, page = request(url, "/")
-        assert code == 200 and "<script" not in page and not re.search(r'(src|href)="(?!/)', page)  # self-contained
+        assert (
+            code == 200 and "<script" not in page and not re.search(r'(src|href)="(?!/)', page)
+        )  # self-contained
         dom = browser("--dump-dom", url + "/").stdout
         assert "Training monitor" in dom and "49 / 200" in dom
-        assert dom.count("<svg") == 2 and dom.count('class="rollback"') == 2 and dom.count('class="warn"') == 2
+        assert (
+            dom.count("<svg") == 2 and dom.count('class="rollback"') == 2 and dom.count('class="warn"') == 2
+        )
         assert "rollback applied" in dom and "decision 1 → step_00000040" in dom and "grad_norm spike" in dom
         screenshot = tmp_path / "page.png"
         browser(f"--screenshot={screenshot}", "--window-size=760,1150", "--hide-scrollbars", url + "/")

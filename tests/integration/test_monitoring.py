@@ -104,7 +104,9 @@ def test_service_orders_rollbacks_and_reports_them(service):
     # An operator's rollback, decided at the next report.
     assert request(url, "/v1/rollback", {"reason": "operator says so"}, token)[0] == 202
     manual = json.loads(request(url, "/v1/metrics", metrics(7).to_json(), token)[1])
-    assert manual["action"] == "rollback" and "operator says so" in manual["reason"] and manual["decision"] == 2
+    assert (
+        manual["action"] == "rollback" and "operator says so" in manual["reason"] and manual["decision"] == 2
+    )
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["type"] == "step"] == [*range(1, 12), 7]
     events = [e for e in events if e["type"] != "step"]
@@ -133,7 +135,11 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes(service, train_data):
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     ordered = [(e["step"], e["target"]) for e in events if e["type"] == "rollback"]
     assert ordered == [(10, "step_00000008"), (15, "step_00000012")]
-    assert all(e["finding"] == "loss_spike" and e["value"] > e["threshold"] for e in events if e["type"] == "rollback")
+    assert all(
+        e["finding"] == "loss_spike" and e["value"] > e["threshold"]
+        for e in events
+        if e["type"] == "rollback"
+    )
     applied = [e for e in events if e["type"] == "rollback_applied"]
     assert [e["step"] for e in applied] == [8, 12] and all(e["matches_checkpoint"] for e in applied)
     assert [e["decided_at"] for e in applied] == [10, 15]
@@ -243,9 +249,13 @@ def test_a_stalled_service_loses_no_rollback_and_never_targets_the_spike(service
     assert applied["applied_at"] >= 22 and all(int(t.split("_")[1]) > 20 for t in applied["abandoned"])
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["completed"] and summary["step"] == 40 and summary["rollbacks"] == 1
-    assert all(step_metrics(run_dir)[s]["train/loss"] < 10 for s in range(1, 41))  # the timeline kept is clean
+    assert all(
+        step_metrics(run_dir)[s]["train/loss"] < 10 for s in range(1, 41)
+    )  # the timeline kept is clean
     status = json.loads(request(service[0], "/status")[1])
-    assert [r["decision"] for r in status["rollbacks"]] == [spike["decision"]] and status["rollback_pending"] is None
+    assert [r["decision"] for r in status["rollbacks"]] == [spike["decision"]] and status[
+        "rollback_pending"
+    ] is None
 
 
 # ------------------------------------------------------------------------------------ the fuzzer
@@ -271,15 +281,30 @@ def _fuzz_requests(token: str, n: int, seed: int = 0) -> list[bytes]:
         return json.dumps(body).encode()
 
     def bodies():
-        yield rng.choice([b"[]", b'"text"', b"42", b"null", b"{", b'{"step": NaN}', b'{"lr": Infinity}',
-                          b"[" * 5000 + b"]" * 5000, bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))])
+        yield rng.choice(
+            [
+                b"[]",
+                b'"text"',
+                b"42",
+                b"null",
+                b"{",
+                b'{"step": NaN}',
+                b'{"lr": Infinity}',
+                b"[" * 5000 + b"]" * 5000,
+                bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))),
+            ]
+        )
         yield metrics_body()
         yield json.dumps({"reason": rng.choice(values), "extra": 1}).encode()
-        yield json.dumps({"decision": rng.choice(values), "decided_at": 1, "applied": "yes", "applied_at": 1}).encode()
+        yield json.dumps(
+            {"decision": rng.choice(values), "decided_at": 1, "applied": "yes", "applied_at": 1}
+        ).encode()
 
     requests = []
     for _ in range(n):
-        path = rng.choice(["/v1/metrics", "/v1/rollback", "/v1/outcome", "/v1/nothing", "/status?x=1", "/../etc"])
+        path = rng.choice(
+            ["/v1/metrics", "/v1/rollback", "/v1/outcome", "/v1/nothing", "/status?x=1", "/../etc"]
+        )
         body = rng.choice(list(bodies()))
         kind = rng.randrange(10)
         if kind == 0:  # garbage instead of a request line
@@ -289,22 +314,32 @@ def _fuzz_requests(token: str, n: int, seed: int = 0) -> list[bytes]:
             header = f"Content-Length: {length}\r\n" if length is not None else ""
             requests.append(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}{header}\r\n".encode() + body)
         elif kind == 2:  # over the size limit
-            requests.append(f"POST /v1/metrics HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 70000\r\n\r\n".encode()
-                            + b" " * 70000)
+            requests.append(
+                f"POST /v1/metrics HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 70000\r\n\r\n".encode()
+                + b" " * 70000
+            )
         elif kind == 3:  # chunked
-            requests.append(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n".encode()
-                            + b"5\r\nhello\r\n0\r\n\r\n")
+            requests.append(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n".encode()
+                + b"5\r\nhello\r\n0\r\n\r\n"
+            )
         elif kind == 4:  # other methods
             method = rng.choice(["PUT", "DELETE", "PATCH", "FOO"])
             requests.append(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
         elif kind == 5:  # no token, or a wrong one, on a body that would be valid
             valid = json.dumps({"reason": "fuzz"}).encode()
             header = rng.choice(["", "Authorization: Bearer wrong\r\n", "Authorization: \xff\r\n"])
-            requests.append(f"POST /v1/rollback HTTP/1.1\r\nHost: x\r\n{header}Content-Length: {len(valid)}\r\n\r\n"
-                            .encode("latin-1") + valid)
+            requests.append(
+                f"POST /v1/rollback HTTP/1.1\r\nHost: x\r\n{header}Content-Length: {len(valid)}\r\n\r\n".encode(
+                    "latin-1"
+                )
+                + valid
+            )
         else:  # a well-formed request with the token and a body that is not a valid message
-            requests.append(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode()
-                            + body)
+            requests.append(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
     return requests
 
 

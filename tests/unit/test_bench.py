@@ -98,8 +98,18 @@ def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path
 
     runs = json.loads((Path(__file__).parent / "data" / "clean_runs.json").read_text())["runs"]
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    for run_dir, faults in ((clean, {}), (faulty, {"faults.spike_steps": [60], "faults.spike_factor": 3.0,
-                                                    "faults.grad_spike_steps": [90], "faults.grad_spike_factor": 3.0})):
+    for run_dir, faults in (
+        (clean, {}),
+        (
+            faulty,
+            {
+                "faults.spike_steps": [60],
+                "faults.spike_factor": 3.0,
+                "faults.grad_spike_steps": [90],
+                "faults.grad_spike_factor": 3.0,
+            },
+        ),
+    ):
         run_dir.mkdir()
         (run_dir / "run.json").write_text(json.dumps({"config": {"monitor.warmup": 32, **faults}}))
         series = runs["tiny-code"]
@@ -115,7 +125,9 @@ def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path
     summary = result["summary"]
     assert summary["clean_runs"] == 1 and summary["clean_steps"] == 300
     assert summary["rollbacks_per_1000_clean_steps"] == 0
-    assert summary["real_faults"] == {"loss x3": {"injected": 1, "rollback": 1, "warn": 0, "missed": 0},
-                                      "grad x3": {"injected": 1, "rollback": 0, "warn": 1, "missed": 0}}  # fmt: skip
-    assert summary["replay"]["nan"]["rollback"] == summary["replay"]["nan"]["trials"] == 26  # steps 41, 51, .. 291
+    assert summary["real_faults"] == {"loss x3": {"injected": 1, "rollback": 1, "warn": 0, "not_flagged": 0},
+                                      "grad x3": {"injected": 1, "rollback": 0, "warn": 1, "not_flagged": 0}}  # fmt: skip
+    assert (
+        summary["replay"]["nan"]["rollback"] == summary["replay"]["nan"]["trials"] == 26
+    )  # steps 41, 51, .. 291
     assert json.loads(capsys.readouterr().out)["summary"] == summary

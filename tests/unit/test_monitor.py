@@ -24,7 +24,11 @@ def clean_run(steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def test_band_is_median_plus_sigma_robust_spreads():
     b = band([1.0, 2.0, 3.0, 100.0], sigma=2, min_rel_std=0)
     # median 2.5; absolute deviations 1.5, 0.5, 0.5, 97.5 → MAD 1.0; the outlier moves neither much
-    assert b.level == 2.5 and b.spread == pytest.approx(1.4826) and b.threshold == pytest.approx(2.5 + 2 * 1.4826)
+    assert (
+        b.level == 2.5
+        and b.spread == pytest.approx(1.4826)
+        and b.threshold == pytest.approx(2.5 + 2 * 1.4826)
+    )
     assert band([5.0, 5.0], sigma=6, min_rel_std=0.02).threshold == pytest.approx(5.0 + 6 * 0.1)
 
 
@@ -94,7 +98,9 @@ def test_a_decision_stays_pending_until_its_outcome_and_is_repeated_meanwhile(tm
     for step in range(1, 8):
         assert policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3))).level in ("ok", "warmup")
     decided = policy.observe(metrics(8, grad=80.0))
-    assert decided.level == "rollback" and decided.action.tag == "step_00000005" and decided.action.decision == 1
+    assert (
+        decided.level == "rollback" and decided.action.tag == "step_00000005" and decided.action.decision == 1
+    )
     # The trainer ran steps 9 and 10 before the answer arrived: not judged, the decision repeated.
     for step in (9, 10):
         later = policy.observe(metrics(step, grad=500.0))
@@ -121,7 +127,11 @@ def test_a_step_that_could_not_be_rolled_back_taints_the_checkpoints_after_it(tm
     for step in range(1, 8):
         policy.observe(metrics(step))
     unresolved = policy.observe(metrics(8, loss=30.0))  # no checkpoint yet
-    assert unresolved.level == "rollback" and unresolved.action.kind == "continue" and "nothing to roll back" in unresolved.note
+    assert (
+        unresolved.level == "rollback"
+        and unresolved.action.kind == "continue"
+        and "nothing to roll back" in unresolved.note
+    )
     fake_checkpoint(tmp_path, 10)  # saved with step 8's update in it
     for step in range(9, 13):
         policy.observe(metrics(step))
@@ -139,7 +149,11 @@ def test_targets_pins_and_circuit_breaker(tmp_path):
     assert ck.pinned(tmp_path) == {"step_00000005"}  # a rollback at step 11 would go to <= 11 - 1 - margin
     first = policy.observe(metrics(12, grad=80.0))
     # target: at or before 12 - 1 - margin 1 = 10
-    assert first.action.kind == "rollback" and first.action.tag == "step_00000010" and first.action.lr_scale == 0.5
+    assert (
+        first.action.kind == "rollback"
+        and first.action.tag == "step_00000010"
+        and first.action.lr_scale == 0.5
+    )
     assert first.findings[0].kind == "grad_norm_surge" and "surge" in first.action.reason
     policy.resolve(applied(first, 12))
     # The same step spikes again after each rollback: no progress → the breaker trips after 2.
@@ -156,7 +170,9 @@ def test_targets_pins_and_circuit_breaker(tmp_path):
 def test_responses_are_configurable(tmp_path):
     fake_checkpoint(tmp_path, 2)
     strict = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_spike="rollback"), str(tmp_path))
-    quiet = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_surge="warn", on_nonfinite="ignore"), str(tmp_path))
+    quiet = Policy(
+        MonitorConfig(warmup=4, window=16, on_grad_norm_surge="warn", on_nonfinite="ignore"), str(tmp_path)
+    )
     for step in range(1, 8):
         strict.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
         quiet.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
@@ -186,7 +202,9 @@ def test_a_restarted_service_goes_on_from_the_events(tmp_path):
     first = Policy(config, str(tmp_path))
     for step in range(1, 6):
         verdict = first.observe(metrics(step))
-        append_event(tmp_path, {"type": "step", "step": step, "loss": 3.0, "grad_norm": 1.0, "level": verdict.level})
+        append_event(
+            tmp_path, {"type": "step", "step": step, "loss": 3.0, "grad_norm": 1.0, "level": verdict.level}
+        )
     decided = first.observe(metrics(6, grad=90.0))
     append_event(tmp_path, decided.decision.event())
     again = Policy(config, str(tmp_path))
@@ -212,7 +230,9 @@ def test_the_default_policy_on_recorded_clean_runs():
     assert len(runs) == 6
     for name, run in runs.items():
         result = replay(list(zip(run["loss"], run["grad_norm"], strict=True)), MonitorConfig(), every=10)
-        assert result["steps"] == 300 and result["clean"]["rollback"] == 0 and result["clean"]["warn"] <= 2, name
+        assert result["steps"] == 300 and result["clean"]["rollback"] == 0 and result["clean"]["warn"] <= 2, (
+            name
+        )
         injected = result["injected"]
         for fault in ("loss x3", "loss x5", "loss x50", "grad x50", "nan"):
             assert injected[fault]["rollback"] == injected[fault]["trials"] > 20, (name, fault)

@@ -23,8 +23,15 @@ MONITOR = ["monitor.enabled=true", "monitor.warmup=4", "monitor.window=16", "eva
     "action",
     [
         CONTINUE,
-        Action("rollback", tag="step_00000012", seed=1_000_003, lr_scale=0.5, reason="grad_norm surge",
-               decision=3, step=14),
+        Action(
+            "rollback",
+            tag="step_00000012",
+            seed=1_000_003,
+            lr_scale=0.5,
+            reason="grad_norm surge",
+            decision=3,
+            step=14,
+        ),
         Action("stop", reason="circuit breaker: 3 rollbacks made no progress past step 9"),
     ],
     ids=["continue", "rollback", "stop"],
@@ -116,14 +123,20 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     assert "rolling back to step_00000006" in capsys.readouterr().out
     log = read_events(tmp_path)
     (ordered,) = [e for e in log if e["type"] == "rollback"]
-    assert ordered["step"] == 8 and ordered["target"] == "step_00000006" and ordered["finding"] == "loss_spike"
+    assert (
+        ordered["step"] == 8 and ordered["target"] == "step_00000006" and ordered["finding"] == "loss_spike"
+    )
     (applied,) = [e for e in log if e["type"] == "rollback_applied"]
     assert applied["step"] == 6 and applied["matches_checkpoint"] and applied["seed"] == ordered["seed"]
-    assert applied["decision"] == ordered["decision"] and applied["decided_at"] == 8 and applied["applied_at"] >= 8
+    assert (
+        applied["decision"] == ordered["decision"]
+        and applied["decided_at"] == 8
+        and applied["applied_at"] >= 8
+    )
     # Every step ran once up to where the rollback was applied (one step or so after the spike),
     # then again from the target on.
     steps = [e["step"] for e in log if e["type"] == "step"]
-    assert steps == list(range(1, applied["applied_at"] + 1)) + [7, 8, 9, 10]
+    assert steps == [*range(1, applied["applied_at"] + 1), 7, 8, 9, 10]
     assert service.status()["rollbacks"][0]["decision"] == ordered["decision"]  # counted once applied
     # TensorBoard (read with its own reader): every judged step is charted, at the step judged;
     # the rollback is a mark at step 8; the Custom Scalars charts name exactly the monitor's tags.
@@ -136,7 +149,9 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     assert sorted({e.step for e in judged}) == list(range(1, 11))
     marks = [(e.step, e.value) for e in board.Scalars("monitor/rollback")]
     assert [step for step, value in marks if value] == [8] and [s for s, _ in marks] == list(range(1, 11))
-    assert {e.step for e in board.Scalars("monitor/grad_norm_threshold")} >= set(range(5, 11))  # after warm-up
+    assert {e.step for e in board.Scalars("monitor/grad_norm_threshold")} >= set(
+        range(5, 11)
+    )  # after warm-up
     layout = layout_pb2.Layout()
     layout.ParseFromString(board.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {c.title: c for category in layout.category for c in category.chart}
