@@ -100,7 +100,8 @@ def _events(status: dict) -> list[tuple[int, str, str]]:
         )
     for r in status.get("restarts") or []:
         rows.append((r.get("step") or 0, "restart", str(r.get("reason", ""))))
-    return sorted(rows, key=lambda row: row[0], reverse=True)[:50]
+    order = ("warning", "rollback decided", "rollback applied", "rollback cancelled", "restart")
+    return sorted(rows, key=lambda row: (row[0], order.index(row[1])), reverse=True)[:50]
 
 
 STYLE = """
