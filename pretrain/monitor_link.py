@@ -290,13 +290,15 @@ class MonitorLink:
         """Every rank, after the all-reduce said an action waits: rank 0's action (a collective)."""
         return broadcast_action(self.reporter.take() if self.reporter else None, self.device)
 
-    def verdict(self, wait: bool = True) -> Action:
-        """Every rank, before a checkpoint is saved: wait (at most `timeout` seconds; with `wait`
-        false, not at all) until every reported step is judged, then rank 0's action, if any (a
-        collective). So a checkpoint holds only judged steps, unless the service is away."""
-        if self.reporter is not None and wait and not self.reporter.drain(self.timeout):
-            print(f"warning: the monitor has not judged the last {self.reporter.waiting()} step(s); saving "
-                  "the checkpoint all the same", file=sys.stderr, flush=True)  # fmt: skip
+    def verdict(self, wait: bool = True, last: bool = False) -> Action:
+        """Every rank, before a checkpoint is saved: wait until every reported step is judged (at
+        most `timeout` seconds, ten times that before the run's last checkpoint, after which no
+        later step would bring the answer; with `wait` false, not at all), then rank 0's action,
+        if any (a collective). So a checkpoint holds only judged steps, unless the service is away."""
+        patience = (10 if last else 1) * self.timeout
+        if self.reporter is not None and wait and not self.reporter.drain(patience):
+            print(f"warning: the monitor has not judged the last {self.reporter.waiting()} step(s) in "
+                  f"{patience:g} s; saving the checkpoint all the same", file=sys.stderr, flush=True)  # fmt: skip
         flag = torch.tensor([self.pending()], dtype=torch.float64, device=self.device)
         broadcast(flag, src=0)
         return self.take() if flag.item() > 0 else CONTINUE

@@ -189,7 +189,8 @@ def test_the_circuit_breaker_stops_the_run_and_nothing_after_the_refused_state_i
 
 
 def test_without_a_service_the_run_goes_on(tmp_path, train_data, capsys):
-    summary = pretraining_trainer(config(tmp_path, train_data, "train.steps=3", "checkpoint.every=3")).train()
+    cfg = config(tmp_path, train_data, "train.steps=3", "checkpoint.every=3", "monitor.timeout=0.1")
+    summary = pretraining_trainer(cfg).train()
     assert summary["completed"] and summary["rollbacks"] == 0
     err = capsys.readouterr().err
     assert err.count("monitor unreachable at step 1") == 1 and "saving the checkpoint all the same" in err
