@@ -133,6 +133,15 @@ class Detector:
     def bands(self) -> dict[str, Band | None]:
         return {"loss": self.loss.band(), "grad_norm": self.grad_norm.band()}
 
+    def chart_point(self, step: int, loss, grad_norm, level: str) -> dict:
+        """One judged step as the page draws it: its values, its verdict's level, and the band
+        (`<series>_level`, `<series>_threshold`) it was judged against."""
+        point = {"step": step, "loss": loss, "grad_norm": grad_norm, "level": level}
+        for series, b in self.bands().items():
+            if b is not None:
+                point |= {f"{series}_level": b.level, f"{series}_threshold": b.threshold}
+        return point
+
     def findings(self, loss: float, grad_norm: float) -> list[Finding]:
         found = []
         for series, value in (("loss", loss), ("grad_norm", grad_norm)):

@@ -276,10 +276,8 @@ class Policy:
         judged = []
         for e in events:
             if e.get("type") == "step":
-                bands = {k: b for k, b in self.detector.bands().items() if b is not None}
-                judged.append({"step": e.get("step"), "loss": e.get("loss"), "grad_norm": e.get("grad_norm"),
-                               "level": e.get("level", "ok"), **{f"{k}_{part}": getattr(b, part) for k, b in
-                                                                  bands.items() for part in ("level", "threshold")}})  # fmt: skip
+                judged.append(self.detector.chart_point(e.get("step"), e.get("loss"), e.get("grad_norm"),
+                                                        e.get("level", "ok")))  # fmt: skip
             if e.get("type") == "step" and e.get("level", "ok") in ("ok", "warmup", "warn"):
                 loss, grad_norm = (
                     float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm")

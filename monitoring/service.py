@@ -25,7 +25,6 @@ import argparse
 import collections
 import hmac
 import json
-import math
 import os
 import secrets
 import socket
@@ -160,11 +159,9 @@ class MonitorState:
             if self.watch is not None:
                 self.watch.step(time.monotonic())
             self._record(metrics, verdict)
-            bands = self.bands()
             answer = verdict.action.to_json() | {
-                "judged": {"step": metrics.step, "loss": _finite_or_str(metrics.loss),
-                           "grad_norm": _finite_or_str(metrics.grad_norm)},
-                "verdict": verdict.to_json(), "bands": bands,
+                "judged": {"step": metrics.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm},
+                "verdict": verdict.to_json(), "bands": self.bands(),
             }  # fmt: skip
             if session is not None:
                 self.last_answer = answer
@@ -212,16 +209,13 @@ class MonitorState:
         self.policy.recent[-1]["tokens"] = metrics.tokens
         if metrics.total_steps is not None:
             self.total_steps = metrics.total_steps
-        bands = self.policy.detector.bands()
-        for series, band in bands.items():
-            if band is not None:
-                self.g_band.labels(series).set(band.threshold)
+        point = self.policy.detector.chart_point(metrics.step, metrics.loss, metrics.grad_norm, verdict.level)
+        for series in ("loss", "grad_norm"):
+            if f"{series}_threshold" in point:
+                self.g_band.labels(series).set(point[f"{series}_threshold"])
         while self.series and self.series[-1]["step"] >= metrics.step:
             self.series.pop()  # a rollback went back: the chart shows the timeline that goes on
-        self.series.append({"step": metrics.step, "loss": _finite_or_str(metrics.loss),
-                            "grad_norm": _finite_or_str(metrics.grad_norm), "level": verdict.level,
-                            **{f"{k}_{part}": getattr(b, part) for k, b in bands.items() if b is not None
-                               for part in ("level", "threshold")}})  # fmt: skip
+        self.series.append(strict_json(point))
 
     def handle_outcome(self, outcome: Outcome, session: str | None, seq: int | None) -> dict:
         with self.lock:
@@ -286,10 +280,6 @@ def _total_steps(run_dir: Path) -> int | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return steps if isinstance(steps, int) else None
-
-
-def _finite_or_str(value: float):
-    return value if math.isfinite(value) else str(value)
 
 
 class MonitorHandler(BaseHTTPRequestHandler):

@@ -157,7 +157,9 @@ class Trainer:
                 self.evaluate(step)
             if step % c.checkpoint_every == 0 or step == c.steps or stop_requested:
                 if self.monitor is not None:  # a checkpoint holds only steps the monitor has judged
-                    acted = self.act(step, self.monitor.verdict(wait=not stop_requested, last=step == c.steps))
+                    acted = self.act(
+                        step, self.monitor.verdict(wait=not stop_requested, last=step == c.steps)
+                    )
                     if acted == "rollback":
                         continue
                     if acted == "stop":
