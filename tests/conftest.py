@@ -44,9 +44,11 @@ def random_weights_model(qkv_scale: float = 1.0, **overrides):
     return model
 
 
-def write_synthetic_dataset(directory, train_shard_tokens, val_shard_tokens=(), dtype="<u4") -> dict:
-    """A prepared-dataset directory whose token at position p of the concatenated split is p, so a
-    window's first token names it; one shard per entry of the size lists."""
+def write_synthetic_dataset(
+    directory, train_shard_tokens, val_shard_tokens=(), dtype="<u4", first_token=0
+) -> dict:
+    """A prepared-dataset directory whose token at position p of the concatenated split is
+    first_token + p, so a window's first token names it; one shard per entry of the size lists."""
     import hashlib
     import json
     from pathlib import Path
@@ -61,7 +63,7 @@ def write_synthetic_dataset(directory, train_shard_tokens, val_shard_tokens=(), 
     for split, sizes in (("train", train_shard_tokens), ("validation", val_shard_tokens)):
         shards, start = [], 0
         for i, size in enumerate(sizes):
-            data = np.arange(start, start + size, dtype=dtype).tobytes()
+            data = np.arange(first_token + start, first_token + start + size, dtype=dtype).tobytes()
             (directory / f"{split}_{i:05d}.bin").write_bytes(data)
             shards.append(
                 {"file": f"{split}_{i:05d}.bin", "tokens": size, "sha256": hashlib.sha256(data).hexdigest()}

@@ -1,6 +1,6 @@
 """From raw text to the batches each rank sees: sources, preparation, shards, the window stream.
 
-    from pretrain.data import WindowStream, BatchLoader, prepare_dataset, resolve_source
+    from pretrain.data import WindowStream, MixtureStream, BatchLoader, prepare_dataset, resolve_source
 
 Names are imported on first use, so the tokenizer worker processes that `prepare` spawns do not
 pay for torch.
@@ -10,6 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "WindowStream": "pretrain.data.stream",
+    "MixtureStream": "pretrain.data.mixture",
     "BatchLoader": "pretrain.data.loader",
     "ShardSet": "pretrain.data.shards",
     "read_manifest": "pretrain.data.shards",

@@ -82,6 +82,7 @@ class WindowStream:
         self._block: np.ndarray | None = None  # window indices for local counts [_block_at, _block_at + len)
         self._block_at = 0
         self.last_window: int | None = None  # index of the window __next__ served last
+        self.last_epoch: int | None = None  # and the epoch it was served in
 
     # ----------------------------------------------------------------- iteration
 
@@ -94,13 +95,21 @@ class WindowStream:
         if not self.shuffle:
             # It would silently serve the shuffled order: validation is a fixed pass.
             raise TypeError("the validation stream is iterated with iter(): one pass per call")
+        return self.read(self.next_window())
+
+    def next_window(self) -> int:
+        """Advance like `next()`, without reading: the index of the window served (also
+        `last_window`), whose epoch is `last_epoch`."""
         offset = self._local - self._block_at
         if self._block is None or offset >= len(self._block):
             self._fill_block()
-            offset = 0
+            offset = self._local - self._block_at
+        self.last_epoch = (
+            self._epoch + (self._consumed + self.rank + self._local * self.world_size) // self.num_windows
+        )
         self.last_window = int(self._block[offset])
         self._local += 1
-        return self.read(self.last_window)
+        return self.last_window
 
     def read(self, window: int) -> torch.Tensor:
         """Window `window` (of N) as a 1-D int64 tensor of seq_len + 1 tokens."""
