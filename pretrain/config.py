@@ -123,9 +123,22 @@ class RunSection:
 
 
 @dataclass
+class MixtureSource:
+    """One corpus of `data.mixture`: its name (in TensorBoard tags), prepared shards and weight."""
+
+    name: str = ""
+    dir: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
-    dir: str | None = None  # prepared shards (`pretrain data prepare --out`)
+    dir: str | None = None  # prepared shards (`pretrain data prepare --out`); or data.mixture
+    # several prepared corpora, interleaved by weight: [{name: web, dir: DIR, weight: 0.7}, ...]
+    mixture: list[MixtureSource] = field(default_factory=list)
     seq_len: int = 2048  # tokens per training window (the stream yields seq_len + 1)
+    # attention stays inside each document of a window, and rotary positions restart at its start
+    document_masking: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < MIN_PRETRAIN_SEQ_LEN:
@@ -133,6 +146,21 @@ class DataConfig:
                 f"data.seq_len={self.seq_len} is below {MIN_PRETRAIN_SEQ_LEN}: "
                 f"pretraining streams windows of at least {MIN_PRETRAIN_SEQ_LEN} tokens"
             )
+        if self.dir is not None and self.mixture:
+            raise ConfigError("data.dir and data.mixture are both set: name one corpus, or a mixture of them")
+        for i, source in enumerate(self.mixture):
+            if not source.name or not source.dir:
+                raise ConfigError(
+                    f"data.mixture[{i}] needs a name and a dir: {{name: web, dir: DIR, weight: 0.7}}"
+                )
+            if not math.isfinite(source.weight) or source.weight <= 0:
+                raise ConfigError(f"data.mixture[{i}].weight={source.weight} must be a positive number")
+
+    def sources(self) -> list[tuple[str, str, float]]:
+        """(name, dir, weight) of each corpus: `data.dir` alone is a mixture of one named "data"."""
+        if self.mixture:
+            return [(s.name, s.dir, s.weight) for s in self.mixture]
+        return [("data", self.dir, 1.0)] if self.dir is not None else []
 
 
 @dataclass

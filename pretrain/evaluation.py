@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pretrain.data import BatchLoader, WindowStream
+from pretrain.data.loader import document_ids
 from pretrain.distributed import DistEnv, all_reduce_sum
 from pretrain.errors import UserError
 from pretrain.tokenizer import Tokenizer
@@ -20,10 +21,16 @@ from pretrain.tokenizer import Tokenizer
 
 @torch.no_grad()
 def validation_loss(
-    engine, data_dir: Path, seq_len: int, micro_batch_size: int, batches: int, env: DistEnv
+    engine,
+    data_dir: Path,
+    seq_len: int,
+    micro_batch_size: int,
+    batches: int,
+    env: DistEnv,
+    eos_id: int | None = None,
 ) -> dict[str, float]:
     """Mean loss (and perplexity) over the first `batches` micro-batches of every rank's share of
-    the validation split."""
+    the validation split; with `eos_id`, attention kept inside each document (document masking)."""
     stream = WindowStream(data_dir, seq_len, env.rank, env.world_size, split="validation")
     loader = BatchLoader(stream, micro_batch_size, engine.device)
     engine.eval()
@@ -32,9 +39,9 @@ def validation_loss(
         for batch_index, (inputs, targets) in enumerate(loader):
             if batch_index == batches:
                 break
-            totals += torch.stack(
-                [engine(inputs, targets).loss.float(), torch.ones((), device=engine.device)]
-            )
+            masking = {"document_ids": document_ids(inputs, eos_id)} if eos_id is not None else {}
+            loss = engine(inputs, targets, **masking).loss
+            totals += torch.stack([loss.float(), torch.ones((), device=engine.device)])
     finally:
         loader.close()
         engine.train()

@@ -85,21 +85,65 @@ def sinusoidal_table(seq_len: int, dim: int, device=None) -> torch.Tensor:
 
 
 def attention_with_probs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention written out, returning the probabilities too (for visualization only).
 
     q (B, nh, T, hd); k, v (B, nkv, T, hd). Query head h reads key/value head h // (nh / nkv).
+    `allowed` (B, 1, T, T), when given, replaces the causal mask (document masking).
     """
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
     v = v.repeat_interleave(groups, dim=1)
     T = q.shape[2]
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    if allowed is None:
+        allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.float().softmax(dim=-1).to(q.dtype)
     return probs @ v, probs
+
+
+# Document masking: a token attends to the earlier tokens of its own document only. On GPUs the mask
+# is a FlexAttention block mask (blocks wholly outside a document are skipped, no T×T tensor); on
+# CPU, where FlexAttention has no backward, a boolean (B, 1, T, T) mask for SDPA.
+
+
+def positions_in_document(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids → (B, T) positions that restart at 0 at each document's first token."""
+    T = document_ids.shape[1]
+    index = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(document_ids: torch.Tensor, dense: bool = False):
+    """What each query may attend to: causal and within its document. A FlexAttention BlockMask on
+    CUDA (unless `dense`), else a boolean (B, 1, T, T) tensor."""
+    B, T = document_ids.shape
+    if document_ids.is_cuda and not dense:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, q, kv):
+            return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
+
+
+_compiled_flex = None
+
+
+def flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
+    """FlexAttention, compiled once per process (eager FlexAttention materializes the scores)."""
+    global _compiled_flex
+    from torch.nn.attention import flex_attention as flex
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex.flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 class KVCache:
@@ -138,27 +182,32 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        mask=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`rope`: cos and sin, broadcastable to (B, T, heads, hd); `mask`: None (causal), or a
+        document mask from `document_mask`."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=2)
         if rope is not None:  # q and k heads rotated together: one pass instead of two
             cos, sin = rope
-            qk = apply_rope(qk, cos[:, None], sin[:, None])  # (B, T, nh + nkv, hd)
+            qk = apply_rope(qk, cos, sin)  # (B, T, nh + nkv, hd)
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         causal = True
         if cache is not None:
             causal = cache.length == 0  # prefill is causal; a decoded token sees everything cached
             k, v = cache.append(self.layer_index, k, v)  # (B, nkv, length + T, hd)
-        probs = None
+        probs, gqa = None, self.n_kv_heads != self.n_heads
         if need_weights:
-            y, probs = attention_with_probs(q, k, v)
+            y, probs = attention_with_probs(q, k, v, mask)
+        elif isinstance(mask, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif mask is not None:
+            y = flex_attention(q, k, v, mask, gqa)
         else:
             # Fused kernels (flash / memory-efficient on GPU); the T×T matrix never exists.
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
-            )
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh·hd)
         return self.o_proj(y), probs
 
@@ -220,13 +269,14 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        mask=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.pre_norm:
-            a, probs = self.attn(self.attn_norm(x), rope, need_weights, cache)
+            a, probs = self.attn(self.attn_norm(x), rope, need_weights, cache, mask)
             x = x + a
             x = x + self.mlp(self.mlp_norm(x))
         else:
-            a, probs = self.attn(x, rope, need_weights, cache)
+            a, probs = self.attn(x, rope, need_weights, cache, mask)
             x = self.attn_norm(x + a)
             x = self.mlp_norm(x + self.mlp(x))
         return x, probs
@@ -309,10 +359,15 @@ class Transformer(nn.Module):
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model, device)
 
     def hidden_states(
-        self, tokens: torch.Tensor, need_weights: bool = False, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """tokens (B, T) → final-norm hidden states (B, T, d), and per-layer attention if asked.
-        With a cache, tokens continue the cached sequence (positions start at cache.length)."""
+        With a cache, tokens continue the cached sequence (positions start at cache.length). With
+        document_ids (B, T), attention stays inside each document and positions restart at its start."""
         T = tokens.shape[1]
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.max_seq_len:
@@ -321,23 +376,34 @@ class Transformer(nn.Module):
             )
         if cache is not None and start and (T != 1 or need_weights):
             raise ValueError("after the prefill, a cache takes one token per call (and no attention maps)")
+        if cache is not None and document_ids is not None:
+            raise ValueError("document_ids are for training windows: decode one document with a cache")
+        mask, positions = None, slice(start, start + T)
+        if document_ids is not None:
+            mask = document_mask(document_ids, dense=need_weights)
+            positions = positions_in_document(document_ids)  # (B, T)
         h = self.tok_embeddings(tokens)  # (B, T, d)
         if self.embed_scale != 1.0:
             h = h * self.embed_scale
         rope = None
         if self.cfg.positions == "rope":
-            positions = slice(start, start + T)
+            # (T, 1, hd) or, per document, (B, T, 1, hd): broadcast over the heads
             rope = (
-                self.rope_cos[positions].to(h.dtype),
-                self.rope_sin[positions].to(h.dtype),
-            )  # (T, hd) each
+                self.rope_cos[positions].unsqueeze(-2).to(h.dtype),
+                self.rope_sin[positions].unsqueeze(-2).to(h.dtype),
+            )
         elif self.cfg.positions == "sinusoidal":
-            h = h + self.pos_table[start : start + T].to(h.dtype)
+            h = h + self.pos_table[positions].to(h.dtype)
         else:
-            h = h + self.pos_embeddings(torch.arange(start, start + T, device=tokens.device))
+            where = (
+                positions
+                if document_ids is not None
+                else torch.arange(start, start + T, device=tokens.device)
+            )
+            h = h + self.pos_embeddings(where)
         attentions = []
         for layer in self.layers:
-            h, probs = layer(h, rope, need_weights, cache)
+            h, probs = layer(h, rope, need_weights, cache, mask)
             attentions.append(probs)
         if cache is not None:
             cache.length += T
@@ -347,12 +413,15 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         targets: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
     ) -> ModelOutput:
         """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), instead the mean
-        cross-entropy over positions whose target is not IGNORE_INDEX (in fp32), and no logits."""
-        h, attentions = self.hidden_states(tokens, need_weights, cache)
+        cross-entropy over positions whose target is not IGNORE_INDEX (in fp32), and no logits.
+        document_ids (B, T), equal within a document: attention stays inside each document and
+        rotary positions restart at its first token (document masking)."""
+        h, attentions = self.hidden_states(tokens, need_weights, cache, document_ids)
         if targets is not None:
             return ModelOutput(None, self.lm_head(h, targets), attentions)
         return ModelOutput(self.lm_head(h), None, attentions)

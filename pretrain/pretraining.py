@@ -10,6 +10,8 @@ checkpoint to resume from (verified), builds the model, the DeepSpeed engine and
 from __future__ import annotations
 
 import functools
+import hashlib
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +21,8 @@ import torch
 from pretrain.checkpoint import resolve_resume
 from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
 from pretrain.config import RunConfig, config_hash, to_yaml
-from pretrain.data import BatchLoader, WindowStream, read_manifest
+from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
+from pretrain.data.loader import document_ids
 from pretrain.data.shards import check_tokenizer, fingerprint
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
@@ -43,7 +46,7 @@ class Checked:
 
     plan: BatchPlan
     ds_config: dict
-    data_dir: Path
+    data_dir: Path  # the first corpus: its tokenizer is every corpus's
     identity: dict  # what defines the run (RUN_DIR/run.json): architecture, tokenizer, data, seq_len
 
 
@@ -58,59 +61,103 @@ def preflight(cfg: RunConfig, world_size: int) -> Checked:
                 f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
             )
     ds_config = deepspeed_config(cfg, plan)
-    data_dir, manifest = check_data(cfg, world_size)
+    manifests = check_data(cfg, world_size)
     resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
     identity = model_identity(cfg.model) | {
-        "tokenizer.sha256": manifest["tokenizer"]["sha256"],
-        "data.fingerprint": fingerprint(manifest),
+        "tokenizer.sha256": manifests[0]["tokenizer"]["sha256"],
+        "data.fingerprint": data_fingerprint(cfg, manifests),
         "data.seq_len": cfg.data.seq_len,
     }
-    return Checked(plan, ds_config, data_dir, identity)
+    return Checked(plan, ds_config, Path(cfg.data.sources()[0][1]), identity)
 
 
-def check_data(cfg: RunConfig, world_size: int) -> tuple[Path, dict]:
-    """The prepared corpus, before it is trusted: its manifest, its tokenizer's sha256, every
-    shard's size, and enough windows in each split the run reads for every rank."""
-    if cfg.data.dir is None:
+def data_fingerprint(cfg: RunConfig, manifests: list[dict]) -> str:
+    """The corpus's fingerprint; for a mixture, a digest of its sources' names and fingerprints
+    (not their weights: a run may change them when it resumes)."""
+    if len(manifests) == 1:
+        return fingerprint(manifests[0])
+    parts = [
+        f"{name}:{fingerprint(m)}" for (name, _, _), m in zip(cfg.data.sources(), manifests, strict=True)
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def check_data(cfg: RunConfig, world_size: int) -> list[dict]:
+    """Each prepared corpus, before it is trusted: its manifest, its tokenizer's sha256 (the same
+    for all), every shard's size, and enough windows in each split the run reads for every rank."""
+    sources = cfg.data.sources()
+    if not sources:
         raise UserError(
-            "data.dir is not set: prepare a corpus with `pretrain data prepare` and pass data.dir=DIR"
+            "data.dir is not set: prepare a corpus with `pretrain data prepare` and pass data.dir=DIR "
+            "(or name several in data.mixture)"
         )
-    data_dir = Path(cfg.data.dir)
-    manifest = read_manifest(data_dir)
-    vocab = manifest["tokenizer"]["vocab_size"]
-    if vocab > cfg.model.vocab_size:
-        raise UserError(
-            f"the data in {data_dir} uses a tokenizer of {vocab} pieces but model.vocab_size={cfg.model.vocab_size}: "
-            f"set model.vocab_size={vocab}"
-        )
-    check_tokenizer(data_dir, manifest)
-    for split in ("train", "validation") if cfg.eval.every > 0 else ("train",):
-        WindowStream(data_dir, cfg.data.seq_len, 0, world_size, split=split)  # refuses too few windows
-    return data_dir, manifest
+    manifests = []
+    for _, directory, _ in sources:
+        data_dir = Path(directory)
+        manifest = read_manifest(data_dir)
+        vocab = manifest["tokenizer"]["vocab_size"]
+        if vocab > cfg.model.vocab_size:
+            raise UserError(
+                f"the data in {data_dir} uses a tokenizer of {vocab} pieces but model.vocab_size={cfg.model.vocab_size}: "
+                f"set model.vocab_size={vocab}"
+            )
+        check_tokenizer(data_dir, manifest)
+        if cfg.eval.every > 0:  # refuses too few windows
+            WindowStream(data_dir, cfg.data.seq_len, 0, world_size, split="validation")
+        manifests.append(manifest)
+    MixtureStream(sources, cfg.data.seq_len)  # one tokenizer for all, names and weights
+    for _, directory, _ in sources:
+        WindowStream(directory, cfg.data.seq_len, 0, world_size, split="train")
+    return manifests
 
 
 class LanguageModeling:
-    """Next-token prediction on windows of the token stream; held-out loss and the attention probe."""
+    """Next-token prediction on windows of the token stream (one corpus or a weighted mixture);
+    held-out loss (per corpus of a mixture) and the attention probe."""
 
     def __init__(self, cfg: RunConfig, data_dir: Path, plan: BatchPlan, env: DistEnv, device):
         self.data_dir, self.seq_len, self.env, self.run_dir = data_dir, cfg.data.seq_len, env, cfg.run.dir
         self.micro_batch_size, self.eval_batches = plan.micro_batch_size, cfg.eval.batches
         self.evaluates = cfg.eval.every > 0
         self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
-        stream = WindowStream(data_dir, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
+        self.sources = cfg.data.sources()
+        stream = MixtureStream(self.sources, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
         self.loader = BatchLoader(stream, plan.micro_batch_size, device)
+        # document masking: attention within each document; ids computed from EOS positions
+        self.eos_id = read_manifest(data_dir)["tokenizer"]["eos_id"] if cfg.data.document_masking else None
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         inputs, targets = next(self.loader)
-        return {"tokens": inputs, "targets": targets}
+        batch = {"tokens": inputs, "targets": targets}
+        if self.eos_id is not None:
+            batch["document_ids"] = document_ids(inputs, self.eos_id)
+        return batch
 
     def served(self) -> list:
         return list(self.loader.last_windows)
 
+    def scalars(self) -> dict[str, float]:
+        """Tokens consumed per corpus of a mixture (all ranks, as of the last batch handed out)."""
+        if len(self.sources) == 1:
+            return {}
+        state = self.loader.state_dict()["sources"]
+        return {
+            f"train/tokens/{name}": float(state[name]["served"] * self.seq_len) for name, _, _ in self.sources
+        }
+
     def evaluate(self, engine) -> dict[str, float]:
-        return validation_loss(
-            engine, self.data_dir, self.seq_len, self.micro_batch_size, self.eval_batches, self.env
-        )
+        """The held-out loss; for a mixture, per corpus (`loss/NAME`) and their weighted mean."""
+        losses = {
+            name: validation_loss(engine, Path(directory), self.seq_len, self.micro_batch_size,
+                                  self.eval_batches, self.env, self.eos_id)["loss"]
+            for name, directory, _ in self.sources
+        }  # fmt: skip
+        total = sum(weight for _, _, weight in self.sources)
+        loss = sum(losses[name] * weight / total for name, _, weight in self.sources)
+        results = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+        if len(self.sources) > 1:
+            results |= {f"loss/{name}": value for name, value in losses.items()}
+        return results
 
     def probe(self, engine, step: int) -> np.ndarray | None:
         if not self.probe_text:

@@ -55,6 +55,9 @@ class Task(Protocol):
     def served(self) -> list:
         """Ids of the windows or examples of the last micro-batch (for the data trace)."""
 
+    def scalars(self) -> dict[str, float]:
+        """The task's own training scalars (pretraining on a mixture: tokens per corpus)."""
+
     def evaluate(self, engine) -> dict[str, float]:
         """Held-out metrics, without the `eval/` prefix (a collective)."""
 
@@ -232,7 +235,7 @@ class Trainer:
             "train/skipped_steps": float(self.engine.skipped_steps),
             "train/tokens": float(self.state.tokens),
         }
-        metrics |= {f"train/grad_norm/{k}": v for k, v in layer_norms.items()}
+        metrics |= {f"train/grad_norm/{k}": v for k, v in layer_norms.items()} | self.task.scalars()
         return metrics, served, stop_requested, agreed[2].item() > 0
 
     def log(self, step: int, metrics: dict, served: list, trace: TextIO | None) -> None:

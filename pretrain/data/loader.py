@@ -1,4 +1,4 @@
-"""Micro-batches from a WindowStream, assembled ahead of time so the accelerator never waits.
+"""Micro-batches from a WindowStream or MixtureStream, assembled ahead of time so the accelerator never waits.
 
 A background thread stacks `batch_size` windows into (B, seq_len + 1) tensors (pinned when the
 target is a CUDA device) and keeps up to `prefetch` of them ready; the consumer splits each into
@@ -15,14 +15,26 @@ from collections.abc import Iterator
 
 import torch
 
+from pretrain.data.mixture import MixtureStream
 from pretrain.data.stream import WindowStream
 
 _DONE = object()
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) → (B, T): the index of each token's document within its window. The token after an
+    EOS starts a document; the EOS itself ends the one before."""
+    eos = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(eos, dim=1, dtype=torch.int32) - eos
+
+
 class BatchLoader:
     def __init__(
-        self, stream: WindowStream, batch_size: int, device: torch.device | str = "cpu", prefetch: int = 4
+        self,
+        stream: WindowStream | MixtureStream,
+        batch_size: int,
+        device: torch.device | str = "cpu",
+        prefetch: int = 4,
     ):
         self.stream, self.batch_size, self.device = stream, batch_size, torch.device(device)
         self.pin = self.device.type == "cuda"

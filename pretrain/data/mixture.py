@@ -23,8 +23,9 @@ only windows served). Entries of epochs already over are dropped.
 
 State. {"seed", "served", "sources": {name: {"served", "stream": WindowStream state}},
 "quarantine": [[id, epoch], ...]}: small JSON, identical on every rank at a step boundary.
-A mixture of one source keys its stream with the run seed itself, so `data.dir` runs keep the
-order (and accept the plain WindowStream state) they had before mixtures existed.
+A mixture of one source keys its stream with the run seed itself and its state is that stream's
+state (plus "quarantine" when one is set), so `data.dir` runs keep the order and the checkpoint
+state they had before mixtures existed.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ class MixtureStream:
             self._quarantine.add((int(window), int(epoch)))
         self._drop_expired()
 
-    def quarantined(self) -> list[tuple[int, int]]:
-        return sorted(self._quarantine)
+    def quarantined(self) -> list[list[int]]:
+        return [list(entry) for entry in sorted(self._quarantine)]
 
     def _drop_expired(self) -> None:
         epochs = [s.state_dict()["epoch"] for s in self.streams]
@@ -189,6 +190,9 @@ class MixtureStream:
     def state_dict(self) -> dict:
         """JSON-serializable; identical on every rank after each window; world-size independent."""
         self._drop_expired()
+        if len(self.streams) == 1:  # one corpus: the WindowStream's own state (DESIGN.md's contract)
+            state = self.streams[0].state_dict()
+            return state | ({"quarantine": self.quarantined()} if self._quarantine else {})
         return {
             "seed": self._seed,
             "served": self._served,
@@ -196,7 +200,7 @@ class MixtureStream:
                 name: {"served": count, "stream": stream.state_dict()}
                 for name, count, stream in zip(self.names, self._counts, self.streams, strict=True)
             },
-            "quarantine": [list(entry) for entry in sorted(self._quarantine)],
+            "quarantine": self.quarantined(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -220,8 +224,9 @@ class MixtureStream:
         self.quarantine(state["quarantine"])
 
     def _from_window_state(self, state: dict) -> dict:
+        # (with a quarantine, windows passed over count as served: one corpus has no shares to keep)
         served = int(state["epoch"]) * self.streams[0].num_windows + int(state["consumed"])
-        return {"seed": state["seed"], "served": served, "quarantine": [],
+        return {"seed": state["seed"], "served": served, "quarantine": state.get("quarantine", []),
                 "sources": {self.names[0]: {"served": served, "stream": state}}}  # fmt: skip
 
     def reshuffle(self, seed: int) -> None:

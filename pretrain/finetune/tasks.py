@@ -56,6 +56,9 @@ class FinetuneTask:
     def served(self) -> list:
         return list(self.last)
 
+    def scalars(self) -> dict[str, float]:
+        return {}
+
     def state_dict(self) -> dict:
         return {"examples": self.examples}
 

@@ -145,6 +145,10 @@ def test_quarantined_windows_are_passed_over_for_their_epoch_and_the_state_keeps
         first = 0 if source == 0 else 27
         assert sorted(epoch) == sorted(set(range(first, first + size)) - q)
     assert resumed[0].state_dict()["quarantine"] == []  # both sources moved past that epoch
+    one = MixtureStream([("a", dirs["a"], 1.0)], SEQ, seed=2)
+    one.quarantine([(5, 0)])
+    assert one.state_dict() == WindowStream(dirs["a"], SEQ, seed=2).state_dict() | {"quarantine": [[5, 0]]}
+    assert 5 not in served(one, 26)
 
 
 def test_the_loader_hands_out_mixture_batches_and_resumes(dirs):
