@@ -43,6 +43,7 @@ from pretrain.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
+    DocumentIndexWriter,
     ShardSet,
     ShardWriter,
     fingerprint,
@@ -75,17 +76,20 @@ def tokenize_batch(
     texts: list[str], held_out: list[bool], ends: list[bool], tokenizer: Tokenizer | None = None
 ) -> tuple:
     """Encode a batch of documents or pieces of them; return (train tokens, validation tokens,
-    #train docs, #validation docs), EOS after each document's last piece, concatenated in order."""
+    #train docs, #validation docs, tokens of each text), EOS after each document's last piece,
+    concatenated in order."""
     tokenizer = tokenizer or _worker_tokenizer
     dtype = token_dtype(tokenizer.vocab_size)
     eos = [tokenizer.eos_id]
     parts: dict[bool, list[list[int]]] = {False: [], True: []}
     documents = {False: 0, True: 0}
+    lengths = []
     for ids, is_val, end in zip(tokenizer.encode_batch(texts), held_out, ends, strict=True):
         parts[is_val].append(ids + eos if end else ids)
+        lengths.append(len(parts[is_val][-1]))
         documents[is_val] += end
     train, val = (_flatten(parts[is_val], dtype) for is_val in (False, True))
-    return train, val, documents[False], documents[True]
+    return train, val, documents[False], documents[True], lengths
 
 
 def _flatten(lists: list[list[int]], dtype: np.dtype) -> np.ndarray:
@@ -96,27 +100,39 @@ def _flatten(lists: list[list[int]], dtype: np.dtype) -> np.ndarray:
 # --------------------------------------------------------------------------- batching
 
 
+class Batch(NamedTuple):
+    texts: list[str]  # documents or pieces of them
+    held_out: list[bool]  # per text: in the validation split
+    ends: list[bool]  # per text: the last piece of its document (EOS follows)
+    origins: list[tuple[int, int] | None]  # per text: (origin index, record) for a document's first piece
+
+
 def _batches(
-    documents: Iterator[str], val_fraction: float, stats: dict, piece_chars: int | None
-) -> Iterator[tuple[list[str], list[bool], list[bool]]]:
-    """(texts, held out, ends a document) batches; the hold-out is decided per document."""
-    texts, held_out, ends, chars, index = [], [], [], 0, 0
-    for doc in documents:
+    records: Iterator[tuple[str, int, str]], val_fraction: float, stats: dict, piece_chars: int | None,
+    origins: dict[str, int],
+) -> Iterator[Batch]:  # fmt: skip
+    """Batches of texts; the hold-out is decided per document. `origins` (origin → index) grows
+    as new origins come up."""
+    batch, chars, index = Batch([], [], [], []), 0, 0
+    for origin, record, doc in records:
         if not doc.strip():
             stats["skipped_blank_documents"] += 1
             continue
         is_val = math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
         index += 1
+        where = (origins.setdefault(origin, len(origins)), record)
         for piece, last in _pieces(doc, piece_chars):
-            texts.append(piece)
-            held_out.append(is_val)
-            ends.append(last)
+            batch.texts.append(piece)
+            batch.held_out.append(is_val)
+            batch.ends.append(last)
+            batch.origins.append(where)
+            where = None
             chars += len(piece)
-            if chars >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
-                yield texts, held_out, ends
-                texts, held_out, ends, chars = [], [], [], 0
-    if texts:
-        yield texts, held_out, ends
+            if chars >= BATCH_CHARS or len(batch.texts) >= BATCH_DOCS:
+                yield batch
+                batch, chars = Batch([], [], [], []), 0
+    if batch.texts:
+        yield batch
 
 
 def _pieces(doc: str, size: int | None) -> Iterator[tuple[str, bool]]:
@@ -131,22 +147,27 @@ def _pieces(doc: str, size: int | None) -> Iterator[tuple[str, bool]]:
     yield (doc[start:] if start else doc), True
 
 
-def _tokenized(batches: Iterator[tuple], tokenizer: Tokenizer, workers: int) -> Iterator[tuple]:
-    """Tokenize batches in order, in-process (W=1) or with W processes and bounded look-ahead."""
+def _tokenized(batches: Iterator[Batch], tokenizer: Tokenizer, workers: int) -> Iterator[tuple[tuple, Batch]]:
+    """(tokenize_batch's result, the batch), in order, in-process (W=1) or with W processes and
+    bounded look-ahead."""
     if workers == 1:
         for batch in batches:
-            yield tokenize_batch(*batch, tokenizer)
+            yield tokenize_batch(batch.texts, batch.held_out, batch.ends, tokenizer), batch
         return
     context = multiprocessing.get_context("spawn")  # never fork a process holding threads
     pool = context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.path),))
     try:
         pending: deque = deque()
         for batch in batches:
-            pending.append(pool.apply_async(tokenize_batch, batch))
+            pending.append(
+                (pool.apply_async(tokenize_batch, (batch.texts, batch.held_out, batch.ends)), batch)
+            )
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                result, done = pending.popleft()
+                yield result.get(), done
         while pending:
-            yield pending.popleft().get()
+            result, done = pending.popleft()
+            yield result.get(), done
         pool.close()
     finally:
         pool.terminate()
@@ -288,22 +309,30 @@ def _write_dataset(
         "train": ShardWriter(staging, "train", dtype, wanted["shard_tokens"]),
         "validation": ShardWriter(staging, "validation", dtype, wanted["shard_tokens"]),
     }
+    index = {split: DocumentIndexWriter(staging, split) for split in SPLITS}
     stats = {"skipped_blank_documents": 0}
     from tqdm import tqdm
 
-    documents = source.documents()
-    first = next(documents, None)  # opening the source fails here, before any progress output
-    documents = itertools.chain([first] if first is not None else [], documents)
+    records = source.records()
+    first = next(records, None)  # opening the source fails here, before any progress output
+    records = itertools.chain([first] if first is not None else [], records)
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress, file=sys.stderr)
     # Pieces decode back to the document only when encoding adds no dummy prefix to each.
     piece_chars = None if tokenizer.adds_dummy_prefix else PIECE_CHARS
+    origins: dict[str, int] = {}
     with bar:
-        batches = _batches(documents, wanted["val_fraction"], stats, piece_chars)
-        for train, val, n_train, n_val in _tokenized(batches, tokenizer, workers):
+        batches = _batches(records, wanted["val_fraction"], stats, piece_chars, origins)
+        for (train, val, n_train, n_val, lengths), batch in _tokenized(batches, tokenizer, workers):
+            for length, is_val, origin in zip(lengths, batch.held_out, batch.origins, strict=True):
+                index["validation" if is_val else "train"].add(length, origin)
             writers["train"].write(train, n_train)
             writers["validation"].write(val, n_val)
             bar.update(len(train) + len(val))
     splits = {name: writer.finish() for name, writer in writers.items()}
+    documents = {
+        "origins": list(origins),
+        "splits": {split: writer.finish() for split, writer in index.items()},
+    }
     if splits["train"]["tokens"] == 0:
         raise UserError(f"the corpus is empty: {source.description} has no non-blank documents")
     if wanted["val_fraction"] > 0 and splits["validation"]["documents"] == 0:
@@ -324,6 +353,7 @@ def _write_dataset(
         },
         "dtype": dtype.str,
         "splits": splits,
+        "documents": documents,
         "stats": stats,
         "created_by": f"pretrain {__version__}",
     }

@@ -4,9 +4,14 @@
     DIR/tokenizer.model        the tokenizer the shards were made with (and tokenizer_meta.json)
     DIR/train_00000.bin ...    raw little-endian tokens (uint16 when the vocabulary fits, else
     DIR/validation_00000.bin   uint32); every document is followed by EOS
+    DIR/train_documents.bin    where each document came from (format version 2): per document,
+    DIR/validation_documents.bin  little-endian int64 (first token's offset in the split, origin, record)
 
 The manifest records the format version, the source, the tokenizer's sha256 and vocabulary size,
-the dtype, and per split the documents, tokens and each shard's file, token count and sha256.
+the dtype, per split the documents, tokens and each shard's file, token count and sha256, and
+(version 2) `documents`: the origins (source files, `hub:NAME` or `builtin:pydoc`) the document
+index's origin numbers refer to, and per split the index's file, rows and sha256. Version 1
+datasets (no document index) still train; naming the documents behind a window needs version 2.
 The corpus fingerprint is a digest of the tokenizer and the shards' contents: it names the data a
 stream state belongs to.
 """
@@ -24,7 +29,8 @@ import numpy as np
 from pretrain.errors import UserError
 
 FORMAT = "pretrain-token-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no document index
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 
@@ -97,6 +103,80 @@ class ShardWriter:
         }
 
 
+class DocumentIndexWriter:
+    """Appends (first token's offset in the split, origin, record) per document to
+    `{split}_documents.bin`, hashing as it goes; memory stays flat."""
+
+    FLUSH_ROWS = 1 << 16
+
+    def __init__(self, directory: Path, split: str):
+        self.name = f"{split}_documents.bin"
+        self._file = open(directory / self.name, "wb")  # noqa: SIM115 (closed in finish)
+        self._hash = hashlib.sha256()
+        self._rows: list[tuple[int, int, int]] = []
+        self.count, self.tokens = 0, 0
+
+    def add(self, tokens: int, origin: tuple[int, int] | None) -> None:
+        """A text of `tokens` tokens; `origin` (origin index, record) when it starts a document."""
+        if origin is not None:
+            self._rows.append((self.tokens, *origin))
+            if len(self._rows) >= self.FLUSH_ROWS:
+                self._flush()
+        self.tokens += tokens
+
+    def _flush(self) -> None:
+        data = np.asarray(self._rows, dtype="<i8").reshape(-1, 3).tobytes()
+        self._file.write(data)
+        self._hash.update(data)
+        self.count += len(self._rows)
+        self._rows = []
+
+    def finish(self) -> dict:
+        self._flush()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return {"file": self.name, "rows": self.count, "sha256": self._hash.hexdigest()}
+
+
+@dataclass
+class DocumentIndex:
+    """Where the documents of one split came from (format version 2): for a token range, the
+    documents that overlap it."""
+
+    data_dir: Path
+    split: str
+    manifest: dict
+
+    def __post_init__(self) -> None:
+        entry = (self.manifest.get("documents") or {}).get("splits", {}).get(self.split)
+        if entry is None:
+            raise UserError(
+                f"{self.data_dir} has no document index (format version {self.manifest.get('format_version')}): "
+                f"prepare it again with `pretrain data prepare` to name the documents behind a window"
+            )
+        self.origins = self.manifest["documents"]["origins"]
+        path = self.data_dir / entry["file"]
+        if not path.is_file() or path.stat().st_size != entry["rows"] * 24:
+            raise UserError(f"{path} is missing or truncated: prepare the dataset again")
+        rows = np.memmap(path, dtype="<i8", mode="r") if entry["rows"] else np.zeros(0, dtype="<i8")
+        self.rows = rows.reshape(-1, 3)
+        self.split_tokens = int(self.manifest["splits"][self.split]["tokens"])
+
+    def overlapping(self, start: int, end: int) -> list[dict]:
+        """The documents with tokens in [start, end) of the split: origin, record, and the
+        document's own token range [first, last) in the split."""
+        starts = self.rows[:, 0]
+        first = max(int(np.searchsorted(starts, start, side="right")) - 1, 0)
+        last = int(np.searchsorted(starts, end, side="left"))
+        out = []
+        for i in range(first, last):
+            doc_end = int(starts[i + 1]) if i + 1 < len(starts) else self.split_tokens
+            out.append({"origin": self.origins[int(self.rows[i, 1])], "record": int(self.rows[i, 2]),
+                        "tokens": [int(starts[i]), doc_end]})  # fmt: skip
+        return out
+
+
 def our_manifest(data_dir: str | Path) -> dict | None:
     """The manifest of the dataset in `data_dir`, or None when it holds no manifest.json written by
     `pretrain data prepare` (missing, unreadable, not JSON, or another program's)."""
@@ -125,7 +205,7 @@ def read_manifest(data_dir: str | Path) -> dict:
         raise UserError(f"{path} is not valid JSON: prepare the dataset again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(f"{path} is not a {FORMAT} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise UserError(
             f"{path} has format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}: "
             "prepare the dataset again"
@@ -225,6 +305,12 @@ def verify_dataset(data_dir: str | Path) -> dict:
         elif digest.hexdigest() != entry["sha256"]:
             problems.append(f"{path} does not match its sha256 in the manifest")
         tokens += offset
+    for entry in (manifest.get("documents") or {}).get("splits", {}).values():  # the document index
+        path = data_dir / entry["file"]
+        if not path.is_file() or path.stat().st_size != entry["rows"] * 24:
+            problems.append(f"{path} is missing or does not hold the {entry['rows']} rows the manifest says")
+        elif hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
+            problems.append(f"{path} does not match its sha256 in the manifest")
     seconds = time.perf_counter() - started
     return {
         "shards": len(entries),

@@ -56,15 +56,24 @@ class Source:
     text_field: str = "text"
 
     def documents(self) -> Iterator[str]:
+        for _, _, doc in self.records():
+            yield doc
+
+    def records(self) -> Iterator[tuple[str, int, str]]:
+        """(origin, record, text) of each document: the file (or `hub:NAME`, or `builtin:pydoc`)
+        it came from and its index there (a .txt file is one record, 0), so a document in the
+        shards can be traced back to its text."""
         if self.kind == "builtin":
-            documents = pydoc_documents()
+            records = ((BUILTIN_PYDOC, index, doc) for index, doc in enumerate(pydoc_documents()))
         elif self.kind == "hub":
-            documents = _hub_documents(self.name, self.text_field)
+            records = (
+                (f"hub:{self.name}", index, doc) for index, doc in _hub_documents(self.name, self.text_field)
+            )
         else:
-            documents = _file_documents(self.files, self.text_field)
-        for doc in documents:
+            records = _file_records(self.files, self.text_field)
+        for origin, index, doc in records:
             # An editor's byte-order mark says how the file is encoded; it is not text.
-            yield doc[1:] if doc.startswith(BOM) else doc
+            yield origin, index, doc[1:] if doc.startswith(BOM) else doc
 
     def stat_digest(self) -> str | None:
         """A digest of each file's resolved path, size and mtime_ns (None for other kinds), so a
@@ -189,15 +198,20 @@ def _invalid_fraction(data: bytes) -> float:
     return max(invalid, 0) / len(data)
 
 
-def _file_documents(files: list[Path], text_field: str) -> Iterator[str]:
-    """Consecutive files of the same kind go through one streaming `load_dataset` call, in order."""
+def _file_records(files: list[Path], text_field: str) -> Iterator[tuple[str, int, str]]:
+    """Text files (one record each) go through one streaming `load_dataset` call per run of
+    consecutive ones; a JSON or Parquet file gets its own call, so each record knows its file."""
     run: list[Path] = []
     for path in [*files, None]:
-        if run and (path is None or _kind(path) != _kind(run[0])):
-            yield from _stream_files(run, text_field)
+        if run and (path is None or _kind(path) != "text"):
+            for file, (_, text) in zip(run, _stream_files(run, text_field), strict=True):
+                yield str(file), 0, text
             run = []
-        if path is not None:
+        if path is not None and _kind(path) == "text":
             run.append(path)
+        elif path is not None:
+            for index, text in _stream_files([path], text_field):
+                yield str(path), index, text
 
 
 def _kind(path: Path) -> str:
@@ -206,7 +220,7 @@ def _kind(path: Path) -> str:
     return "json" if path.suffix in JSON_SUFFIXES else "parquet"
 
 
-def _stream_files(files: list[Path], text_field: str) -> Iterator[str]:
+def _stream_files(files: list[Path], text_field: str) -> Iterator[tuple[int, str]]:
     import datasets
 
     # Its "Failed to load JSON ..." line (logged at ERROR) would come before our one-line error.
@@ -218,7 +232,7 @@ def _stream_files(files: list[Path], text_field: str) -> Iterator[str]:
         datasets.logging.set_verbosity(verbosity)
 
 
-def _stream_files_quietly(files: list[Path], text_field: str) -> Iterator[str]:
+def _stream_files_quietly(files: list[Path], text_field: str) -> Iterator[tuple[int, str]]:
     import datasets
 
     kind = _kind(files[0])
@@ -237,7 +251,7 @@ def _stream_files_quietly(files: list[Path], text_field: str) -> Iterator[str]:
     dataset = datasets.load_dataset(kind, data_files=data_files, split="train", streaming=True, **options)
     try:
         for index, record in enumerate(dataset):
-            yield _text_of(record, field_name, index, record_of)
+            yield index, _text_of(record, field_name, index, record_of)
     except (ValueError, TypeError, OSError) as exc:  # a record the reader cannot parse
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"could not read {where}: {first}") from None
@@ -256,7 +270,7 @@ def _text_of(record: dict, field_name: str, index: int, record_of: str) -> str:
     )
 
 
-def _hub_documents(name: str, text_field: str) -> Iterator[str]:
+def _hub_documents(name: str, text_field: str) -> Iterator[tuple[int, str]]:
     import datasets
     from huggingface_hub.utils import logging as hub_logging
 
@@ -277,7 +291,7 @@ def _hub_documents(name: str, text_field: str) -> Iterator[str]:
             f"Hub dataset {name!r} has no field {text_field!r} (fields: {', '.join(first)}): pass --text-field"
         )
     for index, record in enumerate(itertools.chain([first], iterator)):
-        yield _text_of(record, text_field, index, f"of Hub dataset {name!r}")
+        yield index, _text_of(record, text_field, index, f"of Hub dataset {name!r}")
 
 
 # --------------------------------------------------------------------------- builtin:pydoc

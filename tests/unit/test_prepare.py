@@ -13,7 +13,7 @@ import pytest
 import pretrain.data.prepare as prepare_module
 from pretrain.data import prepare_dataset, resolve_source
 from pretrain.data.prepare import prepare
-from pretrain.data.shards import ShardWriter, token_dtype
+from pretrain.data.shards import DocumentIndex, ShardWriter, token_dtype
 from pretrain.data.sources import Source
 from pretrain.errors import UserError
 from pretrain.tokenizer import Tokenizer
@@ -67,7 +67,22 @@ def test_round_trip_and_manifest(tmp_path, tokenizer_dir, workers=1):
     train, val = read_split(out, manifest, "train", tok), read_split(out, manifest, "validation", tok)
     assert len(val) == 4 and len(train) == 36
     assert interleave(train, val, 0.1) == DOCS  # exact: identity normalization, byte fallback
-    assert manifest["format_version"] == 1 and manifest["dtype"] == "<u2"
+    assert manifest["format_version"] == 2 and manifest["dtype"] == "<u2"
+    # The document index: every document's origin, record and first token, in both splits.
+    assert manifest["documents"]["origins"] == [str(tmp_path / "docs.jsonl")]
+    for split, docs in (("train", train), ("validation", val)):
+        index = DocumentIndex(out, split, manifest)
+        assert len(index.rows) == manifest["splits"][split]["documents"] == len(docs)
+        held = [i for i in range(len(DOCS)) if math.floor((i + 1) * 0.1) > math.floor(i * 0.1)]
+        records = held if split == "validation" else [i for i in range(len(DOCS)) if i not in held]
+        assert index.rows[:, 2].tolist() == records and set(index.rows[:, 1].tolist()) == {0}
+        tokens = np.concatenate(
+            [np.fromfile(out / s["file"], dtype="<u2") for s in manifest["splits"][split]["shards"]]
+        )
+        for k in (0, 3, len(docs) - 1):
+            (doc,) = [d for d in index.overlapping(int(index.rows[k, 0]), int(index.rows[k, 0]) + 1)]
+            first, last = doc["tokens"]
+            assert tok.decode(tokens[first : last - 1].tolist()) == DOCS[doc["record"]]  # (EOS last)
     assert manifest["tokenizer"] == {"sha256": tok.sha256, "vocab_size": 512, "eos_id": 2}
     assert manifest["source"].startswith("files:") and manifest["val_fraction"] == 0.1
     shards = manifest["splits"]["train"]["shards"]
@@ -95,6 +110,14 @@ def test_txt_parquet_globs_and_directories(tmp_path, tokenizer_dir):
             resolve_source(specs, field), tokenizer_dir, out, val_fraction=0.0, progress=False
         )
         assert read_split(out, manifest, "train", tok) == DOCS[:8], specs
+        index = DocumentIndex(out, "train", manifest)
+        origins = [index.origins[o] for o in index.rows[:, 1]]
+        if field == "text":  # a text file is one document, record 0
+            assert origins == [str(texts / f"{i:02d}.txt") for i in range(8)] and set(index.rows[:, 2]) == {0}
+        else:
+            assert origins == [str(tmp_path / "docs.parquet")] * 8 and index.rows[:, 2].tolist() == list(
+                range(8)
+            )
 
 
 def test_invalid_utf8_is_replaced(tmp_path, tokenizer_dir):
@@ -248,7 +271,7 @@ def test_records_without_a_text_string_are_refused(tmp_path, tokenizer_dir, monk
             )
     good = write_jsonl(tmp_path / "good.jsonl", DOCS[:3])
     both = resolve_source([str(good), str(tmp_path / "null.jsonl")])
-    with pytest.raises(UserError, match=r"record 5 \(counting across .*good.jsonl, .*null.jsonl in order\)"):
+    with pytest.raises(UserError, match=r"record 2 of .*null.jsonl has no string"):  # each file counts its own
         list(both.documents())
     # Blank strings are documents with no text: skipped and counted, not refused.
     write_jsonl(tmp_path / "blanks.jsonl", [*DOCS, "", "  \n"])
