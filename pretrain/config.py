@@ -278,9 +278,9 @@ class LoggingConfig:
     every: int = 10  # steps between console/TensorBoard scalar writes
     layer_grad_norms_every: int = 50  # steps between per-layer-group gradient norms; 0 disables
     tensorboard: bool = True
-    # RUN_DIR/data_trace/rank_NNNNN.jsonl: the window indices each rank trained on at each step, to
-    # find the data behind a spike (a re-run step after a rollback or restart appends a new line)
-    data_trace: bool = False
+    # RUN_DIR/data_trace/rank_NNNNN.jsonl: the window ids each rank trained on at each step, to
+    # find the data behind a spike (`pretrain data inspect`; a step run again appends a new line)
+    data_trace: bool = True
 
     def __post_init__(self) -> None:
         _positive("logging.every", self.every)
@@ -318,6 +318,8 @@ class MonitorConfig:
     rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
     lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
+    # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
+    quarantine: bool = False
     # The supervisor (`pretrain launch`): restart a crashed or hung job from its newest checkpoint.
     max_restarts: int = 3  # restarts of the job over the whole run; then `pretrain launch` gives up
     hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps

@@ -328,17 +328,25 @@ class Rewindable(Protocol):
 
 
 def apply_rollback(
-    action: Action, applied_at: int, engine, task: Rewindable, checkpointer: Checkpointer
+    action: Action,
+    applied_at: int,
+    engine,
+    task: Rewindable,
+    checkpointer: Checkpointer,
+    evidence: dict | None = None,
 ) -> TrainState | None:
     """Every rank, at the step boundary after step `applied_at`: load the target checkpoint (or, if
     its files do not verify, the next older intact one), put the data stream at its position,
     reshuffle the rest of the epoch with the new seed, and carry on with the scaled learning rate.
     Newer checkpoints belong to the abandoned timeline and move aside. None when no intact
-    checkpoint is left to go back to (the rollback is cancelled, with an event, and training goes on)."""
+    checkpoint is left to go back to (the rollback is cancelled, with an event, and training goes on).
+    `evidence` (the anomalous step's documents) goes into the event."""
     task.pause()
     loaded = checkpointer.load(engine, action.tag)
     run_dir = checkpointer.run_dir
-    decided = {"decision": action.decision, "decided_at": action.step, "applied_at": applied_at}
+    decided = {"decision": action.decision, "decided_at": action.step, "applied_at": applied_at} | (
+        evidence or {}
+    )
     if loaded is None:
         if checkpointer.env.is_main:
             append_event(run_dir, {"type": "rollback_cancelled", "step": step_of(action.tag), "tag": action.tag,

@@ -23,6 +23,7 @@ from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, c
 from pretrain.config import RunConfig, config_hash, to_yaml
 from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
 from pretrain.data.loader import document_ids
+from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import check_tokenizer, fingerprint
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
@@ -118,6 +119,7 @@ class LanguageModeling:
     def __init__(self, cfg: RunConfig, data_dir: Path, plan: BatchPlan, env: DistEnv, device):
         self.data_dir, self.seq_len, self.env, self.run_dir = data_dir, cfg.data.seq_len, env, cfg.run.dir
         self.micro_batch_size, self.eval_batches = plan.micro_batch_size, cfg.eval.batches
+        self.grad_accum = plan.grad_accum
         self.evaluates = cfg.eval.every > 0
         self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
         self.sources = cfg.data.sources()
@@ -144,6 +146,21 @@ class LanguageModeling:
         return {
             f"train/tokens/{name}": float(state[name]["served"] * self.seq_len) for name, _, _ in self.sources
         }
+
+    def windows_of(self, state: dict) -> list[tuple[int, int]]:
+        stream = MixtureStream(self.sources, self.seq_len, seed=0)  # (the seed comes from the state)
+        stream.load_state_dict(state)
+        return stream.windows(self.micro_batch_size * self.grad_accum * self.env.world_size)
+
+    def evidence(self, windows: list[int]) -> dict:
+        return {"windows": windows} | documents_or_reason(self._provenance, windows)
+
+    def quarantine(self, entries: list[tuple[int, int]]) -> None:
+        self.loader.quarantine(entries)
+
+    @functools.cached_property
+    def _provenance(self) -> Provenance:
+        return Provenance(self.sources, self.seq_len)
 
     def evaluate(self, engine) -> dict[str, float]:
         """The held-out loss; for a mixture, per corpus (`loss/NAME`) and their weighted mean."""
@@ -260,6 +277,7 @@ def build_trainer(
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
         peak_flops=cfg.engine.peak_flops or current_device_peak_flops(),
         data_trace=cfg.logging.data_trace,
+        quarantine=cfg.monitor.quarantine,
         state=state,
         summary={"world_size": env.world_size, "zero_stage": zero},
     )

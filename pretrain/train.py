@@ -39,6 +39,8 @@ from pretrain.metrics import MetricsWriter
 from pretrain.monitor_link import MonitorLink, apply_rollback
 
 SUMMARY_FILE = "train_summary.json"
+QUARANTINE_FILE = "quarantine.jsonl"  # monitor.quarantine: the windows set aside, one line per rollback
+DATA_POSITIONS_KEPT = 1024  # steps back a verdict can be about and still name its windows
 
 
 class Task(Protocol):
@@ -70,6 +72,16 @@ class Task(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
     def close(self) -> None: ...
+
+    def windows_of(self, state: dict) -> list[tuple[int, int]]:
+        """The (window id, epoch) of every rank's windows in the step that starts at data position
+        `state` (recomputed: the order is deterministic); [] for tasks without windows."""
+
+    def evidence(self, windows: list[int]) -> dict:
+        """What a rollback event says about these windows: {"documents": [...]}, or why not."""
+
+    def quarantine(self, entries: list[tuple[int, int]]) -> None:
+        """Never serve these (window id, epoch) again in that epoch."""
 
     def finish(self, summary: dict) -> str | None:
         """Rank 0, after the last step: write the task's own results; the closing line to print."""
@@ -114,6 +126,9 @@ class Trainer:
     summary: dict = field(default_factory=dict)
     last_saved: int = 0  # the step of the newest checkpoint of this timeline
     charted_to: int = 0  # the newest step whose verdict is on TensorBoard
+    quarantine: bool = False  # monitor.quarantine: a rollback also sets the anomalous step's windows aside
+    quarantined: list = field(default_factory=list)  # (window, epoch) set aside by this process's rollbacks
+    data_at: dict = field(default_factory=dict)  # step → the data position it started at (recent steps)
 
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
@@ -147,6 +162,7 @@ class Trainer:
         while self.state.step < c.steps:
             step = self.state.step + 1
             self.faults.before_step(step)
+            self.remember_data_position(step)
             metrics, served, stop_requested, action_waits = self.optimizer_step(step, stop)
             self.log(step, metrics, served, trace)
             if self.monitor is not None:
@@ -253,7 +269,11 @@ class Trainer:
                          f"seed {action.seed} (applied after step {step})", action.step or step)  # fmt: skip
         self.writer.message(f"monitor: {action.reason} at step {action.step}: rolling back to {action.tag} "
                             f"with data seed {action.seed}, lr scale {action.lr_scale:g}")  # fmt: skip
-        state = apply_rollback(action, step, self.engine, self.task, self.checkpointer)
+        windows = self.task.windows_of(self.data_at[action.step]) if action.step in self.data_at else []
+        evidence = self.task.evidence([w for w, _ in windows]) if self.env.is_main else {}
+        state = apply_rollback(action, step, self.engine, self.task, self.checkpointer, evidence)
+        if state is not None and self.quarantine and windows:
+            self.set_aside(action, windows, evidence)
         if state is None:
             reason = f"no intact checkpoint at or before {action.tag}"
             self.writer.message(f"monitor: {reason}: rollback cancelled")
@@ -264,6 +284,25 @@ class Trainer:
         self.last_saved = state.step
         self.summary["rollbacks"] += 1
         return True
+
+    def remember_data_position(self, step: int) -> None:
+        """Where the data stood as `step` began, for the steps a verdict may still be about."""
+        self.data_at[step] = self.task.state_dict()
+        for old in [s for s in self.data_at if s <= step - DATA_POSITIONS_KEPT]:
+            del self.data_at[old]
+
+    def set_aside(self, action: Action, windows: list[tuple[int, int]], evidence: dict) -> None:
+        """Quarantine the anomalous step's windows (and those of earlier rollbacks, which an older
+        checkpoint's position does not hold yet); rank 0 lists them in RUN_DIR/quarantine.jsonl."""
+        self.quarantined += [w for w in windows if w not in self.quarantined]
+        self.task.quarantine(self.quarantined)
+        if self.env.is_main:
+            record = {"step": action.step, "decision": action.decision, "windows": [list(w) for w in windows]}
+            with open(self.run_dir / QUARANTINE_FILE, "a") as f:
+                f.write(json.dumps(evidence | record) + "\n")  # (windows with their epochs)
+            self.writer.message(
+                f"monitor: {len(windows)} windows of step {action.step} set aside for their epoch"
+            )
 
     def chart_verdicts(self) -> None:
         """Rank 0: what the monitor judged (every step, at the step it judged): the series with

@@ -1,4 +1,4 @@
-"""`pretrain tokenizer train` and `pretrain data prepare`."""
+"""`pretrain tokenizer train` and `pretrain data prepare | verify | inspect`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,47 @@ def cmd_data_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    """The windows a run trained at one step: corpus, token range, documents and text."""
+    import json
+
+    from pretrain.data.provenance import Provenance, trained_at
+    from pretrain.errors import UserError
+    from pretrain.run_dir import read_run_file
+
+    run_dir = Path(args.run_dir)
+    recorded = read_run_file(run_dir)
+    if recorded is None:
+        raise UserError(f"{run_dir} is not a run directory (no readable run.json): pass the run's run.dir")
+    config = recorded["config"]  # flat keys: "data.dir", "data.mixture", "data.seq_len"
+    sources = [(m["name"], m["dir"], m["weight"]) for m in config.get("data.mixture") or []]
+    provenance = Provenance(sources or [("data", config["data.dir"], 1.0)], config["data.seq_len"])
+    attempts = trained_at(run_dir, args.step)
+    if not attempts:
+        raise UserError(
+            f"step {args.step} is not in the data trace of {run_dir}: pick a step the run trained"
+        )
+    report = {"run_dir": str(run_dir), "step": args.step, "attempts": [
+        {"attempt": a["attempt"], "windows": [{"rank": rank, **provenance.window(w)}
+                                              for rank, ids in sorted(a["windows"].items()) for w in ids]}
+        for a in attempts]}  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for attempt in report["attempts"]:
+        again = " (trained again after a rollback or restart)" if attempt["attempt"] > 1 else ""
+        print(f"step {args.step}, attempt {attempt['attempt']} of {len(attempts)}{again}: "
+              f"{len(attempt['windows'])} windows")  # fmt: skip
+        for w in attempt["windows"]:
+            first, last = w["tokens"]
+            print(f"  rank {w['rank']}  window {w['window']}  {w['source']}  tokens {first:,}..{last:,}")
+            for doc in w["documents"]:
+                a, b = doc["tokens"]
+                print(f"    {doc['origin']}  record {doc['record']}  (document tokens {a:,}..{b:,})")
+            print(f"    text: {w['text']!r}")
+    return 0
+
+
 def register(sub) -> None:
     tokenizer = sub.add_parser("tokenizer", help="train SentencePiece tokenizers")
     actions = tokenizer.add_subparsers(
@@ -111,3 +152,12 @@ def register(sub) -> None:
     )
     verify.add_argument("dir", help="a prepared dataset directory")
     verify.set_defaults(handler=cmd_data_verify)
+
+    inspect = actions.add_parser(
+        "inspect",
+        help="the windows a run trained at a step: corpus, documents and text (from its data trace)",
+    )
+    inspect.add_argument("--run-dir", required=True, help="the run directory (run.dir)")
+    inspect.add_argument("--step", type=int, required=True, help="the training step")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(handler=cmd_data_inspect)

@@ -120,6 +120,13 @@ class BatchLoader:
         self.stream.reshuffle(seed)
         self._state = self.stream.state_dict()
 
+    def quarantine(self, entries) -> None:
+        """Never serve these (window id, epoch) in that epoch (see MixtureStream.quarantine), from
+        the last batch handed out on; the prefetched batches are dropped."""
+        self.close()
+        self.stream.quarantine(entries)
+        self._state = self.stream.state_dict()
+
     def state_dict(self) -> dict:
         return dict(self._state)
 

@@ -59,6 +59,15 @@ class FinetuneTask:
     def scalars(self) -> dict[str, float]:
         return {}
 
+    def windows_of(self, state: dict) -> list[tuple[int, int]]:
+        return []  # (examples, not windows: the data trace names them)
+
+    def evidence(self, windows: list[int]) -> dict:
+        return {}
+
+    def quarantine(self, entries: list[tuple[int, int]]) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {"examples": self.examples}
 

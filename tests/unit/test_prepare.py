@@ -271,7 +271,9 @@ def test_records_without_a_text_string_are_refused(tmp_path, tokenizer_dir, monk
             )
     good = write_jsonl(tmp_path / "good.jsonl", DOCS[:3])
     both = resolve_source([str(good), str(tmp_path / "null.jsonl")])
-    with pytest.raises(UserError, match=r"record 2 of .*null.jsonl has no string"):  # each file counts its own
+    with pytest.raises(
+        UserError, match=r"record 2 of .*null.jsonl has no string"
+    ):  # each file counts its own
         list(both.documents())
     # Blank strings are documents with no text: skipped and counted, not refused.
     write_jsonl(tmp_path / "blanks.jsonl", [*DOCS, "", "  \n"])

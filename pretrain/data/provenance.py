@@ -1,0 +1,99 @@
+"""The text behind a window id: its corpus, its token range, the documents it holds and where each
+came from (the document index `pretrain data prepare` writes), and the start of its text.
+
+    provenance = Provenance(cfg.data.sources(), seq_len)
+    provenance.window(1234)       # {"window", "source", "tokens", "documents": [...], "text"}
+    provenance.documents([...])   # the distinct documents of many windows: {"source", "origin", "record"}
+
+Window ids are the mixture's (pretrain/data/mixture.py): the data trace, rollback events and the
+quarantine name windows by them. Used by `pretrain data inspect`, by rollbacks (their events carry
+the anomalous step's documents) and by the quarantine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from pretrain.data.mixture import MixtureStream
+from pretrain.data.shards import DocumentIndex
+from pretrain.errors import UserError
+from pretrain.tokenizer import MODEL_FILE, Tokenizer
+
+TEXT_CHARS = 160  # of a window's text shown
+
+
+class Provenance:
+    def __init__(self, sources: list[tuple[str, str | Path, float]], seq_len: int):
+        self.mixture = MixtureStream(sources, seq_len)
+        self.seq_len = seq_len
+
+    def window(self, window: int, text: bool = True) -> dict:
+        """Where window `window` comes from: its corpus, its tokens [first, last) in the corpus's
+        train split, the documents overlapping it, and (with `text`) the start of its text."""
+        source, index = self.mixture.locate(window)
+        stream = self.mixture.streams[source]
+        shard, start = stream.locate(index)
+        first = int(stream.shards.tokens[:shard].sum()) + start
+        out = {
+            "window": window,
+            "source": self.mixture.names[source],
+            "tokens": [first, first + self.seq_len + 1],
+        }
+        out["documents"] = self._index(source).overlapping(first, first + self.seq_len + 1)
+        if text:
+            out["text"] = self._tokenizer(source).decode(stream.read(index).tolist())[:TEXT_CHARS]
+        return out
+
+    def documents(self, windows: list[int]) -> list[dict]:
+        """The distinct documents the windows hold, in the order they first appear."""
+        seen, out = set(), []
+        for window in windows:
+            described = self.window(window, text=False)
+            for doc in described["documents"]:
+                key = (described["source"], doc["origin"], doc["record"])
+                if key not in seen:
+                    seen.add(key)
+                    out.append({"source": key[0], "origin": key[1], "record": key[2]})
+        return out
+
+    @functools.cache  # noqa: B019 (one Provenance per run or command)
+    def _index(self, source: int) -> DocumentIndex:
+        stream = self.mixture.streams[source]
+        return DocumentIndex(stream.shards.data_dir, "train", stream.shards.manifest)
+
+    @functools.cache  # noqa: B019
+    def _tokenizer(self, source: int) -> Tokenizer:
+        return Tokenizer.load(self.mixture.streams[source].shards.data_dir / MODEL_FILE)
+
+
+def documents_or_reason(provenance: Provenance | None, windows: list[int]) -> dict:
+    """{"documents": [...]} for an event, or {"documents_unavailable": why} (a version 1 dataset,
+    a damaged index): naming the documents must never stop a rollback."""
+    if provenance is None:
+        return {"documents_unavailable": "no data trace for that step"}
+    try:
+        return {"documents": provenance.documents(windows)}
+    except (UserError, OSError, ValueError) as exc:
+        return {"documents_unavailable": str(exc)}
+
+
+def trained_at(run_dir: Path, step: int) -> list[dict]:
+    """Each time step `step` was trained (a rollback or a restart trains it again): {"attempt",
+    "windows": {rank: [ids]}} from RUN_DIR/data_trace/rank_*.jsonl, the first attempt first."""
+    files = sorted((run_dir / "data_trace").glob("rank_*.jsonl"))
+    if not files:
+        raise UserError(
+            f"{run_dir} has no data trace (data_trace/rank_*.jsonl): the run had logging.data_trace=false"
+        )
+    attempts: list[dict] = []
+    for path in files:
+        rank = int(path.stem.split("_")[1])
+        lines = [line for line in path.read_text().splitlines() if f'"step": {step}' in line]
+        records = [r for r in map(json.loads, lines) if r.get("step") == step]  # (a cheap filter first)
+        for attempt, record in enumerate(records):
+            while len(attempts) <= attempt:
+                attempts.append({"attempt": len(attempts) + 1, "windows": {}})
+            attempts[attempt]["windows"][rank] = [int(w) for w in record["windows"] if w is not None]
+    return attempts
