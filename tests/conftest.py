@@ -1,5 +1,6 @@
 import json
 import os
+from pathlib import Path
 
 # The Hub is out of reach for tests (and for this machine): fail fast instead of retrying the network.
 # Set before anything imports `datasets` or `huggingface_hub`, which read it once.
@@ -109,6 +110,26 @@ def train_data(tmp_path_factory, tokenizer_dir):
     corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
     prepare_dataset(
         resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
+    )
+    return directory / "data"
+
+
+@pytest.fixture(scope="session")
+def code_data(tmp_path_factory, tokenizer_dir):
+    """A second corpus for mixtures, with the session tokenizer: the source code of some of the
+    standard library's modules, one document per module (20% held out)."""
+    import sysconfig
+
+    from pretrain.data import prepare_dataset, resolve_source
+
+    directory = tmp_path_factory.mktemp("code_data")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    modules = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py", "heapq.py",
+               "keyword.py", "numbers.py", "glob.py"]  # fmt: skip
+    corpus = directory / "code.jsonl"
+    corpus.write_text("".join(json.dumps({"text": (stdlib / m).read_text()}) + "\n" for m in modules))
+    prepare_dataset(
+        resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.2, progress=False
     )
     return directory / "data"
 

@@ -10,22 +10,31 @@ import torch
 from tests.integration.runs import FAST, TINY, events, metrics
 
 
-def launch(run_dir, data_dir, *overrides, nproc=2, timeout=600):
+def launch(run_dir, data, *overrides, nproc=2, timeout=600):
+    """`data`: a prepared corpus, or {name: corpus} for a mixture of equal weights."""
+    if isinstance(data, dict):
+        sources = ",".join(f"{{name: {name}, dir: '{d}', weight: 1}}" for name, d in data.items())
+        data_setting = f"data.mixture=[{sources}]"
+    else:
+        data_setting = f"data.dir={data}"
     command = [sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc), "--config", TINY,
-               f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, "eval.every=0", "monitor.warmup=4",
+               f"run.dir={run_dir}", data_setting, *FAST, "eval.every=0", "monitor.warmup=4",
                "monitor.window=16", *overrides]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
-def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, train_data):
+def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, train_data, code_data):
+    """On a two-corpus mixture with document masking: the mixture's position survives both
+    restarts, and the held-out loss falls on each corpus."""
     import glob
     import os
     import time
 
     started = time.time()
-    result = launch(tmp_path, train_data, "train.steps=10", "checkpoint.every=3",
+    result = launch(tmp_path, {"prose": train_data, "code": code_data}, "train.steps=10", "checkpoint.every=3",
                     "faults.kill_step=5", "faults.kill_rank=1", "faults.hang_step=8", "faults.hang_rank=0",
-                    "monitor.hang_min_seconds=4", "monitor.stop_grace_seconds=3")  # fmt: skip
+                    "monitor.hang_min_seconds=4", "monitor.stop_grace_seconds=3", "data.document_masking=true",
+                    "eval.every=10")  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     restarts = [e for e in events(tmp_path) if e["type"] == "restart"]
     assert not [e for e in events(tmp_path) if e["type"] == "rollback"]  # restarts are not anomalies
@@ -38,6 +47,17 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     )
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["completed"] and summary["step"] == 10
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    for name in ("prose", "code"):  # evaluated at step 0 (first attempt) and 10 (the last)
+        losses = {e.step: e.value for e in board.Scalars(f"eval/loss/{name}")}
+        assert sorted(losses) == [0, 10] and losses[10] < losses[0] - 0.3, (name, losses)
+    with open(tmp_path / "checkpoints" / "step_00000010" / "train_state.json") as f:
+        data = json.load(f)["data"]
+    served = {name: source["served"] for name, source in data["sources"].items()}
+    assert served == {"prose": 20, "code": 20}  # 10 steps × 2 ranks × 2 windows, half each
     assert "faults: kill rank 1 at step 5" in result.stderr and "restart 2/3 after hang" in result.stdout
     assert all(s in metrics(tmp_path) for s in range(1, 11))
     status = json.loads((tmp_path / "monitor" / "supervisor.json").read_text())
