@@ -3,8 +3,8 @@
 Prepare: the builtin:pydoc documents, repeated to a few million tokens and written as JSON lines,
 tokenized with 1 and then 2 workers (best of `repeats` each; tokenizer training not counted).
 Stream: random tokens in memory-mapped shards (read once first, so they are in the page cache),
-served by one WindowStream in shuffled order; tokens/s per process at several window sizes, and
-through the BatchLoader.
+served by one WindowStream in shuffled order; tokens/s per process at several window sizes,
+through the BatchLoader, and from a two-corpus MixtureStream (one process; rank 0 of 64).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pretrain.data.loader import BatchLoader
+from pretrain.data.mixture import MixtureStream
 from pretrain.data.prepare import prepare_dataset
 from pretrain.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, fingerprint
 from pretrain.data.sources import pydoc_documents, resolve_source
@@ -104,6 +105,12 @@ def bench_stream(work: Path, seconds: float = 2.0) -> dict:
         stream = WindowStream(data, seq_len, seed=1)
         result[f"stream_tokens_per_sec_seq{seq_len}"] = _rate(stream, seq_len + 1, seconds)
     result["stream_tokens_per_sec"] = result["stream_tokens_per_sec_seq2048"]
+    # A two-corpus mixture (0.7 / 0.3): one process, and rank 0 of 64 (every rank walks the round).
+    _synthetic_dataset(work / "synthetic_b", tokens=16 * 2**20, shards=2)
+    sources = [("a", data, 0.7), ("b", work / "synthetic_b", 0.3)]
+    for world_size in (1, 64):
+        mixture = MixtureStream(sources, 2048, rank=0, world_size=world_size, seed=1)
+        result[f"mixture_tokens_per_sec_seq2048_world{world_size}"] = _rate(mixture, 2049, seconds)
     loader = BatchLoader(WindowStream(data, 2048, seed=1), batch_size=8)
     result["loader_tokens_per_sec_seq2048_batch8"] = _rate(loader, 8 * 2049, seconds)
     loader.close()
@@ -122,6 +129,8 @@ def run(as_json: bool = False, quick: bool = False) -> dict:
     for seq_len in (512, 2048, 8192):
         print(f"  seq_len {seq_len:>5}: {result[f'stream_tokens_per_sec_seq{seq_len}'] / 1e6:8.1f}M tokens/s")
     print(f"  BatchLoader, 8 x 2048: {result['loader_tokens_per_sec_seq2048_batch8'] / 1e6:8.1f}M tokens/s")
+    print(f"  mixture of 2, seq 2048: {result['mixture_tokens_per_sec_seq2048_world1'] / 1e6:7.1f}M tokens/s "
+          f"(rank 0 of 64: {result['mixture_tokens_per_sec_seq2048_world64'] / 1e6:.1f}M)")  # fmt: skip
     print(f"prepare ({result['prepare_corpus_tokens'] / 1e6:.1f}M tokens of Python docs as JSON lines):")
     print(f"  1 worker : {result['prepare_tokens_per_sec_1_worker'] / 1e6:6.2f}M tokens/s")
     print(

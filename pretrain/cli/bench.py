@@ -1,4 +1,4 @@
-"""`pretrain bench data / monitor / detection / train / ablation`: benchmarks that print figures."""
+"""`pretrain bench data / masking / monitor / detection / train / ablation`: benchmarks that print figures."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
     from pretrain.bench.data import run
 
     run(as_json=args.json, quick=args.quick)
+    return 0
+
+
+def cmd_bench_masking(args: argparse.Namespace) -> int:
+    from pretrain.bench.masking import run
+
+    run(args.config, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+        document_tokens=args.document_tokens, steps=args.steps, dtype=args.dtype, as_json=args.json)  # fmt: skip
     return 0
 
 
@@ -61,6 +69,19 @@ def register(sub) -> None:
     data.add_argument("--json", action="store_true", help="print one JSON object")
     data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
     data.set_defaults(handler=cmd_bench_data)
+
+    masking = whats.add_parser(
+        "masking", help="training step time with document masking against without (same model and batch)"
+    )
+    masking.add_argument("config", metavar="CONFIG", help="model preset (configs/model/*.yaml) or run config")
+    masking.add_argument("--seq-len", type=int, help="tokens per window (default: the config's)")
+    masking.add_argument("--micro-batch-size", type=int, help="windows per step (default: the config's)")
+    masking.add_argument("--document-tokens", type=float, default=512.0,
+                         help="mean document length packed into the windows (default 512)")  # fmt: skip
+    masking.add_argument("--steps", type=int, default=10, help="measured steps per arm (default 10)")
+    masking.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    masking.add_argument("--json", action="store_true", help="print one JSON object")
+    masking.set_defaults(handler=cmd_bench_masking)
 
     monitor = whats.add_parser(
         "monitor", help="step time with and without the monitoring service; how fast a spike is acted on"

@@ -1,9 +1,8 @@
 """The monitoring service as its own process (`python -m monitoring`), and real 2-process
-training runs that report to it: spikes rolled back, a service that is down."""
+training runs that report to it: spikes rolled back, a service that stalls."""
 
 import collections
 import json
-import math
 import os
 import random
 import signal
@@ -208,18 +207,6 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     ]
     tries_of_step_9 = [r["windows"] for r in rank0 if r["step"] == 9]
     assert len(tries_of_step_9) == 2 and tries_of_step_9[0] != tries_of_step_9[1]
-
-
-def test_training_goes_on_when_the_monitor_is_down_and_never_applies_a_nan(tmp_path, train_data):
-    from pretrain.inference import load_trained
-
-    result = train(launcher(2), tmp_path, train_data, "train.steps=4", "checkpoint.every=4", "eval.every=0",
-                   "monitor.enabled=true", "monitor.timeout=0.2", "faults.nan_steps=[2]")  # fmt: skip
-    assert "monitor unreachable at step 1" in result.stderr
-    assert json.loads((tmp_path / "train_summary.json").read_text())["completed"]
-    steps = step_metrics(tmp_path)
-    assert math.isnan(steps[2]["train/loss"]) and steps[4]["train/skipped_steps"] == 1
-    assert all(torch.isfinite(p).all() for p in load_trained(tmp_path).model.parameters())
 
 
 def _train_in_background(*args, **kwargs):

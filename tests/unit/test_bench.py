@@ -9,7 +9,7 @@ import torch
 
 from pretrain.bench.ablation import report, tokens_to_reach
 from pretrain.bench.train import saved_activation_bytes
-from tests.helpers import assert_one_line_error
+from tests.helpers import TINY, assert_one_line_error
 
 SMALL_MODEL = {
     "vocab_size": 512,
@@ -131,3 +131,14 @@ def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path
         summary["replay"]["nan"]["rollback"] == summary["replay"]["nan"]["trials"] == 26
     )  # steps 41, 51, .. 291
     assert json.loads(capsys.readouterr().out)["summary"] == summary
+
+
+def test_bench_masking_times_both_arms_on_the_same_model(capsys):
+    from pretrain.bench.masking import run
+
+    result = run(TINY, seq_len=128, micro_batch_size=1, document_tokens=32, steps=2, warmup=0, dtype="fp32")
+    assert result["seq_len"] == 128 and result["device"] == "cpu"
+    assert result["step_seconds_masked"] > 0 and result["step_seconds_unmasked"] > 0
+    assert result["masked_over_unmasked"] == result["step_seconds_masked"] / result["step_seconds_unmasked"]
+    assert 2 <= result["documents_per_window"] <= 12  # ~128 / 32 documents, packed
+    assert "masked / unmasked" in capsys.readouterr().out

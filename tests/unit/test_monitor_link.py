@@ -188,9 +188,18 @@ def test_the_circuit_breaker_stops_the_run_and_nothing_after_the_refused_state_i
     ]  # fmt: skip
 
 
-def test_without_a_service_the_run_goes_on(tmp_path, train_data, capsys):
-    cfg = config(tmp_path, train_data, "train.steps=3", "checkpoint.every=3", "monitor.timeout=0.1")
-    summary = pretraining_trainer(cfg).train()
+def test_without_a_service_the_run_goes_on_and_never_applies_a_nan(tmp_path, train_data, capsys):
+    import math
+
+    import torch
+
+    cfg = config(tmp_path, train_data, "train.steps=4", "checkpoint.every=4", "monitor.timeout=0.1",
+                 "faults.nan_steps=[2]")  # fmt: skip
+    trainer = pretraining_trainer(cfg)
+    summary = trainer.train()
     assert summary["completed"] and summary["rollbacks"] == 0
     err = capsys.readouterr().err
     assert err.count("monitor unreachable at step 1") == 1 and "saving the checkpoint all the same" in err
+    steps = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert math.isnan(steps[2]["train/loss"]) and steps[4]["train/skipped_steps"] == 1  # the step was skipped
+    assert all(torch.isfinite(p).all() for p in trainer.engine.module.parameters())
