@@ -61,6 +61,9 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except BrokenPipeError:  # `pretrain ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no error at exit's flush)
+        return 0
 
 
 class CommandParser(argparse.ArgumentParser):

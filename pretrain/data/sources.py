@@ -60,7 +60,7 @@ class Source:
             yield doc
 
     def records(self) -> Iterator[tuple[str, int, str]]:
-        """(origin, record, text) of each document: the file (or `hub:NAME`, or `builtin:pydoc`)
+        """(origin, record, text) of each document: the file's resolved path (or `hub:NAME`, or `builtin:pydoc`)
         it came from and its index there (a .txt file is one record, 0), so a document in the
         shards can be traced back to its text."""
         if self.kind == "builtin":
@@ -205,13 +205,13 @@ def _file_records(files: list[Path], text_field: str) -> Iterator[tuple[str, int
     for path in [*files, None]:
         if run and (path is None or _kind(path) != "text"):
             for file, (_, text) in zip(run, _stream_files(run, text_field), strict=True):
-                yield str(file), 0, text
+                yield str(file.resolve()), 0, text
             run = []
         if path is not None and _kind(path) == "text":
             run.append(path)
         elif path is not None:
             for index, text in _stream_files([path], text_field):
-                yield str(path), index, text
+                yield str(path.resolve()), index, text
 
 
 def _kind(path: Path) -> str:
