@@ -7,8 +7,9 @@
   opaque as the attention weight, one colour per head; hover a token to see only its lines.
   Everything is inline (no network): the weights are embedded as JSON.
 
-`render` does it all for a checkpoint and a text. Maps are (L layers, H heads, T queries, T keys),
-softmax probabilities; the model is causal, so everything above the diagonal is 0.
+`render` does it all for a checkpoint (or a Hugging Face directory: `load_trained`) and a text.
+Maps are (L layers, H heads, T queries, T keys), softmax probabilities; the model is causal, so
+everything above the diagonal is 0.
 """
 
 from __future__ import annotations
@@ -307,7 +308,8 @@ def save_head_view_html(maps: Maps, labels: list[str], path: str | Path, title: 
 
 
 def render(checkpoint: str, text: str, out_prefix: str) -> dict:
-    """Attention maps of `text` under a checkpoint, as out_prefix.png and out_prefix.html."""
+    """Attention maps of `text` under a checkpoint or a Hugging Face directory (whatever
+    `load_trained` reads), as out_prefix.png and out_prefix.html."""
     from pretrain.inference import load_trained  # checkpoint machinery: only needed here
 
     if not text:

@@ -1,9 +1,12 @@
-"""Hugging Face Llama ↔ our model.
+"""Hugging Face Llama ↔ our model and tokenizer.
 
 `save_hf(model, dir)` writes `config.json` + `model.safetensors` that
 `transformers.LlamaForCausalLM.from_pretrained(dir)` loads with the same logits; `load_hf(dir)`
 reads such a directory (ours, or any Llama checkpoint in safetensors) back into a `Transformer`.
-Neither needs `transformers` installed: the format is plain JSON and safetensors.
+`save_hf_tokenizer(tokenizer, dir)` writes the SentencePiece model beside them together with the
+files `AutoTokenizer` and `LlamaTokenizerFast` load (tokenizer.json, tokenizer_config.json,
+special_tokens_map.json), built so that they give exactly our ids (see `fast_tokenizer_json`).
+None of this needs `transformers` or `tokenizers` installed: the formats are plain JSON and safetensors.
 
 Our fused projections map onto Llama's separate ones by row blocks:
 qkv_proj = [q_proj; k_proj; v_proj] and (SwiGLU) in_proj = [gate_proj; up_proj].
@@ -12,16 +15,20 @@ qkv_proj = [q_proj; k_proj; v_proj] and (SwiGLU) in_proj = [gate_proj; up_proj].
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from sentencepiece import sentencepiece_model_pb2
 
 from pretrain import atomic
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
+from pretrain.tokenizer import MODEL_FILE, Tokenizer
 
 LLAMA_REQUIREMENTS = {  # field: (value Llama has, what to set)
     "norm": ("rmsnorm", "model.norm=rmsnorm"),
@@ -116,8 +123,193 @@ def save_hf(
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     config = llama_config_dict(model.cfg, token_ids, dtype_name)
     with atomic.atomic_path(out_dir / "model.safetensors") as tmp:
+        mode = stat.S_IMODE(tmp.stat().st_mode)  # what open() gives: 0666 minus the umask
         save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, mode)  # safetensors writes the file anew, readable by its owner only
     atomic.write_json(out_dir / "config.json", config)
+    return out_dir
+
+
+# --------------------------------------------------------------------------- tokenizer files
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+GENERATION_CONFIG = "generation_config.json"
+SPACE = "▁"  # SentencePiece's visible space (U+2581)
+PIECE = sentencepiece_model_pb2.ModelProto.SentencePiece
+
+
+def _proto(tokenizer: Tokenizer) -> sentencepiece_model_pb2.ModelProto:
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tokenizer.processor.serialized_model_proto())
+    return proto
+
+
+def check_tokenizer_exportable(tokenizer: Tokenizer) -> None:
+    """Refuse what a tokenizer.json cannot reproduce id for id (our `train_tokenizer` never makes these)."""
+    proto = _proto(tokenizer)
+    trainer, normalizer = proto.trainer_spec, proto.normalizer_spec
+    problems = {
+        "it is a unigram model (Viterbi ties break differently in the tokenizers library)": (
+            trainer.model_type != trainer.BPE
+        ),
+        "it has no byte fallback": not trainer.byte_fallback,
+        f"it normalizes text ({normalizer.name})": bool(normalizer.precompiled_charsmap),
+        "it removes extra whitespace": normalizer.remove_extra_whitespaces,
+        "it does not escape spaces as ▁": not normalizer.escape_whitespaces,
+        "it treats whitespace as a suffix": trainer.treat_whitespace_as_suffix,
+        "it has user-defined symbols": any(p.type == PIECE.USER_DEFINED for p in proto.pieces),
+    }
+    for problem, present in problems.items():
+        if present:
+            raise UserError(
+                f"{tokenizer.path}: {problem}, so a Hugging Face tokenizer.json cannot give the same ids; "
+                "export a model whose tokenizer was trained by `pretrain tokenizer train --model-type bpe`"
+            )
+
+
+def bpe_merges(tokenizer: Tokenizer) -> list[list[str]]:
+    """Every (left, right) pair of pieces that concatenates to a piece, highest-scoring result first.
+
+    SentencePiece's BPE merges any two adjacent symbols whose concatenation is a piece, the highest
+    score first; the tokenizers library merges listed pairs, the earliest listed first. Listing all
+    of them in score order makes the two agree."""
+    proto = _proto(tokenizer)
+    # Only normal pieces: byte, control and unused ones never come out of a merge in SentencePiece.
+    pieces = {p.piece: (-p.score, i) for i, p in enumerate(proto.pieces) if p.type == PIECE.NORMAL}
+    merges = []
+    for piece, rank in pieces.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in pieces and right in pieces:
+                merges.append((rank, cut, [left, right]))
+    return [pair for *_, pair in sorted(merges)]
+
+
+def hf_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """bos/eos/pad ids for config.json and generation_config.json. A tokenizer without a pad piece (an
+    imported one) pads with EOS, as fine-tuning does."""
+    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": pad_id}
+    return {key: i for key, i in ids.items() if i >= 0}
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """bos/eos/pad/unk as pieces: special_tokens_map.json, and the same keys in tokenizer_config.json."""
+    processor = tokenizer.processor
+    ids = {key.removesuffix("_id"): i for key, i in hf_token_ids(tokenizer).items()}
+    return {name: processor.id_to_piece(i) for name, i in (ids | {"unk_token": processor.unk_id()}).items()}
+
+
+def fast_tokenizer_json(tokenizer: Tokenizer) -> dict:
+    """tokenizer.json (the `tokenizers` library's format) equivalent to our SentencePiece model.
+
+    - no normalizer: ours is the identity; spaces become ▁ (a Metaspace that neither splits nor
+      prepends) and the whole text is one BPE word, as in SentencePiece;
+    - BPE over the same vocabulary with `bpe_merges`, and byte fallback to the <0xXX> pieces;
+    - a tokenizer with a dummy prefix (older ones) puts ▁ before every text, even one starting with a
+      space, as SentencePiece does: a Prepend normalizer, and the decoder strips that one space;
+    - with special tokens, a text starts as a document does in training: EOS first.
+    This is what transformers' LlamaTokenizerFast builds itself for legacy=False and
+    add_prefix_space=False, so both it and AutoTokenizer use this pipeline."""
+    proto = _proto(tokenizer)
+    specials = [
+        {"id": i, "content": p.piece, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for i, p in enumerate(proto.pieces) if p.type in (PIECE.CONTROL, PIECE.UNKNOWN)
+    ]  # fmt: skip
+    decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]  # fmt: skip
+    if tokenizer.adds_dummy_prefix:
+        normalizer = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": SPACE},
+            {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}  # fmt: skip
+        pre_tokenizer = None
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    else:
+        normalizer = None
+        pre_tokenizer = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "never", "split": False}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": specials,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": document_template(tokenizer),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": tokenizer.processor.id_to_piece(tokenizer.processor.unk_id()),
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": {p.piece: i for i, p in enumerate(proto.pieces)},
+            "merges": bpe_merges(tokenizer),
+        },
+    }
+
+
+def document_template(tokenizer: Tokenizer) -> dict:
+    """`add_special_tokens=True`: EOS before the text, as `Tokenizer.encode_document` (and so
+    training) starts every document; a pair is two documents, EOS a EOS b."""
+    eos = tokenizer.processor.id_to_piece(tokenizer.eos_id)
+
+    def piece(type_id: int) -> dict:
+        return {"SpecialToken": {"id": eos, "type_id": type_id}}
+
+    def text(name: str, type_id: int) -> dict:
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
+    return {
+        "type": "TemplateProcessing",
+        "single": [piece(0), text("A", 0)],
+        "pair": [piece(0), text("A", 0), piece(1), text("B", 1)],
+        "special_tokens": {eos: {"id": eos, "ids": [tokenizer.eos_id], "tokens": [eos]}},
+    }
+
+
+def tokenizer_config_dict(tokenizer: Tokenizer, model_max_length: int) -> dict:
+    """tokenizer_config.json. LlamaTokenizer(Fast) rebuilds its pipeline from these flags (not from
+    tokenizer.json), which match ours only without a dummy prefix: a tokenizer with one is declared
+    as the generic PreTrainedTokenizerFast, which runs tokenizer.json as written.
+    split_special_tokens: "</s>" in a text is text, as it is to SentencePiece."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast" if tokenizer.adds_dummy_prefix else "LlamaTokenizer",
+        "legacy": False,
+        "add_prefix_space": tokenizer.adds_dummy_prefix,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        **special_tokens(tokenizer),
+    }
+
+
+def generation_config_dict(tokenizer: Tokenizer) -> dict:
+    """generation_config.json: the special ids, and `pretrain generate`'s sampling defaults."""
+    return {**hf_token_ids(tokenizer), "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95,
+            "max_new_tokens": 100}  # fmt: skip
+
+
+def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int) -> Path:
+    """Write tokenizer.model (a copy of ours), tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json and generation_config.json into out_dir, each atomically."""
+    check_tokenizer_exportable(tokenizer)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_bytes(out_dir / MODEL_FILE, tokenizer.path.read_bytes())
+    atomic.write_text(
+        out_dir / TOKENIZER_JSON, json.dumps(fast_tokenizer_json(tokenizer), ensure_ascii=False)
+    )
+    atomic.write_json(out_dir / TOKENIZER_CONFIG, tokenizer_config_dict(tokenizer, model_max_length))
+    atomic.write_json(out_dir / SPECIAL_TOKENS_MAP, special_tokens(tokenizer))
+    atomic.write_json(out_dir / GENERATION_CONFIG, generation_config_dict(tokenizer))
     return out_dir
 
 

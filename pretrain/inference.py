@@ -2,26 +2,31 @@
 
 `load_trained` consolidates any ZeRO stage's shards into fp32 weights with DeepSpeed's own
 `zero_to_fp32` tool and rebuilds the model from the checkpoint's run_config.json; the tokenizer
-comes from the checkpoint directory too.
+comes from the checkpoint directory too. It takes a Hugging Face Llama directory as well (one
+`export_hf` wrote, or any with safetensors weights and a SentencePiece tokenizer.model), so every
+command that reads a checkpoint reads those.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint
+from pretrain import atomic, checkpoint
 from pretrain.config import ModelConfig
+from pretrain.console import silenced_stdout
 from pretrain.data import WindowStream, read_manifest
 from pretrain.errors import UserError
 from pretrain.model import KVCache, Transformer
-from pretrain.tokenizer import Tokenizer
+from pretrain.tokenizer import MODEL_FILE, Tokenizer
+
+EXPORT_RUN_CONFIG = "pretrain_run.json"  # in an export: its checkpoint, and the data settings eval reads
+# Eval windows of a model without a training seq_len are at most this long (DataConfig's default).
+DEFAULT_WINDOW = 2048
 
 
 @dataclass
@@ -37,7 +42,7 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, dict[str, torch.Tenso
     the fp32 weights consolidated from any ZeRO stage's shards."""
     directory = checkpoint.find_checkpoint(path)
     run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs and reports progress on stdout
+    with silenced_stdout():  # DeepSpeed reports its progress on stdout
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
@@ -49,8 +54,21 @@ def task_of(run_config: dict) -> str:
     return (run_config.get("finetune") or {}).get("task", "pretrain")
 
 
+def is_hf_directory(path: str | Path) -> bool:
+    """A Hugging Face model directory (config.json), not a run or a checkpoint of ours."""
+    path = Path(path)
+    return (
+        (path / "config.json").is_file()
+        and not (path / checkpoint.RUN_CONFIG).exists()
+        and not (path / "checkpoints").is_dir()
+    )
+
+
 def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Trained:
-    """A language-model checkpoint (pretrained, or fine-tuned with sft) as an eval-mode model on the CPU."""
+    """A language-model checkpoint (pretrained, or fine-tuned with sft) as an eval-mode model on the CPU;
+    or a Hugging Face Llama directory (`load_hf_directory`)."""
+    if is_hf_directory(path):
+        return load_hf_directory(path, dtype)
     directory, run_config, state = read_checkpoint(path)
     if task_of(run_config) == "classification":
         raise UserError(
@@ -59,6 +77,36 @@ def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Traine
         )
     model = Transformer.from_state_dict(ModelConfig(**run_config["model"]), state, dtype)
     return Trained(model.eval(), Tokenizer.load(directory), run_config, directory)
+
+
+def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> Trained:
+    """A Hugging Face Llama directory with its SentencePiece tokenizer.model. Its run_config is what
+    `export_hf` kept of the checkpoint's (EXPORT_RUN_CONFIG), or {} for a model from elsewhere."""
+    from pretrain.hf import load_hf
+
+    directory = Path(path)
+    if not (directory / MODEL_FILE).is_file():
+        raise UserError(
+            f"{directory} has no {MODEL_FILE}: our commands tokenize with the model's SentencePiece "
+            f"tokenizer; copy the model's {MODEL_FILE} there (`pretrain export-hf` writes one)"
+        )
+    tokenizer = Tokenizer.load(directory)
+    model = load_hf(directory, dtype)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise UserError(
+            f"{directory / MODEL_FILE} has {tokenizer.vocab_size} pieces but the model embeds "
+            f"{model.cfg.vocab_size}: put the tokenizer the model was trained with there"
+        )
+    export_info = directory / EXPORT_RUN_CONFIG
+    run_config = json.loads(export_info.read_text())["run_config"] if export_info.is_file() else {}
+    return Trained(model.eval(), tokenizer, run_config, directory)
+
+
+def window_length(trained: Trained) -> int:
+    """Tokens per eval window: the training run's data.seq_len, else (a fine-tune, or a Hugging Face
+    model from elsewhere) the model's context capped at DEFAULT_WINDOW."""
+    seq_len = (trained.run_config.get("data") or {}).get("seq_len")
+    return seq_len or min(trained.model.cfg.max_seq_len, DEFAULT_WINDOW)
 
 
 @torch.no_grad()
@@ -72,7 +120,7 @@ def perplexity(
             f"{data_dir} was tokenized with a different tokenizer than {trained.directory}: "
             "evaluate on data prepared with the checkpoint's tokenizer.model"
         )
-    seq_len = trained.run_config["data"]["seq_len"]
+    seq_len = window_length(trained)
     windows = iter(WindowStream(data_dir, seq_len, split="validation"))
     total, count, batches = 0.0, 0, 0
     while max_batches is None or batches < max_batches:
@@ -99,10 +147,22 @@ def continue_text(
     top_p: float | None = 0.95,
     seed: int = 0,
 ) -> str:
-    """`pretrain generate`: the text a checkpoint writes after `prompt` (a new document)."""
+    """`pretrain generate`: the text a checkpoint (or Hugging Face directory) writes after `prompt`."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    trained = load_trained(checkpoint_path)
+    return sample_text(load_trained(checkpoint_path), prompt, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def sample_text(
+    trained: Trained,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = 0.95,
+    seed: int = 0,
+) -> str:
+    """The text a loaded model writes after `prompt`, which starts a new document."""
     tok = trained.tokenizer
     generator = torch.Generator().manual_seed(seed)
     ids = generate(trained.model, tok.encode_document(prompt), max_new_tokens, temperature, top_k, top_p,
@@ -111,19 +171,28 @@ def continue_text(
 
 
 def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float32") -> tuple[Path, Path]:
-    """`pretrain export-hf`: a checkpoint as a Hugging Face Llama directory (config.json,
-    model.safetensors) with the SentencePiece tokenizer beside it; returns (checkpoint, out)."""
-    import shutil
-
-    from pretrain.hf import save_hf
-    from pretrain.tokenizer import MODEL_FILE
-
+    """`pretrain export-hf`: a checkpoint as a Hugging Face Llama directory; returns (checkpoint, out)."""
     trained = load_trained(checkpoint_path)
+    return trained.directory, export_trained(trained, out, dtype)
+
+
+def export_trained(trained: Trained, out: str | Path, dtype: str = "float32") -> Path:
+    """Write config.json and model.safetensors (`save_hf`), the tokenizer files and
+    generation_config.json (`save_hf_tokenizer`), and EXPORT_RUN_CONFIG: the source checkpoint and
+    the part of its run config our commands read back, so `eval` on the export equals `eval` on it."""
+    from pretrain import hf
+
     tok = trained.tokenizer
-    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-    directory = save_hf(trained.model, out, token_ids=ids, dtype=getattr(torch, dtype))
-    shutil.copyfile(tok.path, directory / MODEL_FILE)
-    return trained.directory, directory
+    hf.check_llama_compatible(trained.model.cfg)  # both checks before anything is written
+    hf.check_tokenizer_exportable(tok)
+    directory = hf.save_hf(trained.model, out, token_ids=hf.hf_token_ids(tok), dtype=getattr(torch, dtype))
+    hf.save_hf_tokenizer(tok, directory, trained.model.cfg.max_seq_len)
+    masking = bool((trained.run_config.get("data") or {}).get("document_masking", False))
+    kept = {"data": {"seq_len": window_length(trained), "document_masking": masking}}  # what eval reads
+    atomic.write_json(
+        directory / EXPORT_RUN_CONFIG, {"exported_from": str(trained.directory), "run_config": kept}
+    )
+    return directory
 
 
 @torch.no_grad()
