@@ -5,8 +5,27 @@ from __future__ import annotations
 import argparse
 import json
 
+_HARNESS_OPTIONS = ("--include-path", "--limit", "--out")  # `pretrain eval --tasks` only
+
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Validation perplexity over a prepared dataset (--data), or the lm-evaluation-harness (--tasks)."""
+    from pretrain.errors import UserError
+
+    if (args.data is None) == (args.tasks is None):
+        raise UserError(
+            "`pretrain eval` takes exactly one of --data PREPARED_DIR (validation loss and perplexity) "
+            "and --tasks T1,T2 (lm-evaluation-harness tasks)"
+        )
+    harness = args.tasks is not None
+    mode, other = ("--tasks", ("--max-batches",)) if harness else ("--data", _HARNESS_OPTIONS)
+    given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} cannot be used with {mode}")
+    return _eval_tasks(args) if harness else _eval_perplexity(args)
+
+
+def _eval_perplexity(args: argparse.Namespace) -> int:
     from pretrain.inference import load_trained, perplexity
 
     result = perplexity(load_trained(args.checkpoint), args.data, args.batch_size, args.max_batches)
@@ -16,6 +35,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{result['checkpoint']}: validation loss {result['loss']:.4f}, "
               f"perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens")  # fmt: skip
     return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    from pretrain.harness import evaluate_checkpoint, harness_utils
+
+    results, path = evaluate_checkpoint(
+        args.checkpoint, args.tasks, args.include_path, args.limit, args.batch_size, args.out
+    )
+    if args.json:
+        summary = {key: results[key] for key in ("results", "groups") if results.get(key)}
+        print(
+            json.dumps(summary | {"eval_results": str(path)}, default=harness_utils.handle_non_serializable)
+        )
+    else:
+        print(harness_utils.make_table(results))
+        if results.get("groups"):
+            print(harness_utils.make_table(results, "groups"))
+        print(f"wrote {path}")
+    return 0
+
+
+def count_or_fraction(text: str) -> float | int:
+    """--limit: a number of examples per task, or a fraction of each task's examples below 1."""
+    value = float(text)
+    return int(value) if value >= 1 and value.is_integer() else value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -31,15 +75,19 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from pretrain.inference import export_hf
 
     source, out = export_hf(args.checkpoint, args.out, args.dtype)
-    print(f"exported {source} to {out} (config.json, model.safetensors, tokenizer.model)")
+    print(f"exported {source} to {out}: Llama weights and config, generation config, the tokenizer for "
+          "SentencePiece and for AutoTokenizer / LlamaTokenizerFast (see docs/huggingface.md)")  # fmt: skip
     return 0
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from pretrain.finetune import predict
 
-    count = predict(args.checkpoint, args.input, args.out, args.max_new_tokens)
-    print(f"wrote {count} predictions to {args.out}")
+    written = predict(args.checkpoint, args.input, args.out, args.max_new_tokens)
+    skipped = (
+        f" ({written.skipped} row(s) without text marked skipped, no prediction)" if written.skipped else ""
+    )
+    print(f"wrote {written.rows} predictions to {args.out}{skipped}")
     return 0
 
 
@@ -81,16 +129,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _with_checkpoint(sub, name: str, help: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help)
     parser.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory, or a run directory (its newest)"
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory, a run directory (its newest), or a Hugging Face Llama directory",
     )
     return parser
 
 
 def register(sub) -> None:
-    evaluate = _with_checkpoint(sub, "eval", "validation loss and perplexity of a checkpoint")
-    evaluate.add_argument("--data", required=True, help="prepared dataset (its validation split is used)")
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    evaluate = _with_checkpoint(
+        sub, "eval", "validation perplexity (--data) or lm-evaluation-harness tasks (--tasks) of a checkpoint"
+    )
+    evaluate.add_argument("--data", help="prepared dataset: loss and perplexity over its validation split")
+    evaluate.add_argument(
+        "--tasks", help="lm-evaluation-harness tasks, comma-separated (needs the `eval` extra)"
+    )
+    evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    evaluate.add_argument(
+        "--max-batches", type=int, default=None, help="--data: stop after this many batches"
+    )
+    evaluate.add_argument("--include-path", help="--tasks: a directory of task YAML files of your own")
+    evaluate.add_argument(
+        "--limit",
+        type=count_or_fraction,
+        help="--tasks: examples per task (a fraction of them, below 1); for testing",
+    )
+    evaluate.add_argument("--out", help="--tasks: results file or directory (default ./eval_results.json)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(handler=cmd_eval)
 
