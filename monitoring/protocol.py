@@ -12,7 +12,7 @@ boundary so all act at the same one. Trainer → service, once a rollback was ac
 can be replaced or inspected with curl. Unknown fields are refused, so a typo never passes silently.
 
     RUN_DIR/events.jsonl            append-only, one JSON object per line with `type` and `step`
-    RUN_DIR/monitor/endpoint.json   where the service listens ({"url": ..., "pid": ...})
+    RUN_DIR/monitor/endpoint.json   where the service listens ({"url", "host", "port", "pid"})
     RUN_DIR/monitor/token           the bearer token for requests that change state (mode 0600)
     RUN_DIR/monitor/supervisor.json the supervisor's view of the job (`pretrain launch`)
 """

@@ -446,7 +446,8 @@ def serve(
     server = ThreadingHTTPServer((config.host, config.port), make_handler(state, token))
     host, port = server.server_address[:2]
     atomic.write_json(
-        monitor_dir(run_dir) / ENDPOINT_FILE, {"url": f"http://{host}:{port}", "pid": os.getpid()}
+        monitor_dir(run_dir) / ENDPOINT_FILE,
+        {"url": f"http://{host}:{port}", "host": host, "port": port, "pid": os.getpid()},
     )
     return server, state
 

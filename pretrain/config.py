@@ -267,10 +267,36 @@ class EvalConfig:
     # attention maps of this text go to TensorBoard (images, tag attention/probe) at each
     # evaluation; null or "" turns them off
     attention_probe: str | None = "The quick brown fox jumps over the lazy dog."
+    # at each evaluation, the model continues each prompt (KV cache): printed on the console and
+    # logged to TensorBoard's text tab (samples/<i>); [] turns it off
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_tokens: int = 32  # new tokens per sample
+    sample_temperature: float = 0.0  # 0: greedy; else sampled with a generator seeded by the step
 
     def __post_init__(self) -> None:
         _positive("eval.every", self.every, allow_zero=True)
         _positive("eval.batches", self.batches)
+        _positive("eval.sample_tokens", self.sample_tokens)
+        _positive("eval.sample_temperature", self.sample_temperature, allow_zero=True)
+        for i, prompt in enumerate(self.sample_prompts):
+            if not prompt.strip():
+                raise ConfigError(f"eval.sample_prompts[{i}] is empty: give text for the model to continue")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (extra `[wandb]`): off while `project` is null."""
+
+    project: str | None = None
+    mode: str = "online"  # offline: written under RUN_DIR/wandb, to `wandb sync` later
+    entity: str | None = None
+    name: str | None = None  # null: the run directory's name
+
+    def __post_init__(self) -> None:
+        _choice("logging.wandb.mode", self.mode, WANDB_MODES)
 
 
 @dataclass
@@ -281,6 +307,7 @@ class LoggingConfig:
     # RUN_DIR/data_trace/rank_NNNNN.jsonl: the window ids each rank trained on at each step, to
     # find the data behind a spike (`pretrain data inspect`; a step run again appends a new line)
     data_trace: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         _positive("logging.every", self.every)
@@ -528,6 +555,35 @@ def config_dir() -> Path:
     return Path(sys.prefix) / "share" / "pretrain" / "configs"
 
 
+CONFIG_KINDS = ("train", "finetune", "model", "ablation")  # the packaged config directories, by name
+
+
+def packaged_configs() -> dict[str, Path]:
+    """The packaged configs by the name `--config` takes: run configs (configs/train/) by their file's
+    stem (`demo`, `tiny`, `gpt3-125m`), the others as KIND/STEM (`finetune/classification`)."""
+    found: dict[str, Path] = {}
+    for kind in CONFIG_KINDS:
+        for path in sorted((config_dir() / kind).glob("*.yaml")):
+            found[path.stem if kind == "train" else f"{kind}/{path.stem}"] = path
+    return found
+
+
+def resolve_config(name: str | Path) -> Path:
+    """A config file: the path as given when it exists, else a packaged config by name (from any
+    directory), so `--config demo` and `--config configs/train/demo.yaml` are the same file."""
+    path = Path(name)
+    if path.exists() or path.suffix in (".yaml", ".yml") or len(path.parts) > 2:
+        return path  # a path: read_yaml reports a missing file with the path
+    packaged = packaged_configs()
+    key = str(name).removeprefix("train/")
+    if key in packaged:
+        return packaged[key]
+    raise ConfigError(
+        f"no config {str(name)!r}: not a file, nor a packaged config name; "
+        "`pretrain config list` shows the names (or pass a path to a .yaml file)"
+    )
+
+
 def find_preset(name: str, config_path: Path | None = None) -> Path:
     """Resolve `model.preset`: a path to a YAML file, or a name under some `configs/model/`."""
     candidates: list[Path] = []
@@ -631,7 +687,7 @@ def _to_object(merged: DictConfig) -> Any:
 def load_model_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
     """Load a model preset file (flat ModelConfig fields). Overrides may be written `n_layers=2`
     or, as for run configs, `model.n_layers=2`."""
-    path = Path(path)
+    path = resolve_config(path)
     data = read_yaml(path)
     if "preset" in data:
         raise ConfigError(f"{path}: a model preset cannot name another preset; list the fields instead")
@@ -647,7 +703,7 @@ def load_model_config(path: str | Path, overrides: list[str] | tuple[str, ...] =
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load a run config: defaults ← model preset ← file ← dotted overrides, then validate."""
-    path = Path(path)
+    path = resolve_config(path)
     data = read_yaml(path)
     if is_model_preset(data):
         raise ConfigError(
@@ -670,7 +726,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 def load_finetune_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> FinetuneConfig:
     """Load a fine-tuning config: defaults ← file ← dotted overrides, then validate."""
-    path = Path(path)
+    path = resolve_config(path)
     data = read_yaml(path)
     if "finetune" not in data:
         raise ConfigError(
@@ -696,14 +752,21 @@ def load_defaults(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     return _to_object(_merge_layer(_schema(RunConfig), cli, RunConfig, "override"))
 
 
-def load_any(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig | ModelConfig:
-    """A run config, or a model preset file (as `pretrain flops configs/model/gpt3-125m.yaml` takes)."""
-    if is_model_preset(read_yaml(path)):
+def load_any(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig | ModelConfig | FinetuneConfig:
+    """A run config, a model preset file (as `pretrain flops configs/model/gpt3-125m.yaml` takes) or
+    a fine-tuning config."""
+    path = resolve_config(path)
+    data = read_yaml(path)
+    if is_model_preset(data):
         return load_model_config(path, overrides)
+    if "finetune" in data:
+        return load_finetune_config(path, overrides)
     return load_config(path, overrides)
 
 
-def to_yaml(cfg: RunConfig | ModelConfig) -> str:
+def to_yaml(cfg: RunConfig | ModelConfig | FinetuneConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 

@@ -7,7 +7,8 @@
    evaluation, checkpoints and TensorBoard logs,
 4. print the validation loss before and after, and how to look at TensorBoard and sample.
 
-Steps 1 and 2 are skipped when their outputs already exist, so a second run only trains.
+Steps 1 and 2 are skipped when their outputs already exist, so a second run only trains, in a new
+run directory (OUT/run-2, ...): an earlier run is never moved or removed.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def prepare_corpus(spec: str, out: Path, vocab_size: int = 4096, announce=print)
     return tokenizer_dir, data_dir
 
 
+def new_run_dir(out: Path) -> Path:
+    """OUT/run, or OUT/run-2, run-3, ... beside earlier demo runs: a demo never touches an earlier run."""
+    candidate, number = out / "run", 1
+    while candidate.exists() and any(candidate.iterdir()):
+        number += 1
+        candidate = out / f"run-{number}"
+    if number > 1:
+        print(
+            f"      earlier demo runs are kept ({out / 'run'}, ...); this one trains in {candidate}",
+            flush=True,
+        )
+    return candidate
+
+
 def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
@@ -53,10 +68,9 @@ def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
     _, data_dir = prepare_corpus(
         "builtin:pydoc", out, announce=lambda line: print(f"{next(stages, '     ')} {line}", flush=True)
     )
-    run_dir = out / "run"
+    run_dir = new_run_dir(out)
     nproc = local_process_count()
-    # A fresh demo run every time; an earlier one moves to RUN_DIR/previous/ (never deleted).
-    overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", "checkpoint.resume=fresh"]
+    overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}"]
     if steps is not None:
         overrides += [
             f"train.steps={steps}",

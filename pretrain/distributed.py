@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain.console import without_printed_chatter
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -55,7 +57,8 @@ def init_distributed(env: DistEnv) -> None:
     goes when the processes exit, however they exit."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    with without_printed_chatter():  # DeepSpeed print()s a note as it opens the group on CPU
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
         return

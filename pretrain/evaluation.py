@@ -1,6 +1,7 @@
-"""Held-out evaluation during pretraining, and the attention probe drawn at each evaluation.
+"""Held-out evaluation during pretraining, and the attention probe and samples drawn at each
+evaluation.
 
-Both are collectives: every rank runs its share of the forward passes (ZeRO-3 gathers parameters
+All are collectives: every rank runs its share of the forward passes (ZeRO-3 gathers parameters
 collectively), and the totals are summed over ranks.
 """
 
@@ -67,3 +68,26 @@ def attention_probe(
     if not is_main:
         return None
     return grid_image(maps, piece_labels(tokenizer, ids), f"step {step}")
+
+
+@torch.no_grad()
+def continuations(
+    engine, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, step: int
+) -> list[str]:
+    """What the model writes after each prompt (a new document; KV cache), greedy at temperature 0,
+    else sampled with a generator seeded by the step and the prompt's index. Every rank decodes the
+    same tokens (same weights, same seeds), so ZeRO-3's collective parameter gathers stay in step."""
+    from pretrain.inference import generate
+
+    model = engine.module
+    model.eval()
+    texts = []
+    try:
+        for index, prompt in enumerate(prompts):
+            generator = torch.Generator(device=engine.device).manual_seed(step * 1009 + index)
+            ids = generate(model, tokenizer.encode_document(prompt), max_new_tokens, temperature, top_k=50,
+                           top_p=0.95, stop_id=tokenizer.eos_id, generator=generator)  # fmt: skip
+            texts.append(tokenizer.decode(ids))
+    finally:
+        model.train()
+    return texts

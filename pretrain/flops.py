@@ -60,6 +60,14 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     )
 
 
+def describe_model(cfg: ModelConfig) -> str:
+    """How the console names a model: its size and shape (a preset's name may no longer fit it
+    once fields are overridden)."""
+    total = param_counts(cfg).total
+    size = f"{total / 1e9:.1f}B" if total >= 1e9 else f"{total / 1e6:.1f}M"
+    return f"a {size}-parameter model ({cfg.n_layers} layers, d_model {cfg.d_model})"
+
+
 @dataclass(frozen=True)
 class FlopsBreakdown:
     """Training FLOPs per token by part; the parts add up to `total`."""

@@ -9,6 +9,9 @@ TensorBoard tags (RUN_DIR/tensorboard):
     with the monitor, at every step it judged: monitor/loss  monitor/grad_norm (the values judged)
     monitor/<series>_level  monitor/<series>_threshold (its band)  monitor/warning
     monitor/rollback (1 at a step that warned / was rolled back, else 0)  monitor/rollbacks (text)
+
+With logging.wandb.project set, the same scalars and text (but the config, which is the run's W&B
+config) also go to Weights & Biases (pretrain/wandb_sink.py).
 """
 
 from __future__ import annotations
@@ -18,12 +21,25 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.wandb_sink import WandbSink, check_available
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        enabled: bool,
+        tensorboard: bool = True,
+        wandb=None,  # WandbConfig: also log to Weights & Biases while its project is set
+        run_config: dict | None = None,  # the run's config, for W&B
+    ):
+        if enabled:
+            check_available(wandb)  # (before anything is opened)
         self.enabled = enabled
         self.total_steps = total_steps
         self.writer = None
+        self.wandb: WandbSink | None = None
         self._start_time: float | None = None
         self._start_step = 0
         self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
@@ -31,6 +47,8 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        if enabled and wandb is not None and wandb.project:
+            self.wandb = WandbSink(wandb, run_dir, run_config, say=self.message)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         if self._jsonl is not None:
@@ -38,11 +56,12 @@ class MetricsWriter:
             self._jsonl.flush()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is None:
-            return
-        for tag, value in values.items():
-            if value is not None:
-                self.writer.add_scalar(tag, value, step)
+        if self.writer is not None:
+            for tag, value in values.items():
+                if value is not None:
+                    self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.scalars(step, values)
 
     def band_layout(self) -> None:
         """TensorBoard 'Custom Scalars': what the monitor judged at every step, each series inside
@@ -60,6 +79,8 @@ class MetricsWriter:
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
+        if self.wandb is not None:
+            self.wandb.text(tag, text, step)
 
     def image(self, tag: str, image, step: int) -> None:
         """An RGB image, (height, width, 3)."""
@@ -71,10 +92,12 @@ class MetricsWriter:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if self._start_time is None:
-            self._start_time, self._start_step = now, step - 1
-        done = step - self._start_step
-        eta = (now - self._start_time) / max(done, 1) * (self.total_steps - step)
+        if self._start_time is None:  # the first line: this step's time (the only one measured yet)
+            self._start_time, self._start_step = now, step
+            seconds_per_step = values.get("train/step_time") or 0.0
+        else:  # then the mean since the first line (a long-run rate, without start-up costs)
+            seconds_per_step = (now - self._start_time) / max(step - self._start_step, 1)
+        eta = seconds_per_step * (self.total_steps - step)
         parts = [
             f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
             f"loss {values['train/loss']:.4f}",
@@ -104,6 +127,19 @@ class MetricsWriter:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+
+
+def literal_markdown(text: str) -> str:
+    """Text as TensorBoard's text tab (markdown) shows it literally: markdown characters escaped,
+    line breaks kept."""
+    escaped = "".join("\\" + c if c in MARKDOWN_CHARACTERS else c for c in text)
+    return escaped.replace("\n", "  \n")
+
+
+MARKDOWN_CHARACTERS = frozenset("\\`*_{}[]()#+-.!|<>")
 
 
 def _duration(seconds: float) -> str:

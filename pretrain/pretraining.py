@@ -28,9 +28,9 @@ from pretrain.data.shards import check_tokenizer, fingerprint
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
 from pretrain.errors import UserError
-from pretrain.evaluation import attention_probe, validation_loss
+from pretrain.evaluation import attention_probe, continuations, validation_loss
 from pretrain.faults import FaultInjector
-from pretrain.flops import current_device_peak_flops, flops_per_token
+from pretrain.flops import current_device_peak_flops, describe_model, flops_per_token
 from pretrain.lifeline import watch_supervisor
 from pretrain.metrics import MetricsWriter
 from pretrain.model import Transformer
@@ -39,6 +39,7 @@ from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
 from pretrain.train import Cadence, Trainer
+from pretrain.wandb_sink import check_available
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Checked:
 
 def preflight(cfg: RunConfig, world_size: int) -> Checked:
     """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
-    fault ranks, the checkpoint `checkpoint.resume` names."""
+    fault ranks, the checkpoint `checkpoint.resume` names, the W&B package when W&B is on."""
+    check_available(cfg.logging.wandb)  # every rank, before any process group
     plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
     for key in ("kill", "hang"):
         rank = getattr(cfg.faults, f"{key}_rank")
@@ -122,6 +124,7 @@ class LanguageModeling:
         self.grad_accum = plan.grad_accum
         self.evaluates = cfg.eval.every > 0
         self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
+        self.sampling = cfg.eval
         self.sources = cfg.data.sources()
         stream = MixtureStream(self.sources, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
         self.loader = BatchLoader(stream, plan.micro_batch_size, device)
@@ -182,6 +185,14 @@ class LanguageModeling:
         return attention_probe(
             engine, self._tokenizer, self.probe_text, self.max_seq_len, step, self.env.is_main
         )
+
+    def samples(self, engine, step: int) -> list[tuple[str, str]]:
+        prompts = self.sampling.sample_prompts
+        if not prompts:
+            return []
+        texts = continuations(engine, self._tokenizer, prompts, self.sampling.sample_tokens,
+                              self.sampling.sample_temperature, step)  # fmt: skip
+        return list(zip(prompts, texts, strict=True))
 
     @functools.cached_property
     def _tokenizer(self) -> Tokenizer:
@@ -245,7 +256,8 @@ def build_trainer(
     if resume is not None:
         state = checkpointer.restore(engine, resume)
         task.load_state_dict(resume.data)
-    writer = MetricsWriter(run_dir, cfg.train.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
+    writer = MetricsWriter(run_dir, cfg.train.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
+                           wandb=cfg.logging.wandb, run_config=asdict(cfg))  # fmt: skip
     monitor = (
         MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
         if cfg.monitor.enabled
@@ -255,7 +267,7 @@ def build_trainer(
         writer.band_layout()
     writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
     writer.message(
-        f"training {cfg.model.preset or 'model'} on {env.world_size} process(es), ZeRO-{zero} bf16: "
+        f"training {describe_model(cfg.model)} on {env.world_size} process(es), ZeRO-{zero} bf16: "
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
         + (f" (resumed from {resume.tag})" if resume else "")
     )

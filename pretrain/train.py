@@ -35,7 +35,7 @@ from pretrain.distributed import DistEnv, StopRequest, all_reduce_sum, barrier
 from pretrain.engine import set_lr
 from pretrain.faults import FaultInjector
 from pretrain.flops import mfu
-from pretrain.metrics import MetricsWriter
+from pretrain.metrics import MetricsWriter, literal_markdown
 from pretrain.monitor_link import MonitorLink, apply_rollback
 
 SUMMARY_FILE = "train_summary.json"
@@ -65,6 +65,9 @@ class Task(Protocol):
 
     def probe(self, engine, step: int) -> np.ndarray | None:
         """An image for TensorBoard's `attention/probe` at each evaluation, or None (a collective)."""
+
+    def samples(self, engine, step: int) -> list[tuple[str, str]]:
+        """(prompt, what the model writes after it) at each evaluation (a collective)."""
 
     def state_dict(self) -> dict:
         """The data position, saved in every checkpoint (a rollback also needs `pause` and
@@ -327,12 +330,20 @@ class Trainer:
         image = self.task.probe(self.engine, step)
         if image is not None:
             self.writer.image("attention/probe", image, step)
+        for index, (prompt, text) in enumerate(self.task.samples(self.engine, step)):
+            self.writer.message(f"sample at step {step}: {prompt!r} -> {text!r}")
+            self.writer.text(
+                f"samples/{index}", f"**{literal_markdown(prompt)}**{literal_markdown(text)}", step
+            )
 
     def _evaluated(self, step: int) -> bool:
         return bool(self.summary["eval"]) and self.summary["eval"][-1]["step"] == step
 
     def save(self, last: bool = False) -> None:
-        self.checkpointer.save(self.engine, self.state, self.task.state_dict(), last)
+        started = time.perf_counter()
+        tag = self.checkpointer.save(self.engine, self.state, self.task.state_dict(), last)
+        if tag is not None:
+            self.writer.message(f"checkpoint {tag} saved ({time.perf_counter() - started:.1f} s)")
         self.writer.flush()
 
     def finish(self) -> dict:

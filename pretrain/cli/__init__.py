@@ -19,12 +19,15 @@ from __future__ import annotations
 import sys
 
 from pretrain.cli import bench, checkpoints, data, inspect, training
+from pretrain.console import quiet_libraries, set_verbose
 from pretrain.errors import CommandParser, run_main
 
 
 def build_parser() -> CommandParser:
     parser = CommandParser(prog="pretrain", description="Llama-style pretraining with DeepSpeed ZeRO.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
+    parser.add_argument("--verbose", action="store_true",
+                        help="DeepSpeed's and torch's INFO lines and notes too (hidden by default)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
     for group in (inspect, data, bench, training, checkpoints):
         group.register(sub)
@@ -46,7 +49,9 @@ def _without_local_rank(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
+    set_verbose("--verbose" in argv)  # inherited by every process a command starts
+    quiet_libraries()
+    argv = [a for a in argv if a not in ("--debug", "--verbose")]
     # Launchers append --local_rank=N or --local_rank N (it is in LOCAL_RANK too, which is read).
     argv = _without_local_rank(argv)
     args = build_parser().parse_args(argv)

@@ -15,6 +15,28 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_list(args: argparse.Namespace) -> int:
+    from pretrain.config import packaged_configs
+
+    configs = packaged_configs()
+    width = max(map(len, configs))
+    for name, path in configs.items():
+        print(f"{name:<{width}}  {_summary(path)}")
+    return 0
+
+
+def _summary(path) -> str:
+    """The first sentence of a config file's opening comment."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    text = text[: text.find(". ")] if ". " in text else text.rstrip(".")
+    return text if len(text) <= 100 else text[:99].rstrip(" ,:") + "…"
+
+
 def cmd_flops(args: argparse.Namespace) -> int:
     from pretrain.config import RunConfig, load_any
     from pretrain.flops import flops_report, format_report
@@ -45,10 +67,12 @@ def register(sub) -> None:
     )
     show = actions.add_parser("show", help="print the resolved config (defaults ← preset ← file ← overrides)")
     show.add_argument(
-        "config", help="run config (configs/train/*.yaml) or model preset (configs/model/*.yaml)"
+        "config", help="a config name (`pretrain config list`) or file: run, fine-tuning or model preset"
     )
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
     show.set_defaults(handler=cmd_config_show)
+    listing = actions.add_parser("list", help="the packaged configs, by the name --config takes")
+    listing.set_defaults(handler=cmd_config_list)
 
     flops = sub.add_parser("flops", help="parameter counts, training FLOPs per token, and MFU")
     flops.add_argument("config", help="run config or model preset")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from monitoring.supervisor import Supervisor
 from pretrain.config import load_config
+from pretrain.console import deepspeed_log_level, pin_accelerator
 from pretrain.distributed import free_port
 from pretrain.errors import UserError
 from pretrain.pretraining import preflight
@@ -32,7 +33,7 @@ def launcher_command(
     node_rank: int = 0,
 ) -> list[str]:
     """The DeepSpeed launcher running `python -m pretrain.train MODULE_ARGS` on this node or a hostfile's."""
-    command = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    command = [sys.executable, "-m", "pretrain.cli.deepspeed_runner", "--log_level", deepspeed_log_level()]
     if hostfile:
         command += ["--hostfile", hostfile]
         if master_addr:
@@ -94,6 +95,7 @@ def launch(
     per_node = nproc if nproc is not None or hosts else local_process_count()
     world_size = sum(per_node or slots for slots in hosts.values()) if hosts else per_node
     checked = preflight(cfg, world_size)
+    pin_accelerator()  # the job's processes skip DeepSpeed's accelerator probe (and its note)
     if master_addr is None and hosts:
         master_addr = next(iter(hosts))
     run_dir = Path(cfg.run.dir)

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pretrain import __version__, atomic
+from pretrain.data.progress import Progress, count_documents
 from pretrain.data.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -311,23 +312,23 @@ def _write_dataset(
     }
     index = {split: DocumentIndexWriter(staging, split) for split in SPLITS}
     stats = {"skipped_blank_documents": 0}
-    from tqdm import tqdm
-
     records = source.records()
     first = next(records, None)  # opening the source fails here, before any progress output
     records = itertools.chain([first] if first is not None else [], records)
-    bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress, file=sys.stderr)
+    shown = Progress(count_documents(source) if progress else None, enabled=progress)
     # Pieces decode back to the document only when encoding adds no dummy prefix to each.
     piece_chars = None if tokenizer.adds_dummy_prefix else PIECE_CHARS
     origins: dict[str, int] = {}
-    with bar:
-        batches = _batches(records, wanted["val_fraction"], stats, piece_chars, origins)
+    try:
+        batches = _batches(shown.counted(records), wanted["val_fraction"], stats, piece_chars, origins)
         for (train, val, n_train, n_val, lengths), batch in _tokenized(batches, tokenizer, workers):
             for length, is_val, origin in zip(lengths, batch.held_out, batch.origins, strict=True):
                 index["validation" if is_val else "train"].add(length, origin)
             writers["train"].write(train, n_train)
             writers["validation"].write(val, n_val)
-            bar.update(len(train) + len(val))
+            shown.wrote(len(train) + len(val))
+    finally:
+        shown.close()
     splits = {name: writer.finish() for name, writer in writers.items()}
     documents = {
         "origins": list(origins),

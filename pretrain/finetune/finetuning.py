@@ -27,6 +27,7 @@ from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import sha256_file
 from pretrain.train import Cadence, Trainer
+from pretrain.wandb_sink import check_available
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Inputs:
 
 
 def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> Inputs:
+    check_available(cfg.logging.wandb)  # every rank, before any process group
     initial = find_initial(cfg.finetune.init)
     max_length = cfg.finetune.max_length or initial.model_cfg.max_seq_len
     if max_length > initial.model_cfg.max_seq_len:
@@ -122,7 +124,8 @@ def build_trainer(
         state = checkpointer.restore(engine, resume)
         # (a checkpoint written before the data position was recorded: the old rule, from the step)
         task.load_state_dict(resume.data or {"examples": state.step * plan.global_batch_size})
-    writer = MetricsWriter(run_dir, inputs.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
+    writer = MetricsWriter(run_dir, inputs.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
+                           wandb=cfg.logging.wandb, run_config=asdict(cfg))  # fmt: skip
     writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
     writer.message(
         f"fine-tuning ({cfg.finetune.task}) from {initial.source} on {env.world_size} process(es), "

@@ -8,6 +8,7 @@ import io
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,8 +28,13 @@ from pretrain.model import Transformer
 from pretrain.tokenizer import Tokenizer
 
 
-def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens: int = 64) -> int:
-    """Predictions for every row of `input_path`, written to `out_path`; returns the row count."""
+class Predicted(NamedTuple):
+    rows: int  # rows written
+    skipped: int  # of them, rows without text: marked `"skipped": "empty text"`, no prediction
+
+
+def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens: int = 64) -> Predicted:
+    """Predictions for every row of `input_path`, written to `out_path`."""
     from pretrain.inference import read_checkpoint, task_of
 
     out = Path(out_path)
@@ -46,17 +52,28 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
     needed = columns[:-1] if task == "classification" else columns[:1]  # no label / completion needed
     check_columns(rows, needed, f"--input {input_path}")
     max_length = cfg.finetune.max_length or model_cfg.max_seq_len
+    # A row with no text has nothing to predict from: it is kept, marked, and given no prediction.
+    empty = {i for i, row in enumerate(rows) if not any(str(row[c] or "").strip() for c in needed)}
+    texts = rows.select([i for i in range(len(rows)) if i not in empty])
     with torch.no_grad():
         if task == "classification":
             model = SequenceClassifier.from_state_dict(model_cfg, len(run_config["labels"]), state).eval()
-            records = _labels(model, rows, cfg, tokenizer, max_length, run_config["labels"])
+            records = _labels(model, texts, cfg, tokenizer, max_length, run_config["labels"])
+            nothing = {"prediction": None, "probabilities": None}
         else:
             model = Transformer.from_state_dict(model_cfg, state).eval()
-            records = _completions(model, rows[cfg.data.prompt_column], tokenizer, max_length, max_new_tokens)
-    table = [dict(row) | record for row, record in zip(rows, records, strict=True)]
+            records = _completions(
+                model, texts[cfg.data.prompt_column], tokenizer, max_length, max_new_tokens
+            )
+            nothing = {"completion": None}
+    predicted = iter(records)
+    table = [
+        dict(row) | (nothing | {"skipped": "empty text"} if i in empty else next(predicted))
+        for i, row in enumerate(rows)
+    ]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out, _jsonl(table) if out.suffix.lower() == ".jsonl" else _csv(table))
-    return len(table)
+    return Predicted(rows=len(table), skipped=len(empty))
 
 
 def _labels(
@@ -95,7 +112,8 @@ def _jsonl(table: list[dict]) -> str:
 def _csv(table: list[dict]) -> str:
     buffer = io.StringIO()
     flat = [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()} for r in table]
-    writer = csv.DictWriter(buffer, fieldnames=list(flat[0]))
+    columns = list(dict.fromkeys(key for row in flat for key in row))  # marked rows add `skipped`
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
     writer.writeheader()
     writer.writerows(flat)
     return buffer.getvalue()

@@ -77,6 +77,9 @@ class FinetuneTask:
     def probe(self, engine, step: int) -> np.ndarray | None:
         return None
 
+    def samples(self, engine, step: int) -> list[tuple[str, str]]:
+        return []
+
     def close(self) -> None:
         pass
 

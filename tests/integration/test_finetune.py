@@ -58,11 +58,16 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
     assert (run_dir / "checkpoints" / "step_00000096" / "complete.json").is_file()
 
     out = tmp_path / "predictions.jsonl"
+    with_blank = tmp_path / "with_blank.csv"  # a row without text: marked, never a confident label
+    with_blank.write_text(val_csv.read_text().rstrip("\n") + "\n" + '"  ",a b,positive\n')
     assert (
-        cli_main(["predict", "--checkpoint", str(run_dir), "--input", str(val_csv), "--out", str(out)]) == 0
+        cli_main(["predict", "--checkpoint", str(run_dir), "--input", str(with_blank), "--out", str(out)])
+        == 0
     )
     predictions = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(predictions) == 64
+    assert predictions.pop() == {"text": "  ", "other": "a b", "label": "positive", "prediction": None, "probabilities": None,
+                                 "skipped": "empty text"}  # fmt: skip
+    assert len(predictions) == 64 and not any("skipped" in p for p in predictions)
     agree = sum(p["prediction"] == p["label"] for p in predictions) / 64
     assert agree == pytest.approx(results["accuracy"])  # the same weights, consolidated for the CPU
     assert all(abs(sum(p["probabilities"].values()) - 1) < 1e-5 for p in predictions)

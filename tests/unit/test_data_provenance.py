@@ -1,7 +1,8 @@
 """A two-corpus mixture with document masking, in this process: a spike is rolled back, its event
 names the documents behind it (their text really is in the corpus), `pretrain data inspect` shows
 them, the quarantine keeps the spike's windows out for the rest of their epoch while every other
-window is served, and the evaluation reports each corpus (read back with EventAccumulator)."""
+window is served, and the evaluation reports each corpus and samples the model's writing (read back
+with EventAccumulator)."""
 
 import json
 import pydoc_data.topics
@@ -43,13 +44,15 @@ def spiked_run(tmp_path_factory, corpora):
     mixture = ",".join(f"{{name: {n}, dir: '{d}', weight: 0.5}}" for n, d in corpora.items())
     cfg = load_config(TINY, [*FAST, f"run.dir={run_dir}", f"data.mixture=[{mixture}]", "data.document_masking=true",
                              "monitor.enabled=true", "monitor.quarantine=true", "train.steps=34",
-                             "checkpoint.every=3", "eval.every=17", "faults.spike_steps=[8]"])  # fmt: skip
+                             "checkpoint.every=3", "eval.every=17", "faults.spike_steps=[8]",
+                             "eval.sample_prompts=['The list', 'for x in']", "eval.sample_tokens=6"])  # fmt: skip
+    trainer = pretraining_trainer(cfg)
     try:
-        summary = pretraining_trainer(cfg).train()
+        summary = trainer.train()
     finally:
         server.shutdown()
         server.server_close()
-    return run_dir, cfg, summary
+    return run_dir, cfg, summary, trainer.engine.module
 
 
 def surviving_windows(run_dir) -> list[int]:
@@ -63,7 +66,7 @@ def surviving_windows(run_dir) -> list[int]:
 
 
 def test_the_rollback_event_names_the_spike_documents_and_inspect_shows_their_text(spiked_run, cli):
-    run_dir, _, summary = spiked_run
+    run_dir, _, summary, _ = spiked_run
     assert summary["completed"] and summary["rollbacks"] == 1
     (applied,) = [e for e in read_events(run_dir) if e["type"] == "rollback_applied"]
     assert applied["decided_at"] == 8 and len(applied["windows"]) == 2
@@ -91,7 +94,7 @@ def test_the_rollback_event_names_the_spike_documents_and_inspect_shows_their_te
 
 
 def test_quarantined_windows_are_not_served_again_in_their_epoch_and_every_other_one_is(spiked_run, corpora):
-    run_dir, cfg, _ = spiked_run
+    run_dir, cfg, _, _ = spiked_run
     (entry,) = [json.loads(line) for line in (run_dir / "quarantine.jsonl").read_text().splitlines()]
     assert entry["step"] == 8 and len(entry["windows"]) == 2 and entry["documents"]
     stream = MixtureStream(cfg.data.sources(), cfg.data.seq_len)
@@ -116,7 +119,7 @@ def test_quarantined_windows_are_not_served_again_in_their_epoch_and_every_other
 def test_evaluation_reports_each_corpus_and_tokens_per_corpus(spiked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_dir, _, summary = spiked_run
+    run_dir, _, summary, _ = spiked_run
     board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     board.Reload()
     tags = set(board.Tags()["scalars"])
@@ -135,3 +138,26 @@ def test_evaluation_reports_each_corpus_and_tokens_per_corpus(spiked_run):
     assert last["loss"] == pytest.approx(0.5 * last["loss/prose"] + 0.5 * last["loss/reference"])
     tokens = {name: board.Scalars(f"train/tokens/{name}")[-1].value for name in CORPORA}
     assert sum(tokens.values()) == 34 * 2 * 512 and abs(tokens["prose"] - tokens["reference"]) <= 512
+
+
+def test_each_evaluation_samples_the_prompts_into_the_text_tab(spiked_run):
+    """The samples are what `pretrain generate` (greedy) writes with the trained weights."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pretrain.inference import generate
+    from pretrain.metrics import literal_markdown
+    from pretrain.tokenizer import Tokenizer
+
+    run_dir, cfg, _, model = spiked_run
+    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    board.Reload()
+    tok = Tokenizer.load(run_dir / "checkpoints" / "step_00000034")
+    for index, prompt in enumerate(cfg.eval.sample_prompts):
+        texts = {
+            e.step: e.tensor_proto.string_val[0].decode()
+            for e in board.Tensors(f"samples/{index}/text_summary")
+        }
+        assert sorted(texts) == [0, 17, 34]
+        ids = generate(model.eval(), tok.encode_document(prompt), 6, temperature=0.0, stop_id=tok.eos_id)
+        assert texts[34] == f"**{literal_markdown(prompt)}**{literal_markdown(tok.decode(ids))}"
+        assert texts[0] != texts[34]  # the model learnt something to write in between

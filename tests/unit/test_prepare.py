@@ -471,3 +471,17 @@ def test_cli_errors_are_one_line(tmp_path, tokenizer_dir, cli):
         assert result.returncode == 2, result
         assert result.stderr.strip().count("\n") == 0 and fragment in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_version_1_dataset_still_trains_and_naming_its_documents_asks_to_prepare_again(tmp_path):
+    from pretrain.data import WindowStream
+    from pretrain.data.provenance import Provenance
+    from tests.conftest import write_synthetic_dataset
+
+    manifest = write_synthetic_dataset(tmp_path / "old", (600,))
+    manifest["format_version"] = 1  # before the document index
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(manifest))
+    stream = WindowStream(tmp_path / "old", 512)
+    assert len(next(stream)) == 513
+    with pytest.raises(UserError, match=r"has no document index \(format version 1\): prepare it again"):
+        Provenance([("data", tmp_path / "old", 1.0)], 512).window(0)

@@ -1,0 +1,115 @@
+"""How `pretrain data prepare` shows how far it is: in a terminal, a bar over the corpus's
+documents (count, percentage, rate, ETA) with the tokens so far; elsewhere (a log file, CI, a
+batch job) plain lines, one per stage and one per tenth of the corpus (or per minute when its size
+is unknown), so a log tells the same story without carriage returns.
+
+The total is counted before tokenizing where that is cheap: a text file is one document, a JSON
+Lines file one per non-blank line, a Parquet file the rows its footer records. A JSON array file or
+a Hub dataset has no cheap count: the bar then shows counts and rates without a percentage.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+from pretrain.data.sources import PARQUET_SUFFIXES, TEXT_SUFFIXES, Source
+
+COUNT_CHUNK = 1 << 24
+LINE_EVERY_SECONDS = 60.0
+
+
+def count_documents(source: Source) -> int | None:
+    """The number of records `source.records()` yields, or None when it cannot be known cheaply."""
+    if source.kind != "files":
+        return None
+    total = 0
+    for path in source.files:
+        if path.suffix in TEXT_SUFFIXES:
+            total += 1
+        elif path.suffix == ".jsonl":
+            total += _non_blank_lines(path)
+        elif path.suffix in PARQUET_SUFFIXES:
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(path).metadata.num_rows
+        else:
+            return None
+    return total
+
+
+def _non_blank_lines(path) -> int:
+    count = 0
+    with open(path, "rb") as f:
+        for line in f:
+            count += bool(line.strip())
+    return count
+
+
+class Progress:
+    """Documents read and tokens written while a corpus is tokenized."""
+
+    def __init__(self, total: int | None, enabled: bool = True, stream: TextIO | None = None):
+        self.total, self.enabled = total, enabled
+        self.stream = stream or sys.stderr
+        self.documents = self.tokens = 0
+        self.started = time.monotonic()
+        self._next_line_at = self.started + LINE_EVERY_SECONDS
+        self._next_tenth = 1
+        self.bar = None
+        if enabled and self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc="tokenizing", total=total, unit="doc", unit_scale=True, file=self.stream,
+                            dynamic_ncols=True)  # fmt: skip
+        elif enabled:
+            size = f"{total:,} documents" if total is not None else "documents (count unknown)"
+            self._line(f"tokenizing {size}")
+
+    def counted(self, records: Iterator) -> Iterator:
+        """`records`, counting each as it is read."""
+        for record in records:
+            self.documents += 1
+            if self.bar is not None:
+                self.bar.update(1)
+            yield record
+
+    def wrote(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.tokens:,} tokens", refresh=False)
+        elif self.enabled:
+            self._maybe_line()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            elapsed = time.monotonic() - self.started
+            self._line(
+                f"tokenized {self.documents:,} documents into {self.tokens:,} tokens in {elapsed:.1f} s"
+            )
+
+    def _maybe_line(self) -> None:
+        now = time.monotonic()
+        if self.total:
+            if self.documents * 10 < self._next_tenth * self.total or self.documents >= self.total:
+                return
+            self._next_tenth = self.documents * 10 // self.total + 1
+            rate = self.documents / max(now - self.started, 1e-9)
+            left = (self.total - self.documents) / max(rate, 1e-9)
+            self._line(f"tokenizing: {100 * self.documents // self.total}% ({self.documents:,} of "
+                       f"{self.total:,} documents, {self.tokens:,} tokens, {_clock(left)} left)")  # fmt: skip
+        elif now >= self._next_line_at:
+            self._next_line_at = now + LINE_EVERY_SECONDS
+            self._line(f"tokenizing: {self.documents:,} documents, {self.tokens:,} tokens")
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
