@@ -36,6 +36,10 @@ ENDPOINT_FILE = "endpoint.json"
 TOKEN_FILE = "token"
 SUPERVISOR_FILE = "supervisor.json"
 EVENTS_FILE = "events.jsonl"
+# RUN_DIR/train_summary.json, written by rank 0 when the loop ends: `"completed": true` once the
+# last step is trained and its checkpoint saved (the supervisor reads it: a finished run whose
+# processes are slow to exit is not a hung one).
+SUMMARY_FILE = "train_summary.json"
 
 
 def monitor_dir(run_dir: str | Path) -> Path:

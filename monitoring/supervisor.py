@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from monitoring.protocol import SUPERVISOR_FILE, monitor_dir
+from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, monitor_dir
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.config import MonitorConfig
@@ -96,10 +96,14 @@ class Job:
 
     process: subprocess.Popen
     attempt: int
+    started_at: float = 0.0  # wall clock (time.time()), to tell this attempt's files from older ones
 
     @classmethod
     def start(cls, command: list[str], attempt: int, env: dict | None = None, pass_fds: tuple = ()) -> Job:
-        return cls(subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds), attempt)
+        started_at = time.time()
+        return cls(
+            subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds), attempt, started_at
+        )
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -256,11 +260,28 @@ class Supervisor:
             if self.state is not None and not interrupt.count:
                 with self.state.lock:
                     hung = self.state.watch.overdue(time.monotonic())
+                if hung and self._completed_since(job.started_at):
+                    # The last step is trained and saved; only the processes' exit is slow (a final
+                    # evaluation's teardown, a slow process-group shutdown): done, not hung.
+                    self.log(f"launch: the run is complete but its processes have not exited ({hung}); "
+                             "stopping them")  # fmt: skip
+                    job.stop(self.config.stop_grace_seconds)
+                    return "exit", ExitCode.DONE
                 if hung:
                     self.log(f"launch: {hung}; stopping the job")
                     job.stop(self.config.stop_grace_seconds)
                     return "hang", hung
             time.sleep(self.poll_seconds)
+
+    def _completed_since(self, started_at: float) -> bool:
+        """Whether this attempt wrote a summary of a completed run (the loop's last act)."""
+        path = self.run_dir / SUMMARY_FILE
+        try:
+            return (
+                path.stat().st_mtime >= started_at and json.loads(path.read_text()).get("completed") is True
+            )
+        except (OSError, ValueError):
+            return False
 
     # --------------------------------------------------------------------------- records
 

@@ -1,6 +1,6 @@
 import sys
 
-from pretrain.cli import main
+from pretrain.cli import entry
 
 if __name__ == "__main__":  # guarded: spawned worker processes re-import the main module
-    sys.exit(main())
+    sys.exit(entry())

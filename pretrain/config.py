@@ -572,12 +572,14 @@ def resolve_config(name: str | Path) -> Path:
     """A config file: the path as given when it exists, else a packaged config by name (from any
     directory), so `--config demo` and `--config configs/train/demo.yaml` are the same file."""
     path = Path(name)
-    if path.exists() or path.suffix in (".yaml", ".yml") or len(path.parts) > 2:
+    if path.is_file() or path.suffix in (".yaml", ".yml") or len(path.parts) > 2:
         return path  # a path: read_yaml reports a missing file with the path
     packaged = packaged_configs()
     key = str(name).removeprefix("train/")
-    if key in packaged:
+    if key in packaged:  # also beside a directory of that name (`runs/demo` after `pretrain demo`)
         return packaged[key]
+    if path.exists():
+        return path  # read_yaml says what it is
     raise ConfigError(
         f"no config {str(name)!r}: not a file, nor a packaged config name; "
         "`pretrain config list` shows the names (or pass a path to a .yaml file)"

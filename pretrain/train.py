@@ -27,7 +27,7 @@ from typing import Any, Protocol, TextIO
 import numpy as np
 import torch
 
-from monitoring.protocol import Action
+from monitoring.protocol import SUMMARY_FILE, Action
 from pretrain import atomic
 from pretrain.checkpoint import tag_for
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
@@ -38,7 +38,6 @@ from pretrain.flops import mfu
 from pretrain.metrics import MetricsWriter, literal_markdown
 from pretrain.monitor_link import MonitorLink, apply_rollback
 
-SUMMARY_FILE = "train_summary.json"
 QUARANTINE_FILE = "quarantine.jsonl"  # monitor.quarantine: the windows set aside, one line per rollback
 DATA_POSITIONS_KEPT = 1024  # steps back a verdict can be about and still name its windows
 
@@ -429,6 +428,7 @@ def _as_float(value) -> float | None:
 
 
 if __name__ == "__main__":  # `python -m pretrain.train ...` is `pretrain train ...`
-    from pretrain.cli import main
+    from pretrain.cli import entry
 
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.argv.insert(1, "train")
+    sys.exit(entry())

@@ -7,7 +7,12 @@ from __future__ import annotations
 from pretrain.console import quiet_libraries
 
 if __name__ == "__main__":
+    import gc
+
     quiet_libraries()
     from deepspeed.launcher.runner import main
 
-    main()
+    try:
+        main()
+    finally:
+        gc.freeze()  # a quick exit (see pretrain.cli.entry)

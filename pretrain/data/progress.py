@@ -62,7 +62,8 @@ class Progress:
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(desc="tokenizing", total=total, unit="doc", unit_scale=True, file=self.stream,
+            large = total is None or total >= 10_000  # 12.3k docs; below that, exact counts
+            self.bar = tqdm(desc="tokenizing", total=total, unit="doc", unit_scale=large, file=self.stream,
                             dynamic_ncols=True)  # fmt: skip
         elif enabled:
             size = f"{total:,} documents" if total is not None else "documents (count unknown)"

@@ -2,7 +2,8 @@
 
 import sys
 
-from pretrain.cli import main
+from pretrain.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main(["finetune", *sys.argv[1:]]))
+    sys.argv.insert(1, "finetune")
+    sys.exit(entry())

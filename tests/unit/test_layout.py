@@ -51,7 +51,7 @@ def test_dependencies():
 
 
 def test_packages_and_script():
-    assert PYPROJECT["project"]["scripts"]["pretrain"] == "pretrain.cli:main"
+    assert PYPROJECT["project"]["scripts"]["pretrain"] == "pretrain.cli:entry"
     import monitoring
     import pretrain
 
