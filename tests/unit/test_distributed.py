@@ -91,3 +91,18 @@ def test_usage_errors_are_one_line_too(capsys):
     assert exit.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "invalid int value: 'many'" in line and "see `pretrain --help`" in line
+
+
+def test_cpu_ranks_share_the_machines_cores(monkeypatch):
+    from pretrain.distributed import cpu_threads_per_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_threads_per_rank() == 8  # one process: every core
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher
+    assert cpu_threads_per_rank() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # torchrun's, when both are there; never below 1
+    assert cpu_threads_per_rank() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    assert cpu_threads_per_rank() is None
