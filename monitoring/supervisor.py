@@ -169,7 +169,7 @@ class Supervisor:
         *,
         leader: bool = True,
         base_seed: int = 0,
-        poll_seconds: float = 0.5,
+        poll_seconds: float = 0.2,  # how soon an exit or a hang is noticed
         log=print,
         lock: RunLock | None = None,
     ):
@@ -185,7 +185,9 @@ class Supervisor:
 
     def run(self) -> int:
         if self.server is not None:
-            threading.Thread(target=self.server.serve_forever, name="monitor-http", daemon=True).start()
+            # poll_interval: how long shutdown() waits for the serving loop when the run ends
+            threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name="monitor-http",
+                             daemon=True).start()  # fmt: skip
             host, port = self.server.server_address[:2]
             self.log(f"launch: monitor on http://{host}:{port} (status: /status, Prometheus: /metrics)")
         interrupt = Interrupt()

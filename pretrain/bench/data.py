@@ -33,11 +33,11 @@ def _write_corpus(path: Path, copies: int) -> None:
                 f.write(json.dumps({"text": f"[{copy}] {doc}"}) + "\n")
 
 
-def bench_prepare(work: Path, copies: int = 8, repeats: int = 2) -> dict:
+def bench_prepare(work: Path, copies: int = 8, repeats: int = 2, vocab_size: int = 8192) -> dict:
     corpus = work / "corpus.jsonl"
     _write_corpus(corpus, copies)
     source = resolve_source(str(corpus))
-    train_tokenizer(source.documents(), work / "tokenizer", vocab_size=8192, sample_sentences=200_000)
+    train_tokenizer(source.documents(), work / "tokenizer", vocab_size=vocab_size, sample_sentences=200_000)
     best: dict[int, float] = {}
     tokens = 0
     for _ in range(repeats):
@@ -97,16 +97,16 @@ def _rate(iterator, tokens_per_item: int, seconds: float) -> float:
     return count * tokens_per_item / elapsed
 
 
-def bench_stream(work: Path, seconds: float = 2.0) -> dict:
+def bench_stream(work: Path, seconds: float = 2.0, tokens: int = 64 * 2**20) -> dict:
     data = work / "synthetic"
-    _synthetic_dataset(data, tokens=64 * 2**20, shards=4)
+    _synthetic_dataset(data, tokens=tokens, shards=4)
     result = {}
     for seq_len in (512, 2048, 8192):
         stream = WindowStream(data, seq_len, seed=1)
         result[f"stream_tokens_per_sec_seq{seq_len}"] = _rate(stream, seq_len + 1, seconds)
     result["stream_tokens_per_sec"] = result["stream_tokens_per_sec_seq2048"]
     # A two-corpus mixture (0.7 / 0.3): one process, and rank 0 of 64 (every rank walks the round).
-    _synthetic_dataset(work / "synthetic_b", tokens=16 * 2**20, shards=2)
+    _synthetic_dataset(work / "synthetic_b", tokens=tokens // 4, shards=2)
     sources = [("a", data, 0.7), ("b", work / "synthetic_b", 0.3)]
     for world_size in (1, 64):
         mixture = MixtureStream(sources, 2048, rank=0, world_size=world_size, seed=1)
@@ -120,8 +120,11 @@ def bench_stream(work: Path, seconds: float = 2.0) -> dict:
 def run(as_json: bool = False, quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-data-") as tmp:
         work = Path(tmp)
-        result = bench_stream(work, seconds=0.5 if quick else 2.0)
-        result |= bench_prepare(work, copies=2 if quick else 12, repeats=1 if quick else 2)
+        result = bench_stream(work, seconds=0.5, tokens=8 * 2**20) if quick else bench_stream(work)
+        if quick:  # a smoke test of the same code: smaller corpus and vocabulary, one repeat
+            result |= bench_prepare(work, copies=1, repeats=1, vocab_size=1024)
+        else:
+            result |= bench_prepare(work, copies=12, repeats=2)
     if as_json:
         print(json.dumps(result))
         return result

@@ -33,7 +33,7 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     started = time.time()
     result = launch(tmp_path, {"prose": train_data, "code": code_data}, "train.steps=10", "checkpoint.every=3",
                     "faults.kill_step=5", "faults.kill_rank=1", "faults.hang_step=8", "faults.hang_rank=0",
-                    "monitor.hang_min_seconds=4", "monitor.stop_grace_seconds=3", "data.document_masking=true",
+                    "monitor.hang_min_seconds=4", "monitor.stop_grace_seconds=1", "data.document_masking=true",
                     "eval.every=10")  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     restarts = [e for e in events(tmp_path) if e["type"] == "restart"]
