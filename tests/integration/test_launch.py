@@ -2,32 +2,37 @@
 or a hung one, the restart budget, the circuit breaker and NaN rollbacks, all with real processes."""
 
 import json
+import os
 import subprocess
 import sys
 
 import torch
 
+from pretrain.config import REPO_CONFIG_DIR
+from pretrain.distributed import free_port
 from tests.integration.runs import FAST, TINY, events, metrics
 
 
-def launch(run_dir, data, *overrides, nproc=2, timeout=600):
-    """`data`: a prepared corpus, or {name: corpus} for a mixture of equal weights."""
+def launch(run_dir, data, *overrides, nproc=2, timeout=600, script=False):
+    """`data`: a prepared corpus, or {name: corpus} for a mixture of equal weights. `script`: through
+    launch/single_node.sh (NPROC, MASTER_PORT), as a user of the launch scripts starts it."""
     if isinstance(data, dict):
         sources = ",".join(f"{{name: {name}, dir: '{d}', weight: 1}}" for name, d in data.items())
         data_setting = f"data.mixture=[{sources}]"
     else:
         data_setting = f"data.dir={data}"
-    command = [sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc), "--config", TINY,
-               f"run.dir={run_dir}", data_setting, *FAST, "eval.every=0", "monitor.warmup=4",
-               "monitor.window=16", *overrides]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    start = ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")] if script else [
+        sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc)]  # fmt: skip
+    command = [*start, "--config", TINY, f"run.dir={run_dir}", data_setting, *FAST, "eval.every=0",
+               "monitor.warmup=4", "monitor.window=16", *overrides]  # fmt: skip
+    env = os.environ | {"NPROC": str(nproc), "MASTER_PORT": str(free_port())}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, train_data, code_data):
     """On a two-corpus mixture with document masking: the mixture's position survives both
     restarts, and the held-out loss falls on each corpus."""
     import glob
-    import os
     import time
 
     started = time.time()
@@ -84,10 +89,15 @@ def test_the_restart_budget_is_finite(tmp_path, train_data):
 def test_nan_rolls_back_and_the_circuit_breaker_stops_a_run_that_keeps_failing(tmp_path, train_data):
     """Step 6 fails twice (each fault fires once, so two faults at one step): a NaN, rolled back,
     then a spike at the same step, which with max_rollbacks=1 trips the breaker; the job stops with
-    status 3 and the supervisor does not restart it."""
+    status 3 and the supervisor does not restart it. ZeRO-1, started by launch/single_node.sh: the
+    run learns before the NaN, and the rollback loads a ZeRO-1 checkpoint."""
     result = launch(tmp_path, train_data, "train.steps=10", "checkpoint.every=4", "faults.nan_steps=[6]",
-                    "faults.spike_steps=[6]", "monitor.max_rollbacks=1")  # fmt: skip
+                    "faults.spike_steps=[6]", "monitor.max_rollbacks=1",
+                    "engine.deepspeed_config=configs/deepspeed/zero1.json", script=True)  # fmt: skip
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ZeRO-1 bf16" in result.stdout
+    losses = metrics(tmp_path)
+    assert losses[5]["train/loss"] < losses[1]["train/loss"] - 0.1  # it learns
     assert "circuit breaker" in result.stderr
     log = events(tmp_path)
     rollbacks = [e for e in log if e["type"] == "rollback"]
