@@ -33,7 +33,9 @@ def _start_service(run_dir, *overrides):
     while not endpoint.exists() and time.time() < deadline and process.poll() is None:
         time.sleep(0.1)
     assert endpoint.exists(), process.communicate()[0]
-    url = json.loads(endpoint.read_text())["url"]
+    announced = json.loads(endpoint.read_text())
+    url = announced["url"]
+    assert url == f"http://{announced['host']}:{announced['port']}"  # what the README says it holds
     return process, url, (run_dir / "monitor" / "token").read_text().strip()
 
 
