@@ -77,7 +77,7 @@ def continuations(
     """What the model writes after each prompt (a new document; KV cache), greedy at temperature 0,
     else sampled with a generator seeded by the step and the prompt's index. Every rank decodes the
     same tokens (same weights, same seeds), so ZeRO-3's collective parameter gathers stay in step."""
-    from pretrain.inference import generate
+    from pretrain.inference import continuation
 
     model = engine.module
     model.eval()
@@ -85,9 +85,9 @@ def continuations(
     try:
         for index, prompt in enumerate(prompts):
             generator = torch.Generator(device=engine.device).manual_seed(step * 1009 + index)
-            ids = generate(model, tokenizer.encode_document(prompt), max_new_tokens, temperature, top_k=50,
-                           top_p=0.95, stop_id=tokenizer.eos_id, generator=generator)  # fmt: skip
-            texts.append(tokenizer.decode(ids))
+            texts.append(
+                continuation(model, tokenizer, prompt, max_new_tokens, temperature, 50, 0.95, generator)
+            )
     finally:
         model.train()
     return texts

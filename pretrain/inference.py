@@ -163,11 +163,25 @@ def sample_text(
     seed: int = 0,
 ) -> str:
     """The text a loaded model writes after `prompt`, which starts a new document."""
-    tok = trained.tokenizer
     generator = torch.Generator().manual_seed(seed)
-    ids = generate(trained.model, tok.encode_document(prompt), max_new_tokens, temperature, top_k, top_p,
-                   tok.eos_id, generator)  # fmt: skip
-    return tok.decode(ids)
+    return continuation(trained.model, trained.tokenizer, prompt, max_new_tokens, temperature, top_k, top_p,
+                        generator)  # fmt: skip
+
+
+def continuation(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator,
+) -> str:
+    """What `model` writes after `prompt` (a new document), until EOS or `max_new_tokens`."""
+    ids = generate(model, tokenizer.encode_document(prompt), max_new_tokens, temperature, top_k, top_p,
+                   tokenizer.eos_id, generator)  # fmt: skip
+    return tokenizer.decode(ids)
 
 
 def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float32") -> tuple[Path, Path]:
