@@ -1,8 +1,8 @@
 """Errors meant for people, and the one table of exit statuses.
 
 A `UserError` is bad input (a missing file, a bad config, an unknown preset). Every command and
-module entry runs through `run_main`, which prints its message as one line on stderr (from rank 0
-only, when several ranks run the same command) and exits with status 2; `--debug` shows the
+module entry runs through `run_main`, which prints its message as one line on stderr (from local
+rank 0 only, when several ranks run the same command) and exits with status 2; `--debug` shows the
 traceback instead. Everything else is a bug and keeps its traceback.
 """
 
@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from enum import IntEnum
+
+SPEAKER_GRACE_S = 5.0  # how long a silent rank waits for local rank 0 to print the error
 
 
 class ExitCode(IntEnum):
@@ -53,10 +56,14 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
         if debug:
             raise
         rank = int(os.environ.get("RANK", "0"))
-        if rank == 0:  # every rank found the same problem: say it once
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-        elif not getattr(exc, "same_on_every_rank", True):
+        if not getattr(exc, "same_on_every_rank", True):
             print(f"{prog}: error on rank {rank}: {exc}", file=sys.stderr)
+        elif int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank found it: once per node
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        else:
+            # A launcher kills every rank once one exits with an error: a silent rank that exited
+            # first could take the one meant to speak down with it. It waits for the speaker instead.
+            time.sleep(SPEAKER_GRACE_S)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

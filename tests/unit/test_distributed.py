@@ -6,6 +6,7 @@ import signal
 import pytest
 import torch
 
+from pretrain import errors
 from pretrain.distributed import DistEnv, StopRequest, all_reduce_sum, barrier, broadcast
 from pretrain.errors import CommandParser, ConfigError, ExitCode, UserError, run_main
 
@@ -63,13 +64,17 @@ def test_run_main_turns_bad_input_into_one_line_and_status_2(capsys, monkeypatch
         raise ConfigError("model.d_model=100 is not divisible by model.n_heads=3: choose n_heads ...")
 
     monkeypatch.delenv("RANK", raising=False)
-    assert run_main(bad) == 2
-    assert (
-        capsys.readouterr().err
-        == "pretrain: error: model.d_model=100 is not divisible by model.n_heads=3: choose n_heads ...\n"
-    )
-    monkeypatch.setenv("RANK", "1")  # every rank found it; rank 0 says it
-    assert run_main(bad) == 2 and capsys.readouterr().err == ""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    line = "pretrain: error: model.d_model=100 is not divisible by model.n_heads=3: choose n_heads ...\n"
+    assert run_main(bad) == 2 and capsys.readouterr().err == line
+    # Every rank found it; local rank 0 says it (once per node), the others wait for it to be said.
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    waits = []
+    monkeypatch.setattr("pretrain.errors.time.sleep", waits.append)
+    assert run_main(bad) == 2 and capsys.readouterr().err == "" and waits == [errors.SPEAKER_GRACE_S]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert run_main(bad) == 2 and capsys.readouterr().err == line and len(waits) == 1
     with pytest.raises(ConfigError):
         run_main(bad, debug=True)
     assert run_main(lambda: ExitCode.STOPPED_BY_MONITOR) == 3
