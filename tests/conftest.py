@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 from pathlib import Path
 
 # The Hub is out of reach for tests (and for this machine): fail fast instead of retrying the network.
@@ -84,6 +85,28 @@ def write_synthetic_dataset(
     return manifest
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A session fixture's directory, built once per test session. Under pytest-xdist (the
+    README's `python -m pytest` runs two workers) the first worker that needs it builds it in the
+    session's shared temporary directory, under a lock, and the other reuses it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        directory = tmp_path_factory.mktemp(name)
+        build(directory)
+        return directory
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, holding every worker's popen-gwK/
+    directory, built = shared / name, shared / f"{name}.built"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not built.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            built.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     """A small BPE tokenizer trained once per test session on the pydoc topics."""
@@ -91,10 +114,12 @@ def tokenizer_dir(tmp_path_factory):
 
     from pretrain.tokenizer import train_tokenizer
 
-    directory = tmp_path_factory.mktemp("tokenizer")
     topics = pydoc_data.topics.topics
-    train_tokenizer((topics[k] for k in sorted(topics)), directory, vocab_size=512)
-    return directory
+    return built_once(
+        tmp_path_factory,
+        "tokenizer",
+        lambda directory: train_tokenizer((topics[k] for k in sorted(topics)), directory, vocab_size=512),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -104,14 +129,15 @@ def train_data(tmp_path_factory, tokenizer_dir):
 
     from pretrain.data import prepare_dataset, resolve_source
 
-    directory = tmp_path_factory.mktemp("train_data")
-    corpus = directory / "topics.jsonl"
-    topics = pydoc_data.topics.topics
-    corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
-    prepare_dataset(
-        resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
-    )
-    return directory / "data"
+    def build(directory):
+        corpus = directory / "topics.jsonl"
+        topics = pydoc_data.topics.topics
+        corpus.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+        prepare_dataset(
+            resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.1, progress=False
+        )
+
+    return built_once(tmp_path_factory, "train_data", build) / "data"
 
 
 @pytest.fixture(scope="session")
@@ -122,16 +148,18 @@ def code_data(tmp_path_factory, tokenizer_dir):
 
     from pretrain.data import prepare_dataset, resolve_source
 
-    directory = tmp_path_factory.mktemp("code_data")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     modules = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py", "heapq.py",
                "keyword.py", "numbers.py", "glob.py"]  # fmt: skip
-    corpus = directory / "code.jsonl"
-    corpus.write_text("".join(json.dumps({"text": (stdlib / m).read_text()}) + "\n" for m in modules))
-    prepare_dataset(
-        resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.2, progress=False
-    )
-    return directory / "data"
+
+    def build(directory):
+        corpus = directory / "code.jsonl"
+        corpus.write_text("".join(json.dumps({"text": (stdlib / m).read_text()}) + "\n" for m in modules))
+        prepare_dataset(
+            resolve_source(str(corpus)), tokenizer_dir, directory / "data", val_fraction=0.2, progress=False
+        )
+
+    return built_once(tmp_path_factory, "code_data", build) / "data"
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,8 @@ from pathlib import Path
 from tests.integration.runs import launcher, metrics, train, train_state
 
 GOLDEN_FILE = Path(__file__).with_name("golden_zero2.json")
-OVERRIDES = ["train.steps=20", "checkpoint.every=10", "eval.every=10", "engine.peak_flops=1e12"]
+OVERRIDES = ["train.steps=20", "checkpoint.every=10", "eval.every=10", "engine.peak_flops=1e12",
+             "eval.attention_probe=The quick brown fox jumps over the lazy dog."]  # fmt: skip
 EXACT = ("train/loss", "train/grad_norm", "train/lr", "train/tokens", "train/skipped_steps")
 # Relative tolerances across platforms; every other number (learning rates, tokens, skipped
 # steps, data positions) must still be equal.

@@ -21,21 +21,22 @@ def launch(run_dir, data, *overrides, nproc=2, timeout=600, script=False):
         data_setting = f"data.mixture=[{sources}]"
     else:
         data_setting = f"data.dir={data}"
+    port = free_port()
     start = ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")] if script else [
-        sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc)]  # fmt: skip
+        sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc), "--master-port", str(port)]  # fmt: skip
     command = [*start, "--config", TINY, f"run.dir={run_dir}", data_setting, *FAST, "eval.every=0",
                "monitor.warmup=4", "monitor.window=16", *overrides]  # fmt: skip
-    env = os.environ | {"NPROC": str(nproc), "MASTER_PORT": str(free_port())}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    env = os.environ | {"NPROC": str(nproc), "MASTER_PORT": str(port)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    result.master_port = port
+    return result
 
 
 def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, train_data, code_data):
     """On a two-corpus mixture with document masking: the mixture's position survives both
     restarts, and the held-out loss falls on each corpus."""
     import glob
-    import time
 
-    started = time.time()
     result = launch(tmp_path, {"prose": train_data, "code": code_data}, "train.steps=10", "checkpoint.every=3",
                     "faults.kill_step=5", "faults.kill_rank=1", "faults.hang_step=8", "faults.hang_rank=0",
                     "monitor.hang_min_seconds=4", "monitor.stop_grace_seconds=1", "data.document_masking=true",
@@ -71,9 +72,10 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     # 4, 5 and 6 (killed at 5, resumed from 3), then 7 (hung at 8, resumed from 6), ran twice.
     step_events = [e["step"] for e in events(tmp_path) if e["type"] == "step"]
     assert step_events == [1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10]
-    # DeepSpeed's CPU shared-memory buffers (66 MB per rank) are not left behind, not even by the
-    # killed attempts: every rank unlinks its name once the group has started.
-    leaked = [p for p in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*") if os.path.getmtime(p) >= started]
+    # DeepSpeed's CPU shared-memory buffers (66 MB per rank, named after the job's rendezvous port)
+    # are not left behind, not even by the killed attempts: every rank unlinks its name once the
+    # group has started.
+    leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{result.master_port}_*")
     assert leaked == []
 
 

@@ -36,7 +36,8 @@ def state_of(run_dir, step) -> dict:
 def six_steps(tmp_path_factory, train_data):
     """Six uninterrupted steps, checkpoints and evaluations at 3 and 6: what the other tests compare with."""
     run_dir = tmp_path_factory.mktemp("six_steps")
-    summary = pretraining_trainer(config(run_dir, train_data, "engine.peak_flops=1e12")).train()
+    probe = "eval.attention_probe=The quick brown fox jumps over the lazy dog."  # (FAST leaves it out)
+    summary = pretraining_trainer(config(run_dir, train_data, "engine.peak_flops=1e12", probe)).train()
     return run_dir, summary
 
 
