@@ -18,11 +18,10 @@ import json
 import math
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, NamedTuple, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -209,13 +208,14 @@ class Trainer:
     def optimizer_step(
         self, step: int, stop: StopRequest
     ) -> tuple[dict[str, float | None], list, bool, bool]:
-        """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping."""
+        """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping.
+        The host reads the step's numbers once, at the end (`read_step_values`)."""
         started = time.perf_counter()
         lr = self.lr_at(step) * self.state.lr_scale
         set_lr(self.optimizer, lr)
         every = self.cadence.layer_norms_every
         device = self.engine.device
-        loss_sum, layer_norms, served, tokens = torch.zeros((), device=device), {}, [], 0
+        loss_sum, layer_squares, served, tokens = torch.zeros((), device=device), {}, [], 0
         for _ in range(self.grad_accum):
             batch = self.task.next_batch()
             served += self.task.served()
@@ -223,7 +223,7 @@ class Trainer:
             loss = self.faults.apply(step, self.engine(**batch).loss)
             self.engine.backward(loss)
             if every and step % every == 0 and self.engine.is_gradient_accumulation_boundary():
-                layer_norms = layer_grad_norms(self.engine.module)
+                layer_squares = layer_grad_squares(self.engine.module)
             self.engine.step()
             loss_sum += loss.detach().float()
         # One collective per step: the mean loss over ranks, whether any rank was asked to stop, and
@@ -231,18 +231,19 @@ class Trainer:
         stopping = torch.tensor(float(stop.requested), device=device)
         action_waits = torch.tensor(self.monitor.pending() if self.monitor else 0.0, device=device)
         agreed = all_reduce_sum(torch.stack([loss_sum / self.grad_accum, stopping, action_waits]))
-        stop_requested = agreed[1].item() > 0 or step == self.cadence.stop_at_step
+        values = read_step_values(agreed, self.engine.get_global_grad_norm(), layer_squares)
+        stop_requested = values.stopping > 0 or step == self.cadence.stop_at_step
         # Pretraining's micro-batches have one shape on every rank; fine-tuning pads each rank's to
         # its own longest example, so there this counts rank 0's padded shape for every rank.
         tokens *= self.env.world_size
         self.state = TrainState(step, self.state.tokens + tokens, self.state.lr_scale)
         self.faults.mark_fired(step)
-        step_time = time.perf_counter() - started
+        step_time = time.perf_counter() - started  # (the read above waited for the step's kernels)
         per_device = tokens / step_time / self.env.world_size
         metrics = {
-            "train/loss": agreed[0].item() / self.env.world_size,
+            "train/loss": values.loss_sum / self.env.world_size,
             "train/lr": lr,
-            "train/grad_norm": _as_float(self.engine.get_global_grad_norm()),
+            "train/grad_norm": values.grad_norm,
             "train/tokens_per_sec": tokens / step_time,
             "train/tokens_per_sec_per_device": per_device,
             "train/mfu": mfu(per_device, self.flops_per_token, self.peak_flops)
@@ -253,8 +254,8 @@ class Trainer:
             "train/skipped_steps": float(self.engine.skipped_steps),
             "train/tokens": float(self.state.tokens),
         }
-        metrics |= {f"train/grad_norm/{k}": v for k, v in layer_norms.items()} | self.task.scalars()
-        return metrics, served, stop_requested, agreed[2].item() > 0
+        metrics |= {f"train/grad_norm/{k}": v for k, v in values.layer_norms.items()} | self.task.scalars()
+        return metrics, served, stop_requested, values.action_waits > 0
 
     def log(self, step: int, metrics: dict, served: list, trace: TextIO | None) -> None:
         if trace is not None:
@@ -392,12 +393,46 @@ def _number(value) -> float | None:
         return None
 
 
-def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:
-    """Gradient norm per layer group (embeddings, layers.N, head: the rest); works under every
-    ZeRO stage (a collective under ZeRO-3, so every rank calls it)."""
+class StepValues(NamedTuple):
+    loss_sum: float  # the micro-batches' mean loss, summed over ranks
+    stopping: float  # > 0: some rank was asked to stop
+    action_waits: float  # > 0: rank 0 holds a monitor action for every rank
+    grad_norm: float | None
+    layer_norms: dict[str, float]  # per layer group, on the steps that take them
+
+
+def read_step_values(
+    agreed: torch.Tensor, grad_norm: torch.Tensor | float | None, layer_squares: dict[str, torch.Tensor]
+) -> StepValues:
+    """The step's one host read: the agreed numbers, the engine's gradient norm and the per-layer
+    squared norms come back to the host together. Every read makes the host wait for the
+    accelerator (it cannot queue the next kernels meanwhile), so the loop makes only this one
+    (docs/performance.md, "Host reads in the step"). Values are widened to float64 on the device,
+    which is exact: the host sees the bits a read of each tensor would have given."""
+    norm_on_device = isinstance(grad_norm, torch.Tensor)
+    on_device = [agreed.double()]
+    if norm_on_device:
+        on_device.append(grad_norm.detach().double().reshape(1).to(agreed.device))
+    groups = list(layer_squares)
+    on_device += [layer_squares[g].reshape(1).to(agreed.device) for g in groups]
+    numbers = torch.cat(on_device).tolist()
+    loss_sum, stopping, action_waits = numbers[:3]
+    if norm_on_device:
+        grad_norm = numbers[3]
+    elif grad_norm is not None:
+        grad_norm = float(grad_norm)  # DeepSpeed's overflow: float("inf")
+    squares = numbers[3 + norm_on_device :]
+    layer_norms = {g: math.sqrt(v) for g, v in zip(groups, squares, strict=True)}
+    return StepValues(loss_sum, stopping, action_waits, grad_norm, layer_norms)
+
+
+def layer_grad_squares(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Squared gradient norm per layer group (embeddings, layers.N, head: the rest), as float64
+    tensors on the device (no host read); works under every ZeRO stage (a collective under ZeRO-3,
+    so every rank calls it). Each parameter's square is summed in fp32, the groups in fp64."""
     from deepspeed.utils import safe_get_full_grad
 
-    squares: dict[str, float] = defaultdict(float)
+    squares: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         grad = safe_get_full_grad(param)
         if grad is None:
@@ -409,8 +444,9 @@ def layer_grad_norms(module: torch.nn.Module) -> dict[str, float]:
             group = "embeddings"
         else:
             group = "head"
-        squares[group] += grad.float().pow(2).sum().item()
-    return {group: math.sqrt(value) for group, value in squares.items()}
+        square = grad.float().pow(2).sum().double()
+        squares[group] = squares[group] + square if group in squares else square
+    return squares
 
 
 def _memory_gb() -> float:
@@ -419,12 +455,6 @@ def _memory_gb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**30
-
-
-def _as_float(value) -> float | None:
-    if value is None:
-        return None
-    return float(value.item() if hasattr(value, "item") else value)
 
 
 if __name__ == "__main__":  # `python -m pretrain.train ...` is `pretrain train ...`

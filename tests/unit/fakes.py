@@ -43,7 +43,7 @@ class FakeEngine:
         self.grad_accum, self.clip = grad_accum, clip
         self.device = torch.device("cpu")
         self.micro_steps = self.global_steps = self.skipped_steps = 0
-        self.grad_norm: float | None = None
+        self.grad_norm: torch.Tensor | float | None = None
         self.saved: list[str] = []
 
     def __call__(self, *args, **kwargs):
@@ -62,15 +62,17 @@ class FakeEngine:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip > 0 else math.inf)
-        self.grad_norm = float(norm)
-        if math.isfinite(self.grad_norm):
+        # As DeepSpeed's: the norm stays a tensor on the device; an overflow is float("inf").
+        self.grad_norm = norm
+        if math.isfinite(norm):
             self.optimizer.step()
         else:
+            self.grad_norm = float("inf")
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self) -> torch.Tensor | float | None:
         return self.grad_norm
 
     def train(self) -> None:

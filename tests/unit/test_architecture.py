@@ -52,7 +52,7 @@ def test_the_walker_sees_imports_including_lazy_ones():
     train = imports_of(ROOT / "pretrain" / "train.py")
     assert "monitoring.protocol" in train and "pretrain.checkpoint.checkpointer" in train
     assert "pretrain.cli" in train  # the `python -m pretrain.train` entry, inside its __main__ guard
-    assert "deepspeed.utils" in train  # imported inside layer_grad_norms
+    assert "deepspeed.utils" in train  # imported inside layer_grad_squares
 
 
 def test_the_library_speaks_to_monitoring_through_the_protocol_only():
