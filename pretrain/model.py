@@ -107,6 +107,7 @@ def attention_with_probs(
 # Document masking: a token attends to the earlier tokens of its own document only. On GPUs the mask
 # is a FlexAttention block mask (blocks wholly outside a document are skipped, no T×T tensor); on
 # CPU, where FlexAttention has no backward, a boolean (B, 1, T, T) mask for SDPA.
+MASK_KINDS = ("auto", "flex", "dense")  # Transformer.masked_attention
 
 
 def positions_in_document(document_ids: torch.Tensor) -> torch.Tensor:
@@ -118,17 +119,22 @@ def positions_in_document(document_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def document_mask(document_ids: torch.Tensor, dense: bool = False):
-    """What each query may attend to: causal and within its document. A FlexAttention BlockMask on
-    CUDA (unless `dense`), else a boolean (B, 1, T, T) tensor."""
+def document_mask(document_ids: torch.Tensor, kind: str = "auto"):
+    """What each query may attend to: causal and within its document. `kind` "flex": a
+    FlexAttention BlockMask; "dense": a boolean (B, 1, T, T) tensor; "auto": flex on CUDA, dense
+    elsewhere."""
     B, T = document_ids.shape
-    if document_ids.is_cuda and not dense:
+    if kind == "auto":
+        kind = "flex" if document_ids.is_cuda else "dense"
+    if kind == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
         def same_document_causal(b, h, q, kv):
             return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
 
         return create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
+    if kind != "dense":
+        raise ValueError(f"mask kind {kind!r}: use one of {', '.join(MASK_KINDS)}")
     causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
     return (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
 
@@ -137,7 +143,9 @@ _compiled_flex = None
 
 
 def flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
-    """FlexAttention, compiled once per process (eager FlexAttention materializes the scores)."""
+    """FlexAttention, compiled once per process (eager FlexAttention materializes the scores). On
+    CPU, torch runs its forward only (no backward): enough for evaluation and for the tests that
+    prove this path against dense attention without a GPU."""
     global _compiled_flex
     from torch.nn.attention import flex_attention as flex
 
@@ -302,6 +310,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.register_buffer("pos_table", torch.empty(0), persistent=False)
+        # How document_ids become an attention mask (MASK_KINDS): "auto" takes FlexAttention on
+        # CUDA and a dense mask elsewhere; tests set "flex" to run the GPU's path on a CPU.
+        self.masked_attention = "auto"
         self.init_weights()
 
     @torch.no_grad()
@@ -380,7 +391,7 @@ class Transformer(nn.Module):
             raise ValueError("document_ids are for training windows: decode one document with a cache")
         mask, positions = None, slice(start, start + T)
         if document_ids is not None:
-            mask = document_mask(document_ids, dense=need_weights)
+            mask = document_mask(document_ids, "dense" if need_weights else self.masked_attention)
             positions = positions_in_document(document_ids)  # (B, T)
         h = self.tok_embeddings(tokens)  # (B, T, d)
         if self.embed_scale != 1.0:

@@ -228,8 +228,9 @@ class Trainer:
             loss_sum += loss.detach().float()
         # One collective per step: the mean loss over ranks, whether any rank was asked to stop, and
         # whether rank 0 holds an action of the monitor (about an earlier step) for every rank.
-        stopping = torch.tensor(float(stop.requested), device=device)
-        action_waits = torch.tensor(self.monitor.pending() if self.monitor else 0.0, device=device)
+        # (torch.full fills on the device; torch.tensor(x, device=...) would copy from the host and wait)
+        stopping = torch.full((), float(stop.requested), device=device)
+        action_waits = torch.full((), self.monitor.pending() if self.monitor else 0.0, device=device)
         agreed = all_reduce_sum(torch.stack([loss_sum / self.grad_accum, stopping, action_waits]))
         values = read_step_values(agreed, self.engine.get_global_grad_norm(), layer_squares)
         stop_requested = values.stopping > 0 or step == self.cadence.stop_at_step

@@ -16,7 +16,7 @@ from safetensors.torch import load_model, save_model
 from pretrain.checkpoint.checkpointer import choose_resume
 from pretrain.config import FinetuneConfig, RunConfig
 from pretrain.distributed import DistEnv
-from pretrain.engine import make_optimizer, plan_batches
+from pretrain.engine import make_optimizer, param_groups, plan_batches
 from pretrain.finetune import finetuning
 from pretrain.finetune.finetuning import check_inputs
 from pretrain.model import Transformer
@@ -41,7 +41,7 @@ class FakeEngine:
     ):
         self.module, self.optimizer = module, optimizer
         self.grad_accum, self.clip = grad_accum, clip
-        self.device = torch.device("cpu")
+        self.device = next(module.parameters()).device
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.grad_norm: torch.Tensor | float | None = None
         self.saved: list[str] = []
@@ -110,16 +110,23 @@ class FakeEngine:
         return str(directory), {}
 
 
-def pretraining_trainer(cfg: RunConfig) -> Trainer:
+def pretraining_trainer(cfg: RunConfig, device: str = "cpu") -> Trainer:
     """`pretrain.pretraining.pretrain` up to the loop, in this process, with a FakeEngine where
-    DeepSpeed's would be: the same checks, task, checkpointer, resume, writer, faults and monitor link."""
+    DeepSpeed's would be: the same checks, task, checkpointer, resume, writer, faults and monitor link.
+    On CUDA (the GPU tier) the optimizer is torch's AdamW, not DeepSpeed's fused Adam, which
+    DeepSpeed compiles at its first use: these tests are about the loop."""
     checked = preflight(cfg, 1)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     setting = claim(cfg.run.dir, checked.identity, asdict(cfg), cfg.checkpoint.resume)
     resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
-    model = Transformer(cfg.model)
-    engine = FakeEngine(model, make_optimizer(model, cfg, {}), checked.plan.grad_accum, cfg.train.grad_clip)
+    model = Transformer(cfg.model).to(device)
+    optimizer = (
+        make_optimizer(model, cfg, {})
+        if device == "cpu"
+        else torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+    )
+    engine = FakeEngine(model, optimizer, checked.plan.grad_accum, cfg.train.grad_clip)
     return build_trainer(
         cfg, ONE_PROCESS, engine, engine.optimizer, checked.plan, checked.data_dir, resume, zero=0
     )

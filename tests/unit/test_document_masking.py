@@ -1,6 +1,6 @@
 """Document masking: a document inside a packed window computes what it computes alone; all-zero
-ids are the plain forward; gradients flow; the loader's ids follow the EOS positions; the GPU's
-FlexAttention block mask allows exactly what the CPU's dense mask allows."""
+ids are the plain forward; gradients flow; the loader's ids follow the EOS positions; the model's
+FlexAttention block mask (the GPU's) allows exactly what its dense mask (the CPU's) allows."""
 
 import pytest
 import torch
@@ -81,18 +81,22 @@ def test_the_loader_ids_start_a_document_after_each_eos():
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_the_flex_block_mask_allows_what_the_dense_mask_allows():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    """The model's own block mask (what CUDA trains with), through eager FlexAttention with GQA; the
+    compiled kernel the model calls is checked against dense attention in tests/integration/test_compile.py."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     window, _ = packed([30, 50, 100, 76])  # 256 tokens: two 128-token blocks, documents across them
     ids = document_ids(torch.stack([window, window.roll(37)]), EOS)
-    dense = document_mask(ids)
-
-    def same_document_causal(b, h, q, kv):  # what document_mask builds on CUDA
-        return (q >= kv) & (ids[b, q] == ids[b, kv])
-
-    block = create_block_mask(same_document_causal, 2, None, 256, 256, device="cpu")
-    q, k, v = (torch.randn(2, 4, 256, 16) for _ in range(3))
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    block, dense = document_mask(ids, "flex"), document_mask(ids, "dense")
+    q, k, v = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16), torch.randn(2, 2, 256, 16)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
     with torch.no_grad():
-        got = flex_attention(q, k, v, block_mask=block)
+        got = flex_attention(q, k, v, block_mask=block, enable_gqa=True)
     assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_auto_is_dense_on_cpu_and_an_unknown_kind_is_refused():
+    ids = torch.zeros(1, 8, dtype=torch.int32)
+    assert isinstance(document_mask(ids), torch.Tensor) and document_mask(ids).shape == (1, 1, 8, 8)
+    with pytest.raises(ValueError, match="mask kind 'sparse'"):
+        document_mask(ids, "sparse")
