@@ -46,6 +46,24 @@ def random_weights_model(qkv_scale: float = 1.0, **overrides):
     return model
 
 
+SMALL_MODEL = {
+    "vocab_size": 512,
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "max_seq_len": 512,
+}
+
+
+@pytest.fixture
+def small_preset(tmp_path):
+    """A model preset file of SMALL_MODEL, for the benchmarks (both tiers)."""
+    path = tmp_path / "small.yaml"
+    path.write_text("\n".join(f"{k}: {v}" for k, v in SMALL_MODEL.items()) + "\n")
+    return path
+
+
 def write_synthetic_dataset(
     directory, train_shard_tokens, val_shard_tokens=(), dtype="<u4", first_token=0
 ) -> dict:

@@ -35,6 +35,7 @@ from pretrain.config import (
     load_defaults,
     load_model_config,
     read_yaml,
+    resolve_config,
 )
 from pretrain.errors import UserError
 from pretrain.flops import current_device_peak_flops, flops_per_token, param_counts
@@ -55,7 +56,9 @@ class BenchSettings:
 
 
 def load_run_config(path: str | Path, settings: BenchSettings) -> RunConfig:
-    """A model preset (configs/model/*.yaml) on top of the defaults, or a run config as it is."""
+    """A model preset (configs/model/*.yaml) on top of the defaults, or a run config as it is; by
+    path, or by a packaged config's name (`gpt3-125m` is the run config, `model/gpt3-125m` the preset)."""
+    path = resolve_config(path)
     if is_model_preset(read_yaml(path)):
         cfg = load_defaults()
         cfg.model = load_model_config(path)
@@ -176,8 +179,8 @@ class Contender:
         return loss.item()
 
 
-def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_json: bool = False) -> dict:
-    """Check the input, measure, then print the table (or the JSON object) on rank 0."""
+def check_settings(settings: BenchSettings) -> None:
+    """Bad input of `bench train` and `bench profile`: one line each."""
     if settings.dtype not in DTYPES:
         raise UserError(f"--dtype {settings.dtype}: use one of {', '.join(DTYPES)}")
     if settings.zero_stage not in ZERO_STAGES:
@@ -188,6 +191,26 @@ def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_j
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if settings.warmup < 0:
         raise UserError("--warmup must be 0 or more")
+
+
+def what_ran(cfg: RunConfig, settings: BenchSettings, env, device: torch.device) -> dict:
+    """The head of a benchmark's JSON object: the device, the world, the settings."""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": env.world_size,
+        "rank": env.rank,
+        "dtype": settings.dtype,
+        "zero_stage": settings.zero_stage,
+        "compile": cfg.engine.compile,
+        "seq_len": cfg.data.seq_len,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "steps": settings.steps,
+    }
+
+
+def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_json: bool = False) -> dict:
+    """Check the input, measure, then print the table (or the JSON object) on rank 0."""
+    check_settings(settings)
     cfg = load_run_config(config_path, settings)
     # DeepSpeed logs and prints to stdout (its loggers bind the stream when imported): send all of
     # that to stderr, so that stdout holds only the result.
@@ -237,16 +260,7 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
             c.step(measure=True)
 
     tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len  # per rank
-    result: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": env.world_size,
-        "rank": env.rank,
-        "dtype": settings.dtype,
-        "zero_stage": settings.zero_stage,
-        "compile": cfg.engine.compile,
-        "seq_len": cfg.data.seq_len,
-        "micro_batch_size": cfg.train.micro_batch_size,
-        "steps": settings.steps,
+    result: dict = what_ran(cfg, settings, env, device) | {
         "params": param_counts(cfg.model).total,
         "versions": {
             "torch": torch.__version__,

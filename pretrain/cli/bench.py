@@ -1,4 +1,5 @@
-"""`pretrain bench data / masking / monitor / detection / train / ablation`: benchmarks that print figures."""
+"""`pretrain bench data / masking / monitor / detection / train / profile / ablation`: benchmarks that
+print figures."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                              micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup,
                              compile=args.compile)  # fmt: skip
     run(args.config, settings, as_json=args.json)
+    return 0
+
+
+def cmd_bench_profile(args: argparse.Namespace) -> int:
+    from pretrain.bench.profile import run
+    from pretrain.bench.train import BenchSettings
+
+    settings = BenchSettings(dtype=args.dtype, zero_stage=args.zero_stage, seq_len=args.seq_len,
+                             micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup,
+                             compile=args.compile)  # fmt: skip
+    run(args.config, settings, as_json=args.json, trace=args.trace)
     return 0
 
 
@@ -124,6 +136,26 @@ def register(sub) -> None:
                        help="torch.compile the blocks of both models (default: the run config's engine.compile; off)")  # fmt: skip
     train.add_argument("--json", action="store_true", help="print one JSON object")
     train.set_defaults(handler=cmd_bench_train)
+
+    profile = whats.add_parser(
+        "profile",
+        help="torch.profiler capture of our model's training step, summarised (top kernels, categories, host gaps)",
+    )
+    profile.add_argument("config", metavar="CONFIG",
+                         help="packaged config name (tiny, gpt3-125m, model/gpt3-1.3b) or a run config or model preset file")  # fmt: skip
+    profile.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    profile.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    profile.add_argument("--seq-len", type=int,
+                         help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)")  # fmt: skip
+    profile.add_argument("--micro-batch-size", type=int,
+                         help="sequences per step per rank (default: the run config's; 8)")  # fmt: skip
+    profile.add_argument("--warmup", type=int, default=3, help="steps before the recording (default 3)")
+    profile.add_argument("--steps", type=int, default=3, help="steps recorded (default 3)")
+    profile.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                         help="torch.compile the blocks (default: the run config's engine.compile; off)")  # fmt: skip
+    profile.add_argument("--trace", metavar="FILE", help="also write the Chrome trace (.json, or .json.gz)")
+    profile.add_argument("--json", action="store_true", help="print one JSON object")
+    profile.set_defaults(handler=cmd_bench_profile)
 
     ablation = whats.add_parser(
         "ablation", help="Transformer++ vs the original Transformer recipe: compute to reach the same loss"

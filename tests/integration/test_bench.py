@@ -1,5 +1,6 @@
-"""`pretrain bench train` (ours vs transformers' Llama in the same DeepSpeed engine) and
-`pretrain bench ablation` (Transformer++ vs the original recipe), run as a user runs them."""
+"""`pretrain bench train` (ours vs transformers' Llama in the same DeepSpeed engine), `pretrain bench
+profile` (a torch.profiler capture of the training step) and `pretrain bench ablation`
+(Transformer++ vs the original recipe), run as a user runs them."""
 
 import json
 import math
@@ -8,14 +9,6 @@ import pytest
 
 from pretrain.bench.train import table
 from tests.integration.test_commands import run
-from tests.unit.test_bench import SMALL_MODEL
-
-
-@pytest.fixture
-def small_preset(tmp_path):
-    path = tmp_path / "small.yaml"
-    path.write_text("\n".join(f"{k}: {v}" for k, v in SMALL_MODEL.items()) + "\n")
-    return path
 
 
 def test_bench_train_compares_the_same_work(small_preset):
@@ -48,6 +41,38 @@ def test_bench_train_compares_the_same_work(small_preset):
         "first-step loss",
     ):
         assert row in text, row
+
+
+def test_bench_profile_summarises_the_training_step(tmp_path):
+    """The tiny run config by name, one warm-up step and one recorded, on CPU: the timeline is the
+    host's ops. The JSON keys are the contract (the H100 runs read the same ones)."""
+    trace = tmp_path / "trace.json"
+    result = run(
+        "bench", "profile", "tiny", "--micro-batch-size", "2", "--warmup", "1", "--steps", "1",
+        "--trace", str(trace), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(result.stdout)  # stdout holds the result alone (DeepSpeed's chatter is on stderr)
+    assert r["config"] == "tiny" and r["device"] == "cpu" and r["timeline"] == "cpu"
+    assert (r["seq_len"], r["micro_batch_size"], r["warmup"], r["steps"]) == (512, 2, 1, 1)
+    assert r["zero_stage"] == 1 and r["dtype"] == "bf16" and r["compile"] is False
+    assert set(r["versions"]) == {"torch", "deepspeed"}
+    assert r["step_ms"] > 0 and len(r["step_ms_each"]) == 1
+    assert 0 < r["timeline_ms"] <= 1.5 * r["step_ms"]  # the ops' self time fits in the step
+    top = r["top_kernels"]
+    totals = [k["total_ms"] for k in top]
+    assert 5 <= len(top) <= 15 and totals == sorted(totals, reverse=True)
+    for k in top:
+        assert k["calls"] >= 1 and 0 < k["share"] <= 1 and k["category"] in r["categories"]
+    shares = {name: c["share"] for name, c in r["categories"].items()}
+    assert all(0 <= s <= 1 for s in shares.values()) and sum(shares.values()) == pytest.approx(1.0)
+    assert r["matmul_share"] == shares["matmul"] and r["attention_share"] == shares["attention"]
+    # The step's work is there: matrix products (aten::mm), SDPA, the AdamW step, the elementwise rest.
+    assert shares["matmul"] > 0.02 and shares["attention"] > 0.02 and shares["elementwise"] > 0.05
+    assert shares["optimizer"] > 0
+    assert shares["other"] < 0.2  # names the classifier does not know stay few
+    assert r["host_gaps"] is None and "CPU" in r["host_gaps_reason"]
+    assert r["trace"] == str(trace) and json.loads(trace.read_text())["traceEvents"]
 
 
 def test_bench_ablation_runs_both_arms_and_writes_the_curves(tmp_path):

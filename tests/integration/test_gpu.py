@@ -24,7 +24,6 @@ from pretrain.loss import linear_cross_entropy
 from pretrain.model import Transformer, document_mask, flex_attention
 from tests.conftest import small_model_config
 from tests.integration.test_commands import run
-from tests.unit.test_bench import SMALL_MODEL
 
 pytestmark = pytest.mark.gpu
 
@@ -211,10 +210,8 @@ def test_a_training_step_synchronizes_with_the_host_once(tmp_path, train_data, m
     assert all(len(found) == 1 for found in per_step.values()), per_step
 
 
-def test_bench_train_reports_mfu_and_memory_on_gpu(tmp_path):
-    preset = tmp_path / "small.yaml"
-    preset.write_text("\n".join(f"{k}: {v}" for k, v in SMALL_MODEL.items()) + "\n")
-    result = run("bench", "train", str(preset), "--steps", "3", "--warmup", "1", "--json")
+def test_bench_train_reports_mfu_and_memory_on_gpu(small_preset):
+    result = run("bench", "train", str(small_preset), "--steps", "3", "--warmup", "1", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout)
     assert r["device"] != "cpu" and r["dtype"] == "bf16"

@@ -11,22 +11,6 @@ from pretrain.bench.ablation import report, tokens_to_reach
 from pretrain.bench.train import saved_activation_bytes
 from tests.helpers import TINY, assert_one_line_error
 
-SMALL_MODEL = {
-    "vocab_size": 512,
-    "d_model": 64,
-    "n_layers": 2,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "max_seq_len": 512,
-}
-
-
-@pytest.fixture
-def small_preset(tmp_path):
-    path = tmp_path / "small.yaml"
-    path.write_text("\n".join(f"{k}: {v}" for k, v in SMALL_MODEL.items()) + "\n")
-    return path
-
 
 @pytest.mark.parametrize(
     "args, fragment",
