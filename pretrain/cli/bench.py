@@ -123,17 +123,9 @@ def register(sub) -> None:
         "train",
         help="training tokens/s of our model vs transformers' LlamaForCausalLM, same engine and batch",
     )
-    train.add_argument("config", metavar="CONFIG", help="model preset (configs/model/*.yaml) or run config")
-    train.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    train.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    train.add_argument("--seq-len", type=int,
-                       help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)")  # fmt: skip
-    train.add_argument("--micro-batch-size", type=int,
-                       help="sequences per step per rank (default: the run config's; 8)")  # fmt: skip
+    add_step_arguments(train)
     train.add_argument("--steps", type=int, default=20, help="measured steps per model (default 20)")
     train.add_argument("--warmup", type=int, default=3, help="unmeasured steps per model first")
-    train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="torch.compile the blocks of both models (default: the run config's engine.compile; off)")  # fmt: skip
     train.add_argument("--json", action="store_true", help="print one JSON object")
     train.set_defaults(handler=cmd_bench_train)
 
@@ -141,18 +133,9 @@ def register(sub) -> None:
         "profile",
         help="torch.profiler capture of our model's training step, summarised (top kernels, categories, host gaps)",
     )
-    profile.add_argument("config", metavar="CONFIG",
-                         help="packaged config name (tiny, gpt3-125m, model/gpt3-1.3b) or a run config or model preset file")  # fmt: skip
-    profile.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    profile.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    profile.add_argument("--seq-len", type=int,
-                         help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)")  # fmt: skip
-    profile.add_argument("--micro-batch-size", type=int,
-                         help="sequences per step per rank (default: the run config's; 8)")  # fmt: skip
+    add_step_arguments(profile)
     profile.add_argument("--warmup", type=int, default=3, help="steps before the recording (default 3)")
     profile.add_argument("--steps", type=int, default=3, help="steps recorded (default 3)")
-    profile.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                         help="torch.compile the blocks (default: the run config's engine.compile; off)")  # fmt: skip
     profile.add_argument("--trace", metavar="FILE", help="also write the Chrome trace (.json, or .json.gz)")
     profile.add_argument("--json", action="store_true", help="print one JSON object")
     profile.set_defaults(handler=cmd_bench_profile)
@@ -168,3 +151,17 @@ def register(sub) -> None:
     ablation.add_argument("--eval-every", type=int, help="steps between evaluations (default: the configs')")
     ablation.add_argument("--json", action="store_true", help="print one JSON object")
     ablation.set_defaults(handler=cmd_bench_ablation)
+
+
+def add_step_arguments(parser) -> None:
+    """What `bench train` and `bench profile` share: the config and the step they run."""
+    parser.add_argument("config", metavar="CONFIG",
+                        help="a packaged config's name (tiny, gpt3-125m, model/gpt3-1.3b), a run config or a model preset file")  # fmt: skip
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    parser.add_argument("--seq-len", type=int,
+                        help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)")  # fmt: skip
+    parser.add_argument("--micro-batch-size", type=int,
+                        help="sequences per step per rank (default: the run config's; 8 for a preset)")  # fmt: skip
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the blocks (default: the run config's engine.compile; off for a preset)")  # fmt: skip
