@@ -1,0 +1,84 @@
+"""`scripts/gpu_check.sh --cpu`: the GPU check's parts on a CPU (the tiny config, a few steps),
+writing the files a lent GPU's run writes, so that a change that breaks the script fails here and
+not in the first minutes of a GPU lease (docs/gpu.md)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+from pretrain.config import REPO_CONFIG_DIR
+
+SCRIPT = REPO_CONFIG_DIR.parent / "scripts" / "gpu_check.sh"
+
+
+def test_the_cpu_mode_runs_every_part_and_writes_the_gpu_runs_files(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = os.environ | {"PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(SCRIPT), "--cpu", str(out), "--work", str(work)],
+                            capture_output=True, text=True, timeout=420, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"summary.json", "gpu_check.log", "bench-tiny.json", "launch.json",
+                                               "profile.json"}  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    statuses = {p["name"]: p["status"] for p in summary["parts"]}
+    assert statuses == {"versions": "ok", "fused_adam": "skipped", "pytest": "ok", "bench tiny": "ok",
+                        "launch": "ok", "profile": "ok"}  # fmt: skip
+    assert summary["mode"] == "cpu" and summary["versions"]["torch"].startswith("2.")
+    pytest_part = next(p for p in summary["parts"] if p["name"] == "pytest")
+    assert (
+        pytest_part["tests"]["skipped"] >= 10 and pytest_part["tests"]["failed"] == 0
+    )  # the GPU tier, skipped
+
+    bench = json.loads((out / "bench-tiny.json").read_text())
+    assert (
+        bench["device"] == "cpu"
+        and bench["ours_tokens_per_sec"] > 0
+        and bench["first_loss_difference"] < 1e-2
+    )
+    profile = json.loads((out / "profile.json").read_text())["tiny"]
+    assert profile["timeline"] == "cpu" and 0 < profile["matmul_share"] < 1
+
+    launch = json.loads((out / "launch.json").read_text())
+    assert launch["ok"] and all(launch["checks"].values()), launch["checks"]
+    assert [(r["step"], r["target"]) for r in launch["rollbacks"]] == [(9, "step_00000008")]  # the spike
+    assert [r["resume_from"] for r in launch["restarts"]] == ["step_00000008"]  # killed as step 11 began
+    assert launch["resumed_from"] == "step_00000012" and launch["summary"]["step"] == 14
+    log = (out / "gpu_check.log").read_text()
+    for part in statuses:
+        assert f"===== {part} (budget" in log
+    assert result.stdout.splitlines()[-7].startswith("gpu_check (cpu): 6 parts")
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT.with_suffix(".py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_part_over_its_budget_is_stopped_with_its_processes_and_the_check_goes_on(tmp_path):
+    """A part's command (and what it started) is stopped at the part's budget; the part is recorded
+    as failed, and a part with no time left in the check's budget as skipped."""
+    gpu_check = load_gpu_check()
+    gpu_check.MINIMUM = 0.5
+    mode = gpu_check.Mode(**{**gpu_check.CPU.__dict__, "budget": 3.0, "budgets": {"slow": 1.5, "after": 5.0}})
+    check = gpu_check.Check(mode, tmp_path, tmp_path, started=time.time())
+
+    def slow(check, budget):
+        finished = check.run(["bash", "-c", "sleep 61.25 & sleep 61.5"], budget)
+        raise gpu_check.failed_command(finished, "slow")
+
+    with open(tmp_path / "gpu_check.log", "a") as check.log_file:
+        gpu_check.run_part(check, "slow", slow)
+        time.sleep(max(0.0, check.remaining() - 0.2))
+        gpu_check.run_part(check, "after", lambda check, budget: {})
+    slow_part, after = check.summary["parts"]
+    assert slow_part["status"] == "failed" and "time budget" in slow_part["line"] and slow_part["seconds"] < 3
+    assert after["status"] == "skipped" and "no time left" in after["line"]
+    assert json.loads((tmp_path / "summary.json").read_text())["parts"] == check.summary["parts"]
+    leftover = subprocess.run(["pgrep", "-f", "sleep 61.(25|5)"], capture_output=True, text=True)
+    assert leftover.stdout == "", leftover.stdout  # the background sleep too: the whole group
