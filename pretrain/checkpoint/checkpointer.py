@@ -124,10 +124,14 @@ def _master_weights(optimizer) -> list[torch.Tensor]:
 
 def weights_digest(engine) -> str:
     """sha256 of all this rank holds of the weights: the module's parameters (its shard, under
-    ZeRO-3) and its fp32 master weights."""
+    ZeRO-3) and its fp32 master weights. Under ZeRO-3 the shard is `ds_tensor`, not the module's
+    view of the parameter, which may or may not be gathered at the time (DeepSpeed leaves its small
+    persistent parameters partitioned after a skipped step until the next forward)."""
     digest = hashlib.sha256()
     for _, param in engine.module.named_parameters():
-        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        held = getattr(param, "ds_tensor", None)
+        held = param if held is None else held
+        digest.update(held.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     for master in _master_weights(engine.optimizer):
         digest.update(master.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

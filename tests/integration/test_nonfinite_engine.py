@@ -61,3 +61,7 @@ def test_a_nan_gradient_is_skipped_and_leaves_weights_and_optimizer_unchanged(tm
     digests = [train_state(tmp_path, s)["params_sha256"] for s in (1, 2, 3)]
     if stage < 3:
         assert digests[0] == digests[1] != digests[2]
+    # What each rank holds of the weights (module and fp32 master; its shards under ZeRO-3), the
+    # digest a rollback compares after loading (Checkpointer.matches), is unchanged too.
+    held = [train_state(tmp_path, s)["weights_sha256"] for s in (1, 2, 3)]
+    assert held[0] == held[1] and all(a != b for a, b in zip(held[1], held[2], strict=True))
