@@ -45,11 +45,18 @@ def test_zero2_learns_and_checkpoints(golden_run):
     assert state["data"]["consumed"] == 20 * 2 * 2  # global windows: steps × micro-batch × ranks
 
 
-def test_zero3_learns(tmp_path, train_data):
-    # ZeRO-1 learns, checkpoints and rolls back in test_launch.py (through launch/single_node.sh).
-    train(launcher(2), tmp_path, train_data, "train.steps=6", "checkpoint.every=6", "eval.every=6",
-          "engine.deepspeed_config=configs/deepspeed/zero3.json")  # fmt: skip
-    assert assert_learns(tmp_path, 6)["zero_stage"] == 3
+def test_zero3_learns_and_a_rollback_restores_the_checkpoints_weights(tmp_path, train_data):
+    """Under `pretrain launch`, a spike at step 6 is rolled back to step 4: every rank's shards and
+    fp32 master weights after the load equal those saved (`weights_sha256`). ZeRO-1 learns,
+    checkpoints and rolls back in test_launch.py (through launch/single_node.sh)."""
+    from tests.integration.test_launch import launch
+
+    result = launch(tmp_path, train_data, "train.steps=8", "checkpoint.every=4", "eval.every=8",
+                    "faults.spike_steps=[6]", "engine.deepspeed_config=configs/deepspeed/zero3.json")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert assert_learns(tmp_path, 8)["zero_stage"] == 3
+    (applied,) = [e for e in events(tmp_path) if e["type"] == "rollback_applied"]
+    assert applied["tag"] == "step_00000004" and applied["matches_checkpoint"] is True
 
 
 def copy_checkpoint(golden_run, run_dir, step: int) -> None:
