@@ -100,14 +100,26 @@ def barrier() -> None:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over ranks, in place; returns it."""
     if _group_or_single():
-        dist.all_reduce(tensor)
+        _on_the_groups_device(tensor, dist.all_reduce)
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     if _group_or_single():
-        dist.broadcast(tensor, src=src)
+        _on_the_groups_device(tensor, lambda t: dist.broadcast(t, src=src))
     return tensor
+
+
+def _on_the_groups_device(tensor: torch.Tensor, collective) -> None:
+    """Run `collective` on `tensor` in place. An NCCL group takes CUDA tensors only, so a host
+    tensor (a flag, a count) goes to this rank's GPU for it and its result comes back; gloo
+    takes it as it is."""
+    if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        collective(on_device)
+        tensor.copy_(on_device)
+    else:
+        collective(tensor)
 
 
 def broadcast_int(value: int, env: DistEnv) -> int:

@@ -128,15 +128,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig, ds: dict[str, Any]) -> torch.optim.Optimizer:
-    """DeepSpeed's CPU Adam when ZeRO offloads the optimizer, its fused Adam on GPUs, torch's AdamW on CPU."""
+def make_optimizer(
+    model: nn.Module, cfg: RunConfig, ds: dict[str, Any], on_gpu: bool | None = None
+) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam when ZeRO offloads the optimizer, its fused Adam on GPUs, torch's AdamW
+    on CPU. `on_gpu`: where the parameters will train (default: on a GPU when there is one)."""
     groups = param_groups(model, cfg.optim.weight_decay)
     kwargs = {"lr": cfg.optim.lr, "betas": (cfg.optim.beta1, cfg.optim.beta2), "eps": cfg.optim.eps}
     if _offloads_optimizer(ds):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    if torch.cuda.is_available():
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
+    if on_gpu:
         from deepspeed.ops.adam import FusedAdam
 
         return FusedAdam(groups, adam_w_mode=True, **kwargs)

@@ -37,6 +37,12 @@ if [ "$cpu" = 0 ] && ! "$python" -c "import deepspeed, omegaconf, datasets" 2>/d
     export PATH=$site/bin:$PATH
 fi
 
+# torch's extension builds (DeepSpeed's fused Adam, compiled at first use) in a folder of the check's
+# own, whose stale locks it can clear after a part it stopped (scripts/gpu_check.py).
+if [ "$cpu" = 0 ]; then
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/gpu_check-extensions}
+fi
+
 # The checkout itself is the package: importable without an install.
 export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

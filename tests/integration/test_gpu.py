@@ -154,6 +154,25 @@ def test_fused_loss_on_gpu_matches_plain_cross_entropy():
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-5)
 
 
+def test_collectives_take_host_tensors_in_an_nccl_group(tmp_path):
+    """The checkpointer agrees on a failed save and compares weight digests with host tensors; an
+    NCCL group takes CUDA tensors only (gloo, on CPU, takes both), so `all_reduce_sum` and
+    `broadcast` carry a host tensor to the GPU and back."""
+    import torch.distributed as dist
+
+    from pretrain.distributed import all_reduce_sum, broadcast
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        summed = all_reduce_sum(torch.tensor([1.0, 2.0]))
+        assert summed.device.type == "cpu" and summed.tolist() == [1.0, 2.0]
+        assert broadcast(torch.tensor([7])).tolist() == [7]
+        assert all_reduce_sum(torch.ones(2, device="cuda")).tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
 PACKAGE, OWNERS = str(Path(pretrain.__file__).parent), ("/tests/", "/deepspeed/")
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_model, save_model
 from pretrain.checkpoint.checkpointer import choose_resume
 from pretrain.config import FinetuneConfig, RunConfig
 from pretrain.distributed import DistEnv
-from pretrain.engine import make_optimizer, param_groups, plan_batches
+from pretrain.engine import make_optimizer, plan_batches
 from pretrain.finetune import finetuning
 from pretrain.finetune.finetuning import check_inputs
 from pretrain.model import Transformer
@@ -113,19 +113,15 @@ class FakeEngine:
 def pretraining_trainer(cfg: RunConfig, device: str = "cpu") -> Trainer:
     """`pretrain.pretraining.pretrain` up to the loop, in this process, with a FakeEngine where
     DeepSpeed's would be: the same checks, task, checkpointer, resume, writer, faults and monitor link.
-    On CUDA (the GPU tier) the optimizer is torch's AdamW, not DeepSpeed's fused Adam, which
-    DeepSpeed compiles at its first use: these tests are about the loop."""
+    The optimizer is torch's AdamW on any device (also on CUDA, in the GPU tier): these tests are
+    about the loop, not DeepSpeed's fused Adam."""
     checked = preflight(cfg, 1)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     setting = claim(cfg.run.dir, checked.identity, asdict(cfg), cfg.checkpoint.resume)
     resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
     model = Transformer(cfg.model).to(device)
-    optimizer = (
-        make_optimizer(model, cfg, {})
-        if device == "cpu"
-        else torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
-    )
+    optimizer = make_optimizer(model, cfg, {}, on_gpu=False)
     engine = FakeEngine(model, optimizer, checked.plan.grad_accum, cfg.train.grad_clip)
     return build_trainer(
         cfg, ONE_PROCESS, engine, engine.optimizer, checked.plan, checked.data_dir, resume, zero=0
@@ -141,5 +137,7 @@ def finetuning_trainer(cfg: FinetuneConfig) -> Trainer:
     resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
     model = inputs.model()
-    engine = FakeEngine(model, make_optimizer(model, cfg, {}), plan.grad_accum, cfg.train.grad_clip)
+    engine = FakeEngine(
+        model, make_optimizer(model, cfg, {}, on_gpu=False), plan.grad_accum, cfg.train.grad_clip
+    )
     return finetuning.build_trainer(cfg, ONE_PROCESS, engine, engine.optimizer, plan, inputs, resume, zero=0)
