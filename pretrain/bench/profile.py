@@ -188,7 +188,10 @@ def device_work(event) -> bool:
         return False
     kind = (getattr(event, "activity_type", None) or "").lower()  # kineto's name, where torch has it
     name = event.name.lower()
-    return not ("annotation" in kind or "sync" in kind or name.startswith(("profilerstep", *_SYNC_NAMES)))
+    # (an annotation torch does not flag, such as inductor's "## Call CompiledFxGraph … ##", by its name)
+    return not (
+        "annotation" in kind or "sync" in kind or name.startswith(("profilerstep", "## ", *_SYNC_NAMES))
+    )
 
 
 def timeline(events, cuda: bool) -> tuple[list[tuple[str, float]], list, list[tuple[float, float]]]:

@@ -174,6 +174,7 @@ def test_timeline_reads_kernels_from_the_profilers_events():
         _event("Optimizer.step#FusedAdam.step", 300, 400, cuda, is_user_annotation=True),
         _event("Context Sync", 140, 990, cuda),
         _event("Stream Sync", 140, 990, cuda, activity_type="cuda_sync"),
+        _event("## Call CompiledFxGraph fabc123 ##", 1050, 1900, cuda),  # an annotation, unflagged
         _event("flash_fwd_kernel", 1100, 1300, cuda),
     ]
     entries, kernels, windows = timeline(events, cuda=True)
