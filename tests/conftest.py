@@ -46,6 +46,16 @@ def random_weights_model(qkv_scale: float = 1.0, **overrides):
     return model
 
 
+def packed_document_ids(batch: int, lengths: list[int]) -> torch.Tensor:
+    """(batch, sum(lengths)) document ids of documents of these lengths, each row rolled differently,
+    from EOS positions as the loader finds them."""
+    from pretrain.data.loader import document_ids
+
+    window = torch.full((sum(lengths),), 5)
+    window[torch.tensor(lengths).cumsum(0) - 1] = 2  # each document ends in EOS
+    return document_ids(torch.stack([window.roll(17 * row) for row in range(batch)]), eos_id=2)
+
+
 SMALL_MODEL = {
     "vocab_size": 512,
     "d_model": 64,

@@ -3,7 +3,7 @@ for document masking) against dense attention on CPU. Inductor compiles in worke
 calls the C++ compiler, so these are not unit tests."""
 
 from pretrain.model import Transformer
-from tests.conftest import small_model_config
+from tests.conftest import packed_document_ids, small_model_config
 from tests.unit.test_engine import _loss_and_grads
 
 
@@ -25,18 +25,6 @@ def test_compiled_blocks_compute_the_same_function():
         torch.testing.assert_close(grads2[name], grads[name], rtol=1e-3, atol=1e-5)
 
 
-def packed_ids(batch: int, lengths: list[int]):
-    """(batch, sum(lengths)) document ids of documents of these lengths, each row rolled differently,
-    from EOS positions as the loader finds them."""
-    import torch
-
-    from pretrain.data.loader import document_ids
-
-    window = torch.full((sum(lengths),), 5)
-    window[torch.tensor(lengths).cumsum(0) - 1] = 2  # each document ends in EOS
-    return document_ids(torch.stack([window.roll(17 * row) for row in range(batch)]), eos_id=2)
-
-
 def test_the_models_flex_attention_equals_dense_attention_on_cpu():
     """The CUDA document-masking path, run on a CPU: the model's own block mask through its own
     compiled FlexAttention (torch runs the forward on CPU), with GQA and several documents per
@@ -46,7 +34,7 @@ def test_the_models_flex_attention_equals_dense_attention_on_cpu():
     from pretrain.model import document_mask, flex_attention
 
     torch.manual_seed(0)
-    ids = packed_ids(2, [30, 50, 100, 76])  # 256 tokens, 4 documents per row
+    ids = packed_document_ids(2, [30, 50, 100, 76])  # 256 tokens, 4 documents per row
     q, k, v = torch.randn(2, 8, 256, 32), torch.randn(2, 2, 256, 32), torch.randn(2, 2, 256, 32)
     dense = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=document_mask(ids, "dense"), enable_gqa=True
@@ -67,7 +55,7 @@ def test_a_document_masked_forward_through_flex_attention_equals_the_dense_path(
     calls, flex_attention = [], model_module.flex_attention
     monkeypatch.setattr(model_module, "flex_attention", lambda *a: calls.append(1) or flex_attention(*a))
     model = random_weights_model(qkv_scale=3.0, max_seq_len=256).eval()
-    ids = packed_ids(2, [7, 60, 1, 90, 98])
+    ids = packed_document_ids(2, [7, 60, 1, 90, 98])
     tokens = torch.randint(3, 97, ids.shape)
     with torch.no_grad():
         dense = model(tokens, document_ids=ids).logits

@@ -22,7 +22,7 @@ import torch
 import pretrain
 from pretrain.loss import linear_cross_entropy
 from pretrain.model import Transformer, document_mask, flex_attention
-from tests.conftest import small_model_config
+from tests.conftest import packed_document_ids, small_model_config
 from tests.integration.test_commands import run
 
 pytestmark = pytest.mark.gpu
@@ -93,20 +93,11 @@ def test_compiled_blocks_match_eager_in_loss_and_every_gradient(dtype):
         assert_relatively_close(compiled, eager, BF16_RELATIVE)
 
 
-def packed_ids(batch: int, lengths: list[int]) -> torch.Tensor:
-    """(batch, sum(lengths)) document ids on the GPU: documents of these lengths, each row rolled."""
-    from pretrain.data.loader import document_ids
-
-    window = torch.full((sum(lengths),), 5)
-    window[torch.tensor(lengths).cumsum(0) - 1] = 2  # each document ends in EOS
-    return document_ids(torch.stack([window.roll(17 * row) for row in range(batch)]), eos_id=2).cuda()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_flex_attention_document_masking_matches_dense_sdpa_forward_and_backward(dtype):
     """The model's own block mask and compiled FlexAttention (what training on CUDA runs), GQA
     (8 query heads on 2 key/value heads), documents across the 128-token blocks."""
-    ids = packed_ids(2, [30, 50, 300, 76, 56])  # 512 tokens
+    ids = packed_document_ids(2, [30, 50, 300, 76, 56]).cuda()  # 512 tokens
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(2, 8, 512, 64), (2, 2, 512, 64), (2, 2, 512, 64)]
     inputs = [torch.randn(s, device="cuda", generator=g).to(dtype).requires_grad_() for s in shapes]
@@ -130,7 +121,7 @@ def test_a_document_masked_training_step_on_flex_attention_matches_the_dense_pat
     """The whole model on CUDA: document_ids take FlexAttention by default ("auto"); the loss and
     every gradient equal those of the dense-mask path."""
     model = gpu_model(torch.float32)
-    ids = packed_ids(2, [7, 60, 1, 90, 98])
+    ids = packed_document_ids(2, [7, 60, 1, 90, 98]).cuda()
     tokens = torch.randint(3, 97, (2, 257), device="cuda")
     flex_loss, flex = loss_and_grads(model, tokens, document_ids=ids)
     model.masked_attention = "dense"
