@@ -17,10 +17,16 @@ at most `monitor.max_restarts` times. Each restart is an event `restart` in RUN_
 listed by GET /status and counted by `pretrain_restarts` in GET /metrics.
 
 Several nodes: with a hostfile the DeepSpeed launcher reaches every host over ssh (pdsh), and
-this one supervisor stops and restarts all of them. In the launcher's no-ssh mode each node runs
-`pretrain launch --no-ssh --node-rank K`: node 0 holds the service and watches for hangs; the
-others only restart their own ranks after a failure, for as long as node 0's supervisor, whose
-state is in RUN_DIR/monitor/supervisor.json (a shared file system, as for checkpoints), is running.
+this one supervisor stops and restarts all of them. Its ranks are then not its descendants: it
+asks them to stop through the launcher (SIGTERM: DeepSpeed's kill command on every host, whose
+per-node launchers pass SIGTERM on to their ranks), learns from pdsh's own report when one host's
+launcher has exited ("pdsh@H: HOST: ssh exited with exit code N": the whole job is stopped at
+once, naming the host), and waits for the last rank on any host to exit (the ranks' shared lock,
+`pretrain/lifeline.py`) before it restarts the job or exits. In the launcher's no-ssh mode each
+node runs `pretrain launch --no-ssh --node-rank K`: node 0 holds the service and watches for
+hangs; the others only restart their own ranks after a failure, for as long as node 0's
+supervisor, whose state is in RUN_DIR/monitor/supervisor.json (a shared file system, as for
+checkpoints), is running.
 """
 
 from __future__ import annotations
@@ -28,21 +34,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, monitor_dir
+from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, append_event, monitor_dir
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.config import MonitorConfig
 from pretrain.errors import ExitCode
-from pretrain.lifeline import owner_tag
+from pretrain.lifeline import owner_tag, wait_for_ranks
 from pretrain.run_dir import OWNER_ENV, RunLock
 
 NOT_RESTARTED = {
@@ -90,20 +98,62 @@ class HangWatch:
         return f"hang: {what} for {since:.0f} s (limit {self.limit():.0f} s)"
 
 
+# pdsh's own line when one host's command ends with a failure (pdsh 2.x, ssh rcmd module)
+NODE_EXIT = re.compile(r"^pdsh@[^:]*: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
+HOST_LINE = re.compile(r"^(?P<host>[^:\s]+): (?P<text>.*)$")  # a remote line, as pdsh labels it
+
+
+@dataclass
+class NodeExit:
+    host: str
+    code: int
+    last_line: str = ""  # what that host's ranks said last on stderr: usually why
+
+
 @dataclass
 class Job:
-    """The DeepSpeed launcher and its ranks, in a process group of their own."""
+    """The DeepSpeed launcher and its ranks, in a process group of their own (over ssh, the ranks
+    run under each host's sshd instead, and `node_exits` collects pdsh's reports of hosts whose
+    launcher has ended with a failure)."""
 
     process: subprocess.Popen
     attempt: int
     started_at: float = 0.0  # wall clock (time.time()), to tell this attempt's files from older ones
+    over_ssh: bool = False
+    node_exits: list[NodeExit] = field(default_factory=list)
+    last_lines: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, command: list[str], attempt: int, env: dict | None = None, pass_fds: tuple = ()) -> Job:
+    def start(
+        cls,
+        command: list[str],
+        attempt: int,
+        env: dict | None = None,
+        pass_fds: tuple = (),
+        over_ssh: bool = False,
+    ) -> Job:
         started_at = time.time()
-        return cls(
-            subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds), attempt, started_at
-        )
+        stderr = subprocess.PIPE if over_ssh else None
+        process = subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds, stderr=stderr)
+        job = cls(process, attempt, started_at, over_ssh)
+        if over_ssh:
+            threading.Thread(target=job._relay_stderr, name="job-stderr", daemon=True).start()
+        return job
+
+    def _relay_stderr(self) -> None:
+        """Pass the job's stderr through unchanged, noting pdsh's reports of failed hosts."""
+        for raw in iter(self.process.stderr.readline, b""):
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.buffer.write(raw)
+                sys.stderr.flush()
+            found = NODE_EXIT.match(raw.decode(errors="replace"))
+            if found and int(found["code"]) != 0:
+                host = found["host"]
+                self.node_exits.append(NodeExit(host, int(found["code"]), self.last_lines.get(host, "")))
+                continue
+            said = HOST_LINE.match(raw.decode(errors="replace").rstrip())
+            if said and said["text"].strip():
+                self.last_lines[said["host"]] = said["text"].strip()
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -113,8 +163,13 @@ class Job:
             os.killpg(self.process.pid, signum)
 
     def stop(self, grace: float) -> int:
-        """SIGTERM to every process of the job, SIGKILL to what is left after `grace` seconds."""
-        self.signal_group(signal.SIGTERM)
+        """SIGTERM to every process of the job (over ssh, to the launcher, which stops every host's
+        part), SIGKILL to what is left after `grace` seconds."""
+        if self.over_ssh:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+        else:
+            self.signal_group(signal.SIGTERM)
         try:
             return self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
@@ -125,8 +180,14 @@ class Job:
 
     def ask_ranks_to_stop(self) -> None:
         """SIGTERM to the ranks only (the launcher's grandchildren, or its children under torchrun-like
-        launchers): they agree on a step, save a checkpoint and exit 0, and the launcher follows."""
+        launchers): they agree on a step, save a checkpoint and exit 0, and the launcher follows.
+        Over ssh, SIGTERM to the launcher, which passes it on to the ranks on every host."""
         import psutil
+
+        if self.over_ssh:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            return
 
         try:
             launcher = psutil.Process(self.process.pid)
@@ -141,16 +202,21 @@ class Job:
 
 
 class Interrupt:
-    """SIGINT/SIGTERM to the supervisor: the first asks the job to save and stop, a second kills it."""
+    """SIGINT/SIGTERM to the supervisor: the first asks the job to save and stop, a second kills it.
+    SIGUSR1 (a scheduler's warning before its time limit) asks the same, and only asks."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.count = 0
         self.signum: int | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGUSR1 and self.count:
+            return  # already stopping: a repeated warning is not a second Ctrl-C
         self.count += 1
-        self.signum = signum
+        self.signum = self.signum or signum
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -172,9 +238,13 @@ class Supervisor:
         poll_seconds: float = 0.2,  # how soon an exit or a hang is noticed
         log=print,
         lock: RunLock | None = None,
+        ssh_nodes: list[str] | None = None,  # the hosts, in node-rank order, when pdsh reaches them
+        job_env: dict[str, str] | None = None,
+        resume: Callable[[int | None], str] | None = None,  # how to go on after a stop by a signal (or none)
     ):
         self.make_command, self.run_dir, self.config = make_command, Path(run_dir), config
         self.leader, self.poll_seconds, self.log, self.lock = leader, poll_seconds, log, lock
+        self.ssh_nodes, self.job_env, self.resume = ssh_nodes or [], job_env or {}, resume
         self._state_write_failed = False
         self.server = self.state = None
         if leader:
@@ -199,11 +269,22 @@ class Supervisor:
                 outcome, detail = self._watch(job, interrupt)
                 if outcome == "interrupted":
                     self._set_state("stopped", job.attempt)
-                    self.log(f"launch: interrupted; the job exited with status {detail}")
-                    return 128 + (interrupt.signum or signal.SIGINT)
+                    signum = interrupt.signum or signal.SIGINT
+                    self._tell_how_to_resume(
+                        f"stopped by {signal.Signals(signum).name}; the job exited with status {detail}",
+                        signum,
+                    )
+                    if signum == signal.SIGUSR1 and detail == 0:
+                        return 0  # the scheduler's warning was heeded: saved and stopped cleanly
+                    return 128 + signum
                 if outcome == "exit" and (detail in NOT_RESTARTED or not self._leader_running()):
-                    self._set_state(NOT_RESTARTED.get(detail, "failed"), job.attempt)
-                    if detail != ExitCode.DONE:
+                    stopped_early = detail == ExitCode.DONE and not self._completed_since(job.started_at)
+                    self._set_state(
+                        "stopped" if stopped_early else NOT_RESTARTED.get(detail, "failed"), job.attempt
+                    )
+                    if stopped_early:
+                        self._tell_how_to_resume("the job saved and stopped before the last step")
+                    elif detail != ExitCode.DONE:
                         self.log(
                             f"launch: the job exited with status {detail} ({NOT_RESTARTED.get(detail, 'failed')})"
                         )
@@ -226,6 +307,8 @@ class Supervisor:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     job.process.wait(timeout=self.config.stop_grace_seconds)
                 job.stop(grace=0)
+                if job.over_ssh:
+                    wait_for_ranks(self.run_dir, self.config.stop_grace_seconds + 35)
             interrupt.restore()
             if self.server is not None:
                 self.server.shutdown()
@@ -239,13 +322,20 @@ class Supervisor:
                 self.state.job = {"attempt": restarts, "state": "running"}
         # The job inherits the run directory's lock (held until its last process is gone) and is
         # told who supervises it: its ranks stop if this process dies (pretrain/lifeline.py).
-        env = os.environ | {OWNER_ENV: owner_tag(os.getpid())}
+        env = os.environ | self.job_env | {OWNER_ENV: owner_tag(os.getpid())}
         fds = (self.lock.fd,) if self.lock is not None and self.lock.fd is not None else ()
-        job = Job.start(command, restarts, env=env, pass_fds=fds)
+        job = Job.start(command, restarts, env=env, pass_fds=fds, over_ssh=bool(self.ssh_nodes))
         self._set_state("running", restarts)
         return job
 
     def _watch(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
+        outcome = self._watch_until_done(job, interrupt)
+        if job.over_ssh and not wait_for_ranks(self.run_dir, self.config.stop_grace_seconds + 35):
+            self.log(f"launch: ranks of the job are still running on {', '.join(self.ssh_nodes)} "
+                     f"{self.config.stop_grace_seconds + 35:.0f} s after it ended; going on without them")  # fmt: skip
+        return outcome
+
+    def _watch_until_done(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
         asked_to_stop = False
         while True:
             code = job.poll()
@@ -253,6 +343,14 @@ class Supervisor:
                 if interrupt.count:
                     return "interrupted", code
                 return "exit", code
+            if job.node_exits and not interrupt.count:
+                failed = job.node_exits[0]
+                node = self.ssh_nodes.index(failed.host) if failed.host in self.ssh_nodes else "?"
+                why = f": {failed.last_line}" if failed.last_line else ""
+                self.log(f"launch: node {node} ({failed.host}) failed: its launcher exited with status "
+                         f"{failed.code}{why}; stopping the job on every node")  # fmt: skip
+                job.stop(self.config.stop_grace_seconds)
+                return "exit", failed.code
             if interrupt.count and not asked_to_stop:
                 self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
                 job.ask_ranks_to_stop()
@@ -274,6 +372,18 @@ class Supervisor:
                     job.stop(self.config.stop_grace_seconds)
                     return "hang", hung
             time.sleep(self.poll_seconds)
+
+    def _tell_how_to_resume(self, why: str, signum: int | None = None) -> None:
+        """A job that ended before the run's last step (stopped by `signum`, or by itself): what
+        was saved and how to go on, on the console and (node 0) in events.jsonl."""
+        saved = checkpoint.newest_complete(self.run_dir, verify_hashes=False)
+        resume = self.resume(signum) if self.resume else "the same command again"
+        self.log(f"launch: {why}; newest checkpoint: {saved or 'none yet'}; to resume: {resume}")
+        if self.leader:
+            event = {"type": "job_stopped", "step": checkpoint.step_of(saved) if saved else None, "saved": saved,
+                     "why": why, "resume": resume}  # fmt: skip
+            with contextlib.suppress(OSError):
+                append_event(self.run_dir, event)
 
     def _completed_since(self, started_at: float) -> bool:
         """Whether this attempt wrote a summary of a completed run (the loop's last act)."""

@@ -137,16 +137,24 @@ def all_gather_objects(obj) -> list:
     return gathered
 
 
+# SIGUSR1: a scheduler's warning before its time limit (launch/slurm.sbatch; Slurm delivers it to
+# every process of the job step, and the launchers between the supervisor and the ranks ignore it).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
 class StopRequest:
-    """SIGTERM/SIGINT set a flag that the ranks agree on at the next step boundary; a second
-    SIGINT interrupts at once. Use as a context manager: the previous handlers come back."""
+    """SIGTERM/SIGINT/SIGUSR1 set a flag that the ranks agree on at the next step boundary; a second
+    SIGINT interrupts at once. Use as a context manager: the previous handlers come back.
+    `why`: what asked this rank to stop (the lifeline names a lost supervisor in `STOP_CAUSE`
+    before it signals)."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.why = ""
         self._previous: dict = {}
 
     def __enter__(self) -> StopRequest:
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -156,7 +164,20 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if not self.requested:
+            self.why = STOP_CAUSE[0] if STOP_CAUSE else f"{signal.Signals(signum).name} received"
         self.requested = True
+
+    def requester(self) -> dict | None:
+        """Who this rank is and why it asked to stop, for the ranks' record of a stop; None when it
+        did not ask."""
+        if not self.requested:
+            return None
+        return {"rank": int(os.environ.get("RANK", "0")), "node": int(os.environ.get("CROSS_RANK", "0")),
+                "host": socket.gethostname(), "why": self.why}  # fmt: skip
+
+
+STOP_CAUSE: list[str] = []  # set once, by whatever signals this process to stop for a known reason
 
 
 def configure_determinism(deterministic: bool) -> None:

@@ -220,7 +220,7 @@ class LanguageModeling:
 
 def pretrain(cfg: RunConfig) -> dict:
     """Train as `cfg` says, on every rank the launcher started; returns the run's summary."""
-    watch_supervisor()
+    watch_supervisor(cfg.run.dir)
     env = DistEnv.from_environ()
     checked = preflight(cfg, env.world_size)  # all bad input is found here
     with owned(

@@ -1,9 +1,12 @@
 """The run directory belongs to one job at a time and to one run.
 
     RUN_DIR/run.lock     an exclusive OS lock (flock) held for the job's life, and who holds it
-                         (host, pid, since): `pretrain launch` holds it in its supervisor, whose
-                         job inherits it; `pretrain train`/`finetune` run directly hold it in rank 0.
-                         The OS drops it when the holder dies, so a dead holder never blocks a start.
+                         (host, pid, since, owner): `pretrain launch` holds it in its supervisor,
+                         whose job inherits it on that host; its ranks on every host (started over
+                         ssh too) recognise it by the owner tag the supervisor gave them
+                         (PRETRAIN_RUN_OWNER). `pretrain train`/`finetune` run directly hold it in
+                         rank 0. The OS drops it when the holder dies, so a dead holder never
+                         blocks a start.
     RUN_DIR/run.json     the run's identity (what defines it: model architecture, tokenizer, data,
                          sequence length) and the resolved config of the last start
     RUN_DIR/previous/    earlier runs moved aside by `--fresh` (checkpoint.resume=fresh), never deleted
@@ -42,23 +45,29 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.fd: int | None = None
 
-    def acquire(self) -> RunLock:
+    def acquire(self, *, owner: str = "", joining: str = "") -> RunLock:
+        """Hold the lock, recording `owner` (a supervisor's tag) with the holder; or, when it is
+        already held under the tag `joining` (this process's own supervisor), join that holder
+        without holding anything (`fd` stays None). Anyone else holding it is a clear error."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _read_holder_record(fd)
             os.close(fd)
+            if joining and holder.get("owner") == joining:
+                return self
             raise UserError(
-                f"run directory {self.path.parent} is in use by {holder}: wait for that job to end "
-                f"(or stop it), or pick another run.dir"
+                f"run directory {self.path.parent} is in use by {_describe(holder)}: wait for that job to "
+                f"end (or stop it), or pick another run.dir"
             ) from None
         self.fd = fd
         holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "owner": owner,
         }
         try:  # in place (a rename would swap the locked inode); on a full disk the lock still holds
             os.ftruncate(fd, 0)
@@ -79,14 +88,21 @@ class RunLock:
         self.release()
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder_record(fd: int) -> dict:
     try:
         info = json.loads(os.pread(fd, 4096, 0))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _describe(info: dict) -> str:
+    try:
         alive = _alive(info["pid"]) if info["host"] == socket.gethostname() else True
         return f"pid {info['pid']} on {info['host']} since {info['since']}" + (
             "" if alive else " (that process has exited; its job is still stopping)"
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return "another job"
 
 
@@ -100,20 +116,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def held_by_supervisor() -> bool:
-    """True in the ranks of a job that `pretrain launch` started: its supervisor holds the lock."""
-    return bool(os.environ.get(OWNER_ENV))
-
-
 @contextlib.contextmanager
 def owned(run_dir: str | Path, is_main: bool, identity: dict, config: dict, resume: str, *, log=print):
-    """Rank 0 of a job: hold the run directory's lock (unless the job's supervisor holds it) and
-    claim the run for the job's life; yields the resume setting to use. Other ranks only yield
-    `resume` (rank 0 decides what it means)."""
+    """Rank 0 of a job: hold the run directory's lock (or join the job's supervisor, which holds
+    it) and claim the run for the job's life; yields the resume setting to use. Other ranks only
+    yield `resume` (rank 0 decides what it means)."""
     if not is_main:
         yield resume
         return
-    lock = None if held_by_supervisor() else RunLock(run_dir).acquire()
+    lock = RunLock(run_dir).acquire(joining=os.environ.get(OWNER_ENV, ""))
     try:
         yield claim(run_dir, identity, config, resume, log=log)
     finally:

@@ -26,11 +26,11 @@ from typing import Any, NamedTuple, Protocol, TextIO
 import numpy as np
 import torch
 
-from monitoring.protocol import SUMMARY_FILE, Action
+from monitoring.protocol import SUMMARY_FILE, Action, append_event
 from pretrain import atomic
 from pretrain.checkpoint import tag_for
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
-from pretrain.distributed import DistEnv, StopRequest, all_reduce_sum, barrier
+from pretrain.distributed import DistEnv, StopRequest, all_gather_objects, all_reduce_sum, barrier
 from pretrain.engine import set_lr
 from pretrain.faults import FaultInjector
 from pretrain.flops import mfu
@@ -187,10 +187,23 @@ class Trainer:
                 self.save(last=step == c.steps or stop_requested)
                 self.last_saved = step
             if stop_requested:
-                reason = "reached train.stop_at_step" if step == c.stop_at_step else "stop requested"
-                self.writer.message(f"{reason}: saved {tag_for(step)} and exiting")
+                self.record_stop(step, stop)
                 return "stop_requested"
         return "completed"
+
+    def record_stop(self, step: int, stop: StopRequest) -> None:
+        """Every rank, after the save at a stop: which ranks asked to stop and why (a node that
+        lost its supervisor, a scheduler's SIGTERM), on rank 0's console and in events.jsonl."""
+        requesters = [r for r in all_gather_objects(stop.requester()) if r is not None]
+        if not requesters:
+            self.writer.message(f"reached train.stop_at_step: saved {tag_for(step)} and exiting")
+            return
+        self.writer.message(
+            f"stop requested by {describe_requesters(requesters)}: saved {tag_for(step)} and exiting"
+        )
+        if self.env.is_main:
+            append_event(self.run_dir, {"type": "stop_requested", "step": step, "saved": tag_for(step),
+                                        "requested_by": requesters})  # fmt: skip
 
     def act(self, step: int, action: Action | None) -> str | None:
         """The monitor's action at the boundary after `step`: "rollback" (applied), "stop", or None.
@@ -400,6 +413,25 @@ class StepValues(NamedTuple):
     action_waits: float  # > 0: rank 0 holds a monitor action for every rank
     grad_norm: float | None
     layer_norms: dict[str, float]  # per layer group, on the steps that take them
+
+
+def describe_requesters(requesters: list[dict]) -> str:
+    """ "node 1 (vm-2, ranks 2-3): its supervisor (pid 4242 on vm-2) is gone; …", one part per
+    node and reason."""
+    groups: dict[tuple, list[int]] = {}
+    for r in requesters:
+        groups.setdefault((r["node"], r["host"], r["why"]), []).append(r["rank"])
+    parts = []
+    for (node, host, why), ranks in sorted(groups.items()):
+        ranks = sorted(ranks)
+        if len(ranks) == 1:
+            which = f"rank {ranks[0]}"
+        elif ranks == list(range(ranks[0], ranks[-1] + 1)):
+            which = f"ranks {ranks[0]}-{ranks[-1]}"
+        else:
+            which = "ranks " + ",".join(map(str, ranks))
+        parts.append(f"node {node} ({host}, {which}): {why}")
+    return "; ".join(parts)
 
 
 def read_step_values(

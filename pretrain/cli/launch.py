@@ -9,17 +9,24 @@ job's launcher inherits it, so it is released only when the last process of the 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shlex
+import signal
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from monitoring.supervisor import Supervisor
+from pretrain import atomic
 from pretrain.config import load_config
 from pretrain.console import deepspeed_log_level, pin_accelerator
 from pretrain.distributed import free_port
 from pretrain.errors import UserError
+from pretrain.lifeline import owner_tag
 from pretrain.pretraining import preflight
-from pretrain.run_dir import RunLock, claim
+from pretrain.run_dir import OWNER_ENV, RunLock, claim
 
 
 def launcher_command(
@@ -46,6 +53,50 @@ def launcher_command(
     return [*command, "--master_port", str(port), "--module", "pretrain.train", *module_args]
 
 
+FORWARDED_OVER_SSH = ("PRETRAIN_", "DS_ACCELERATOR")  # what ranks on other hosts need from here
+DEEPSPEED_ENV_FILE = "monitor/deepspeed_env"
+
+
+def deepspeed_env_file(run_dir: Path, variables: dict[str, str]) -> Path:
+    """The file DeepSpeed's launcher exports to every host over ssh (named in DS_ENV_FILE): the
+    user's own `.deepspeed_env` files first (home, then here, as DeepSpeed reads them: naming ours
+    replaces them), then `variables` and this environment's PRETRAIN_* and DS_ACCELERATOR."""
+    lines = []
+    for folder in (Path.home(), Path.cwd()):
+        with contextlib.suppress(OSError):
+            lines += [line for line in (folder / ".deepspeed_env").read_text().splitlines() if "=" in line]
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_OVER_SSH)} | variables
+    lines += [f"{key}={value}" for key, value in forwarded.items() if "\n" not in value]
+    path = run_dir / DEEPSPEED_ENV_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, "\n".join(lines) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}: free space or fix permissions") from None
+    return path.absolute()
+
+
+REQUEUE_ENV = "PRETRAIN_SLURM_REQUEUES"  # set by launch/slurm.sbatch: its job requeues itself
+
+
+def resume_hint(no_ssh: bool) -> Callable[[int | None], str]:
+    """How to go on after this job stops early (by a signal, or by itself): the command that
+    started it (without --fresh) or, under Slurm, the requeue — which launch/slurm.sbatch makes
+    itself after the time-limit warning (SIGUSR1)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    words = [w for w in sys.argv[1:] if w not in ("--fresh", "checkpoint.resume=fresh")]
+    command = shlex.join(["pretrain", *words]) + (
+        " (and on every other node, its own command)" if no_ssh else ""
+    )
+
+    def hint(signum: int | None) -> str:
+        if job and signum == signal.SIGUSR1 and os.environ.get(REQUEUE_ENV) == "1":
+            return f"Slurm job {job} requeues itself and resumes from it"
+        return f"scontrol requeue {job}" if job else command
+
+    return hint
+
+
 def local_process_count() -> int:
     """Every local GPU, or 2 CPU processes when there is none."""
     import torch
@@ -65,6 +116,12 @@ def read_hostfile(path: str) -> dict[str, int]:
         raise UserError(f"--hostfile {path}: {exc}") from None
     if not hosts:
         raise UserError(f"--hostfile {path} lists no hosts: add 'HOST slots=N' lines")
+    empty = [host for host, slots in hosts.items() if slots < 1]
+    if empty:
+        raise UserError(
+            f"--hostfile {path} gives {', '.join(empty)} no slots: every host needs slots=N with N >= 1 "
+            f"(its GPUs, or processes on a CPU node)"
+        )
     return dict(hosts)
 
 
@@ -88,10 +145,11 @@ def launch(
         raise UserError("--no-ssh needs --hostfile (the launcher reads the node list from it)")
     if node_rank < 0 or (node_rank > 0 and not no_ssh):
         raise UserError(f"--node-rank {node_rank}: only with --no-ssh, from 0 to the number of hosts - 1")
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, [*overrides, "monitor.enabled=true"])  # as the job runs it
     hosts = read_hostfile(hostfile) if hostfile else None
     if hosts is not None and node_rank >= len(hosts):
         raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
+    over_ssh = hosts is not None and len(hosts) > 1 and not no_ssh  # DeepSpeed's launcher then uses pdsh
     per_node = nproc if nproc is not None or hosts else local_process_count()
     world_size = sum(per_node or slots for slots in hosts.values()) if hosts else per_node
     checked = preflight(cfg, world_size)
@@ -99,7 +157,8 @@ def launch(
     if master_addr is None and hosts:
         master_addr = next(iter(hosts))
     run_dir = Path(cfg.run.dir)
-    lock = RunLock(run_dir).acquire() if node_rank == 0 else None  # node 0 owns the run directory
+    # Node 0 owns the run directory; its job's ranks, wherever they run, recognise the owner tag.
+    lock = RunLock(run_dir).acquire(owner=owner_tag()) if node_rank == 0 else None
     try:
         if lock is not None:  # the job's rank 0 sees the same run and changes nothing more
             claim(run_dir, checked.identity, asdict(cfg), cfg.checkpoint.resume, log=log)
@@ -112,8 +171,12 @@ def launch(
                                     master_port=master_port, no_ssh=no_ssh, node_rank=node_rank)  # fmt: skip
 
         run_dir.mkdir(parents=True, exist_ok=True)
+        job_env = {}
+        if over_ssh:  # the ranks on every host learn who supervises them
+            job_env["DS_ENV_FILE"] = str(deepspeed_env_file(run_dir, {OWNER_ENV: owner_tag()}))
         supervisor = Supervisor(make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed,
-                                log=log, lock=lock)  # fmt: skip
+                                log=log, lock=lock, ssh_nodes=list(hosts) if over_ssh else None,
+                                job_env=job_env, resume=resume_hint(no_ssh))  # fmt: skip
         where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
         log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
         return supervisor.run()

@@ -81,7 +81,7 @@ def identity(cfg: FinetuneConfig, inputs: Inputs) -> dict:
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
-    watch_supervisor()
+    watch_supervisor(cfg.run.dir)
     env = DistEnv.from_environ()
     plan = plan_batches(cfg.train, 0, env.world_size)
     ds_config = deepspeed_config(cfg, plan)

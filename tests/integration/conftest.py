@@ -4,6 +4,8 @@ import pytest
 
 from tests.conftest import built_once
 from tests.integration.golden import run_golden
+from tests.integration.slurm_cluster import slurm  # noqa: F401  (a fixture)
+from tests.integration.ssh_hosts import ssh_hosts  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="session")

@@ -117,7 +117,7 @@ def test_sigterm_saves_and_exits(tmp_path, train_data):
     step = int(tag.removeprefix("step_"))
     assert 3 <= step < 500, output[-3000:]
     assert (tmp_path / "checkpoints" / tag / "complete.json").is_file()
-    assert "stop requested: saved" in output
+    assert "stop requested by node 0" in output and "SIGTERM received: saved" in output
     assert json.loads((tmp_path / "train_summary.json").read_text())["completed"] is False
 
 
@@ -227,8 +227,38 @@ def test_two_nodes_without_ssh_match_one_node(tmp_path, golden_run, train_data):
     # Both nodes went through `pretrain launch`; node 0 ran the service, which saw every step.
     log = events(run_dir)
     assert [e["step"] for e in log if e["type"] == "step"] == [1, 2, 3, 4, 5, 6]
-    assert not [e for e in log if e["type"] != "step"]  # a clean run: no rollback, no restart
-    assert json.loads((run_dir / "monitor" / "supervisor.json").read_text())["state"] == "completed"
+    (stopped,) = [e for e in log if e["type"] != "step"]  # a clean run: no rollback, no restart
+    assert stopped["type"] == "job_stopped" and stopped["saved"] == "step_00000006"
+    assert (
+        stopped["resume"].startswith("pretrain launch --hostfile")
+        and "on every other node" in stopped["resume"]
+    )
+    assert json.loads((run_dir / "monitor" / "supervisor.json").read_text())["state"] == "stopped"
+
+    # Again, on to step 2000; node 1's supervisor is killed with -9 as step 10 is reported: its
+    # ranks save and stop, and so does node 0, whose console and events.jsonl say who left.
+    for node_rank in (1, 0):
+        args = ["bash", str(script), "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
+                *GOLDEN, "train.steps=2000", "eval.every=0"]  # fmt: skip
+        with (tmp_path / f"node{node_rank}.log").open("w") as out:
+            nodes[node_rank] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                                env=env | {"NODE_RANK": str(node_rank)})  # fmt: skip
+    deadline = time.time() + 180
+    while time.time() < deadline and max(metrics(run_dir)) < 10:
+        time.sleep(0.1)
+    nodes[1].kill()
+    nodes[1].wait()
+    try:
+        nodes[0].wait(timeout=120)
+    finally:
+        output = (tmp_path / "node0.log").read_text()
+    assert nodes[0].returncode == 0, output[-3000:]
+    (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
+    assert [(r["node"], r["rank"]) for r in stop["requested_by"]] == [(1, 1)]
+    assert f"its supervisor (pid {nodes[1].pid} on" in stop["requested_by"][0]["why"]
+    told = f"stop requested by node 1 ({stop['requested_by'][0]['host']}, rank 1): its supervisor (pid {nodes[1].pid}"
+    assert told in output and f"saved {stop['saved']} and exiting" in output
+    assert f"newest checkpoint: {stop['saved']}; to resume: pretrain launch --hostfile" in output
 
 
 def test_batch_size_mismatch_is_refused_before_any_process_group(tmp_path, train_data):

@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 
 import pytest
 import torch
@@ -108,7 +109,11 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits(tmp_path, train_data,
     summary = trainer.train()
     assert signal.getsignal(signal.SIGTERM) == previous  # the handler is the caller's again
     assert summary["step"] == 3 and not summary["completed"] and read_latest(tmp_path) == "step_00000003"
-    assert "stop requested: saved step_00000003 and exiting" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        f"stop requested by node 0 ({socket.gethostname()}, rank 0): SIGTERM received: saved step_00000003 and exiting"
+        in out
+    )
 
 
 def test_injected_spike_and_nan_fire_once_and_a_nan_never_reaches_the_weights(tmp_path, train_data):

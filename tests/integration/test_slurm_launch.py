@@ -1,0 +1,69 @@
+"""launch/slurm.sbatch under a real one-machine Slurm (slurmctld, slurmd, munge; GPUs declared as
+GRES backed by placeholder devices: tests/integration/slurm_cluster.py): slots follow what Slurm
+allocated, zero slots is one line, the time-limit warning ends in a checkpoint saved by design and
+a requeued job that resumes from it, and scancel leaves nothing running."""
+
+from pretrain import checkpoint as ck
+from pretrain.config import REPO_CONFIG_DIR
+from tests.integration.runs import FAST, TINY, events
+from tests.integration.test_ownership import CALM, processes_of, step_events, wait_for
+
+REPO = REPO_CONFIG_DIR.parent
+SCRIPT = str(REPO / "launch" / "slurm.sbatch")
+
+
+def submit(slurm, tmp_path, *sbatch_args, steps=40):
+    """The node's name is not an address here: MASTER_ADDR says where node 0 listens."""
+    slurm.env["MASTER_ADDR"] = "127.0.0.1"
+    tmp_path.mkdir(exist_ok=True)
+    args = [*sbatch_args, f"--output={tmp_path / 'job.out'}", SCRIPT, "--config", TINY, f"run.dir={tmp_path / 'run'}",
+            f"data.dir={slurm.data}", *FAST, "eval.every=0", f"train.steps={steps}", "checkpoint.every=1000", *CALM]  # fmt: skip
+    return slurm.sbatch(args, cwd=REPO)
+
+
+def test_the_time_limit_warning_saves_requeues_and_the_job_resumes(slurm, tmp_path, train_data):
+    slurm.data = train_data
+    run_dir = tmp_path / "run"
+    job = submit(slurm, tmp_path, "--nodes=1", "--gpus-per-node=2", "--time=10")
+    assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=180), slurm.log(tmp_path / "job.out")
+    # What `#SBATCH --signal=B:USR1@300` sends the batch script 5 minutes before the time limit.
+    slurm.run(["scancel", "--batch", "--signal=USR1", str(job)])
+    assert slurm.wait(job, timeout=240) == "COMPLETED", slurm.log(tmp_path / "job.out")
+    output = slurm.log(tmp_path / "job.out")
+    assert slurm.job(job)["Restarts"] == "1", output  # requeued once, by the script itself
+    (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
+    saved = stop["saved"]
+    assert ck.step_of(saved) >= 3 and [r["rank"] for r in stop["requested_by"]] == [0, 1]  # 2 GPUs → 2 slots
+    assert all(r["why"] == "SIGUSR1 received" for r in stop["requested_by"])
+    (stopped,) = [e for e in events(run_dir) if e["type"] == "job_stopped"]
+    assert (
+        stopped["saved"] == saved
+        and stopped["resume"] == f"Slurm job {job} requeues itself and resumes from it"
+    )
+    assert (
+        f"requeueing job {job}" in output
+        and f"steps {ck.step_of(saved) + 1}..40 (resumed from {saved})" in output
+    )
+    assert "srun: error" not in output  # the warned job ended cleanly
+    assert ck.step_of(ck.newest_complete(run_dir)) == 40
+    assert not processes_of(run_dir)
+
+
+def test_zero_slots_is_one_line_and_scancel_leaves_nothing_running(slurm, tmp_path, train_data):
+    slurm.data = train_data
+    refused = submit(slurm, tmp_path / "refused", "--nodes=1")  # no GPUs allocated, no PROCS_PER_NODE
+    assert slurm.wait(refused, timeout=60) == "FAILED"
+    assert slurm.job(refused)["ExitCode"] == "2:0"
+    lines = slurm.log(tmp_path / "refused" / "job.out").splitlines()
+    assert len(lines) == 1 and "pass --gpus-per-node=N to sbatch, or set PROCS_PER_NODE=N" in lines[0], lines
+
+    slurm.env["PROCS_PER_NODE"] = "2"  # a CPU node: processes per node as the user gives them
+    job = submit(slurm, tmp_path, "--nodes=1", steps=400)
+    assert wait_for(lambda: len(step_events(tmp_path / "run")) >= 3, timeout=180), slurm.log(
+        tmp_path / "job.out"
+    )
+    assert len(processes_of(tmp_path / "run")) >= 3  # the supervisor, the launcher, two ranks
+    slurm.run(["scancel", str(job)])
+    assert slurm.wait(job, timeout=60) == "CANCELLED"
+    assert wait_for(lambda: not processes_of(tmp_path / "run"), timeout=30), processes_of(tmp_path / "run")
+    assert slurm.job(job)["Restarts"] == "0"  # a cancelled job is not requeued

@@ -1,0 +1,72 @@
+"""`pretrain launch --hostfile` over real ssh and pdsh, as most DeepSpeed users start jobs: this
+machine is two hosts (`localhost` and its host name) behind a local sshd with a key made for the
+test (tests/integration/ssh_hosts.py). The ranks started over ssh recognise their supervisor's lock,
+a supervisor killed with -9 leaves nothing running on any host (the ranks save as they stop), the
+same command resumes, and a host whose launcher fails ends the job at once, naming the host."""
+
+import subprocess
+import sys
+import time
+
+from pretrain import checkpoint as ck
+from tests.integration.runs import FAST, TINY, events
+from tests.integration.test_ownership import CALM, NOISE, processes_of, step_events, wait_for
+
+
+def launch_command(hostfile, run_dir, data_dir, *overrides):
+    return [sys.executable, "-m", "pretrain", "launch", "--hostfile", str(hostfile), "--config", TINY,
+            f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, "eval.every=0", "monitor.warmup=4",
+            "monitor.window=16", *CALM, *overrides]  # fmt: skip
+
+
+def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_supervisor(
+    ssh_hosts, tmp_path, train_data
+):
+    hostfile = ssh_hosts.write_hostfile(tmp_path / "hostfile")
+    run_dir = tmp_path / "run"
+    command = launch_command(hostfile, run_dir, train_data, "train.steps=30", "checkpoint.every=1000")
+    with (tmp_path / "first.log").open("w") as log:
+        supervisor = subprocess.Popen(command, env=ssh_hosts.env, stdout=log, stderr=subprocess.STDOUT)
+    assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=180), (tmp_path / "first.log").read_text()
+    assert len(ssh_hosts.remote_pids()) >= 4  # on each host: the launcher and its rank (and their shells)
+    supervisor.kill()  # kill -9: no chance to stop its job
+    supervisor.wait()
+    killed = time.time()
+    assert wait_for(lambda: not ssh_hosts.remote_pids() and not processes_of(run_dir), timeout=60), [
+        p.info for p in processes_of(run_dir)
+    ]
+    print(f"every process on both hosts was gone {time.time() - killed:.1f} s after the supervisor")
+    saved = ck.newest_complete(run_dir)
+    assert saved is not None and ck.step_of(saved) >= 3  # the ranks saved as they stopped
+    (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
+    assert stop["saved"] == saved and {r["rank"] for r in stop["requested_by"]} <= {0, 1}
+    assert all("its supervisor (pid" in r["why"] for r in stop["requested_by"]), stop
+
+    again = subprocess.run(command, env=ssh_hosts.env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"steps {ck.step_of(saved) + 1}..30 (resumed from {saved})" in again.stdout
+    assert "localhost: done: 30 steps" in again.stdout  # rank 0's lines, labelled by pdsh with its host
+    for noise in NOISE:  # a quiet console: no launcher INFO lines from either host
+        assert noise not in again.stdout + again.stderr, noise
+    assert ck.step_of(ck.newest_complete(run_dir)) == 30
+    assert not ssh_hosts.remote_pids()
+
+
+def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_hosts, tmp_path, train_data):
+    """The second host is down (its ssh connection is refused): rank 0 would wait for it in the
+    rendezvous until the startup limit; pdsh's report of that host ends the job within seconds."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"localhost slots=1\n{ssh_hosts.down} slots=1\n")
+    started = time.time()
+    result = subprocess.run(
+        launch_command(hostfile, tmp_path / "run", train_data, "train.steps=10", "monitor.max_restarts=0"),
+        env=ssh_hosts.env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    took = time.time() - started
+    assert result.returncode == 255, result.stdout[-3000:] + result.stderr[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if "failed: its launcher exited" in line]
+    assert line.startswith(f"launch: node 1 ({ssh_hosts.down}) failed: its launcher exited with status 255: ")
+    assert "Connection refused" in line and line.endswith("stopping the job on every node")
+    assert took < 60, f"{took:.0f} s"  # not the 30-minute startup limit
+    assert not ssh_hosts.remote_pids() and not processes_of(tmp_path / "run")
+    print(f"the job ended {took:.1f} s after it was started")
