@@ -99,8 +99,20 @@ class HangWatch:
 
 
 # pdsh's own line when one host's command ends with a failure (pdsh 2.x, ssh rcmd module)
-NODE_EXIT = re.compile(r"^pdsh@[^:]*: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
+NODE_EXIT = re.compile(
+    r"^pdsh@[^:]*: (?P<host>[^:\s]+): ssh (?:exited with exit code (?P<code>\d+)|killed by signal (?P<signal>\d+))"
+)
 HOST_LINE = re.compile(r"^(?P<host>[^:\s]+): (?P<text>.*)$")  # a remote line, as pdsh labels it
+
+
+def node_exit(line: str) -> tuple[str, int] | None:
+    """(host, status) from pdsh's report of a host whose command failed (a signal as 128 + its
+    number, as a shell reports it); None for any other line."""
+    found = NODE_EXIT.match(line)
+    if found is None:
+        return None
+    status = int(found["code"]) if found["code"] is not None else 128 + int(found["signal"])
+    return (found["host"], status) if status != 0 else None
 
 
 @dataclass
@@ -146,10 +158,9 @@ class Job:
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.buffer.write(raw)
                 sys.stderr.flush()
-            found = NODE_EXIT.match(raw.decode(errors="replace"))
-            if found and int(found["code"]) != 0:
-                host = found["host"]
-                self.node_exits.append(NodeExit(host, int(found["code"]), self.last_lines.get(host, "")))
+            exited = node_exit(raw.decode(errors="replace"))
+            if exited is not None:
+                self.node_exits.append(NodeExit(exited[0], exited[1], self.last_lines.get(exited[0], "")))
                 continue
             said = HOST_LINE.match(raw.decode(errors="replace").rstrip())
             if said and said["text"].strip():
@@ -178,10 +189,11 @@ class Job:
         finally:
             self.signal_group(signal.SIGKILL)  # ranks the launcher left behind
 
-    def ask_ranks_to_stop(self) -> None:
-        """SIGTERM to the ranks only (the launcher's grandchildren, or its children under torchrun-like
-        launchers): they agree on a step, save a checkpoint and exit 0, and the launcher follows.
-        Over ssh, SIGTERM to the launcher, which passes it on to the ranks on every host."""
+    def ask_ranks_to_stop(self, signum: int = signal.SIGTERM) -> None:
+        """`signum` (SIGTERM, or SIGUSR1 to pass on a scheduler's warning, which the ranks also
+        ignore once they are done) to the ranks only (the launcher's grandchildren, or its children
+        under torchrun-like launchers): they agree on a step, save a checkpoint and exit 0, and the
+        launcher follows. Over ssh, SIGTERM to the launcher, which passes it on to every host."""
         import psutil
 
         if self.over_ssh:
@@ -196,7 +208,7 @@ class Job:
             ranks = []
         for rank in ranks:
             with contextlib.suppress(psutil.Error):
-                rank.send_signal(signal.SIGTERM)
+                rank.send_signal(signum)
         if not ranks:
             self.signal_group(signal.SIGTERM)
 
@@ -353,7 +365,9 @@ class Supervisor:
                 return "exit", failed.code
             if interrupt.count and not asked_to_stop:
                 self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
-                job.ask_ranks_to_stop()
+                job.ask_ranks_to_stop(
+                    signal.SIGUSR1 if interrupt.signum == signal.SIGUSR1 else signal.SIGTERM
+                )
                 asked_to_stop = True
             elif interrupt.count > 1:
                 return "interrupted", job.stop(grace=0)

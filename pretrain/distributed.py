@@ -9,6 +9,7 @@ run, and are unit-tested, in a plain Python process.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 from dataclasses import dataclass
@@ -42,6 +43,22 @@ class DistEnv:
 
 
 def free_port() -> int:
+    """A port to listen on (a rendezvous store, the monitoring service): free now, and below the
+    range the kernel hands to outgoing connections (ip_local_port_range), so no client socket
+    (ssh, pdsh, Slurm's daemons, HTTP) takes it before the listener binds it, as one did."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()  # not the training's seeded generator: every process would pick alike
+    for _ in range(100 if low > 20_000 + 1000 else 0):
+        port = pick.randrange(20_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -175,6 +192,15 @@ class StopRequest:
             return None
         return {"rank": int(os.environ.get("RANK", "0")), "node": int(os.environ.get("CROSS_RANK", "0")),
                 "host": socket.gethostname(), "why": self.why}  # fmt: skip
+
+
+def ignore_late_stop_requests() -> None:
+    """A rank whose training has ended (saved, about to exit): SIGTERM/SIGUSR1 from now on would
+    only turn a clean exit into a killed one — a supervisor's request can cross the rank's own
+    stop, as when Slurm's time-limit warning reaches every process of the step. (SIGINT still
+    interrupts; the supervisor's SIGKILL still ends a rank that hangs on its way out.)"""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 STOP_CAUSE: list[str] = []  # set once, by whatever signals this process to stop for a known reason

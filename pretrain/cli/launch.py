@@ -90,8 +90,11 @@ def resume_hint(no_ssh: bool) -> Callable[[int | None], str]:
     )
 
     def hint(signum: int | None) -> str:
-        if job and signum == signal.SIGUSR1 and os.environ.get(REQUEUE_ENV) == "1":
-            return f"Slurm job {job} requeues itself and resumes from it"
+        if job and os.environ.get(REQUEUE_ENV) == "1":
+            if signum == signal.SIGUSR1:
+                return f"Slurm job {job} requeues itself and resumes from it"
+            if signum is None:  # a node or its supervisor went away: the step fails, and the script requeues
+                return f"Slurm job {job} requeues itself when a node failed (else: scontrol requeue {job})"
         return f"scontrol requeue {job}" if job else command
 
     return hint

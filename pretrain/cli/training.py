@@ -11,9 +11,11 @@ from pretrain.errors import ExitCode
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.config import load_config
+    from pretrain.distributed import ignore_late_stop_requests
     from pretrain.pretraining import pretrain
 
     summary = pretrain(load_config(args.config, _with_fresh(args)))
+    ignore_late_stop_requests()
     if summary.get("stopped_by_monitor"):
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
@@ -23,9 +25,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from pretrain.config import load_finetune_config
+    from pretrain.distributed import ignore_late_stop_requests
     from pretrain.finetune import finetune
 
     finetune(load_finetune_config(args.config, _with_fresh(args)))
+    ignore_late_stop_requests()
     return ExitCode.DONE
 
 

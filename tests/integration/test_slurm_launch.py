@@ -5,7 +5,9 @@ a requeued job that resumes from it, and scancel leaves nothing running."""
 
 from pretrain import checkpoint as ck
 from pretrain.config import REPO_CONFIG_DIR
+from pretrain.distributed import free_port
 from tests.integration.runs import FAST, TINY, events
+from tests.integration.slurm_cluster import FINAL_STATES
 from tests.integration.test_ownership import CALM, processes_of, step_events, wait_for
 
 REPO = REPO_CONFIG_DIR.parent
@@ -14,18 +16,24 @@ SCRIPT = str(REPO / "launch" / "slurm.sbatch")
 
 def submit(slurm, tmp_path, *sbatch_args, steps=40):
     """The node's name is not an address here: MASTER_ADDR says where node 0 listens."""
-    slurm.env["MASTER_ADDR"] = "127.0.0.1"
+    slurm.env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # (tests run side by side)
     tmp_path.mkdir(exist_ok=True)
     args = [*sbatch_args, f"--output={tmp_path / 'job.out'}", SCRIPT, "--config", TINY, f"run.dir={tmp_path / 'run'}",
             f"data.dir={slurm.data}", *FAST, "eval.every=0", f"train.steps={steps}", "checkpoint.every=1000", *CALM]  # fmt: skip
     return slurm.sbatch(args, cwd=REPO)
 
 
+def training(slurm, job, run_dir) -> bool:
+    """Wait until the job has reported 3 steps (False if it ended first)."""
+    assert wait_for(lambda: len(step_events(run_dir)) >= 3 or slurm.state(job) in FINAL_STATES, timeout=180)
+    return len(step_events(run_dir)) >= 3
+
+
 def test_the_time_limit_warning_saves_requeues_and_the_job_resumes(slurm, tmp_path, train_data):
     slurm.data = train_data
     run_dir = tmp_path / "run"
     job = submit(slurm, tmp_path, "--nodes=1", "--gpus-per-node=2", "--time=10")
-    assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=180), slurm.log(tmp_path / "job.out")
+    assert training(slurm, job, run_dir), slurm.log(tmp_path / "job.out")
     # What `#SBATCH --signal=B:USR1@300` sends the batch script 5 minutes before the time limit.
     slurm.run(["scancel", "--batch", "--signal=USR1", str(job)])
     assert slurm.wait(job, timeout=240) == "COMPLETED", slurm.log(tmp_path / "job.out")
@@ -49,7 +57,9 @@ def test_the_time_limit_warning_saves_requeues_and_the_job_resumes(slurm, tmp_pa
     assert not processes_of(run_dir)
 
 
-def test_zero_slots_is_one_line_and_scancel_leaves_nothing_running(slurm, tmp_path, train_data):
+def test_zero_slots_is_one_line_a_lost_supervisor_requeues_and_scancel_leaves_nothing_running(
+    slurm, tmp_path, train_data
+):
     slurm.data = train_data
     refused = submit(slurm, tmp_path / "refused", "--nodes=1")  # no GPUs allocated, no PROCS_PER_NODE
     assert slurm.wait(refused, timeout=60) == "FAILED"
@@ -58,12 +68,22 @@ def test_zero_slots_is_one_line_and_scancel_leaves_nothing_running(slurm, tmp_pa
     assert len(lines) == 1 and "pass --gpus-per-node=N to sbatch, or set PROCS_PER_NODE=N" in lines[0], lines
 
     slurm.env["PROCS_PER_NODE"] = "2"  # a CPU node: processes per node as the user gives them
+    run_dir = tmp_path / "run"
     job = submit(slurm, tmp_path, "--nodes=1", steps=400)
-    assert wait_for(lambda: len(step_events(tmp_path / "run")) >= 3, timeout=180), slurm.log(
-        tmp_path / "job.out"
-    )
-    assert len(processes_of(tmp_path / "run")) >= 3  # the supervisor, the launcher, two ranks
+    assert training(slurm, job, run_dir), slurm.log(tmp_path / "job.out")
+    (supervisor,) = [p for p in processes_of(run_dir) if "launch" in p.cmdline()[:4]]
+    supervisor.kill()  # the node's supervisor is lost: its ranks save and stop, the step fails
+    assert wait_for(lambda: slurm.job(job)["Restarts"] == "1", timeout=90), slurm.log(tmp_path / "job.out")
+    (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
+    assert all(f"its supervisor (pid {supervisor.pid} on" in r["why"] for r in stop["requested_by"])
+    assert wait_for(lambda: max(step_events(run_dir)) > ck.step_of(stop["saved"]) + 2 or slurm.state(job) in FINAL_STATES,
+                    timeout=180), slurm.log(tmp_path / "job.out")  # fmt: skip
+    output = slurm.log(tmp_path / "job.out")
+    assert f"the job failed on some node (status 137); requeueing job {job} (1 of MAX_REQUEUES=10)" in output
+    assert f"(resumed from {stop['saved']})" in output
+
+    assert len(processes_of(run_dir)) >= 3  # the supervisor, the launcher, two ranks
     slurm.run(["scancel", str(job)])
     assert slurm.wait(job, timeout=60) == "CANCELLED"
-    assert wait_for(lambda: not processes_of(tmp_path / "run"), timeout=30), processes_of(tmp_path / "run")
-    assert slurm.job(job)["Restarts"] == "0"  # a cancelled job is not requeued
+    assert wait_for(lambda: not processes_of(run_dir), timeout=30), processes_of(run_dir)
+    assert slurm.job(job)["Restarts"] == "1"  # a cancelled job is not requeued

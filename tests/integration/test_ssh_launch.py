@@ -9,12 +9,13 @@ import sys
 import time
 
 from pretrain import checkpoint as ck
+from pretrain.distributed import free_port
 from tests.integration.runs import FAST, TINY, events
 from tests.integration.test_ownership import CALM, NOISE, processes_of, step_events, wait_for
 
 
 def launch_command(hostfile, run_dir, data_dir, *overrides):
-    return [sys.executable, "-m", "pretrain", "launch", "--hostfile", str(hostfile), "--config", TINY,
+    return [sys.executable, "-m", "pretrain", "launch", "--hostfile", str(hostfile), "--master-port", str(free_port()), "--config", TINY,
             f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, "eval.every=0", "monitor.warmup=4",
             "monitor.window=16", *CALM, *overrides]  # fmt: skip
 

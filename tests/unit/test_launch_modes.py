@@ -1,0 +1,62 @@
+"""The pieces of multi-node launching that need no process: pdsh's reports, the lock a job's ranks
+join by their supervisor's tag, the variables carried over ssh, and who asked a job to stop."""
+
+import pytest
+
+from monitoring.supervisor import node_exit
+from pretrain.errors import UserError
+from pretrain.run_dir import RunLock
+from pretrain.train import describe_requesters
+
+
+def test_pdsh_reports_of_failed_hosts_are_read_and_other_lines_are_not():
+    assert node_exit("pdsh@vm: node-7: ssh exited with exit code 255\n") == ("node-7", 255)
+    assert node_exit("pdsh@login1: gpu-003: ssh exited with exit code 2") == ("gpu-003", 2)
+    assert node_exit("pdsh@vm: vm: ssh killed by signal 9") == ("vm", 137)
+    assert node_exit("pdsh@vm: vm: ssh exited with exit code 0") is None
+    assert node_exit("vm: pdsh@vm: x: ssh exited with exit code 3") is None  # a rank's own line, labelled
+    assert node_exit("localhost: step 3/30 | loss 6.0") is None
+
+
+def test_a_jobs_rank_joins_its_supervisors_lock_and_anyone_else_is_refused(tmp_path):
+    supervisor = RunLock(tmp_path).acquire(owner="vm:4242:1795520000.125")
+    try:
+        rank0 = RunLock(tmp_path).acquire(joining="vm:4242:1795520000.125")
+        assert rank0.fd is None  # joined: holds nothing, releases nothing
+        with pytest.raises(UserError, match="is in use by pid"):
+            RunLock(tmp_path).acquire(joining="vm:4242:1795520999.000")  # a stale tag: another supervisor
+        with pytest.raises(UserError, match="is in use by pid"):
+            RunLock(tmp_path).acquire()
+    finally:
+        supervisor.release()
+    assert RunLock(tmp_path).acquire(joining="vm:4242:1795520000.125").fd is not None  # free: held
+
+
+def test_the_variables_carried_over_ssh_keep_the_users_own_first(tmp_path, monkeypatch):
+    from pretrain.cli.launch import deepspeed_env_file
+
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir(), here.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_HCA=mlx5\n\n")
+    (here / ".deepspeed_env").write_text("HF_HOME=/shared/hf\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("PRETRAIN_VERBOSE", "1")
+    path = deepspeed_env_file(tmp_path / "run", {"PRETRAIN_RUN_OWNER": "vm:1:2.000"})
+    lines = path.read_text().splitlines()
+    assert lines[:2] == ["NCCL_IB_HCA=mlx5", "HF_HOME=/shared/hf"]
+    assert "PRETRAIN_VERBOSE=1" in lines and lines[-1] == "PRETRAIN_RUN_OWNER=vm:1:2.000"
+    assert path.is_absolute() and all("=" in line for line in lines)  # DeepSpeed splits every line at '='
+
+
+def test_who_asked_to_stop_is_said_per_node_and_reason():
+    lost = "its supervisor (pid 7 on b) is gone"
+    requesters = [{"rank": r, "node": 1, "host": "b", "why": lost} for r in (4, 5, 6, 7)]
+    requesters.append({"rank": 0, "node": 0, "host": "a", "why": "SIGTERM received"})
+    assert (
+        describe_requesters(requesters)
+        == f"node 0 (a, rank 0): SIGTERM received; node 1 (b, ranks 4-7): {lost}"
+    )
+    assert describe_requesters([{"rank": r, "node": 0, "host": "a", "why": "x"} for r in (0, 2)]) == (
+        "node 0 (a, ranks 0,2): x"
+    )
