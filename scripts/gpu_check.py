@@ -141,6 +141,7 @@ class Check:
         (SIGTERM, then SIGKILL) when `budget` seconds have passed."""
         self.log(f"$ {' '.join(command)}")
         started = time.time()
+        env = {k: v for k, v in (env or os.environ).items() if k not in RENDEZVOUS}  # each part its own
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log_file, text=True,
                                    start_new_session=True, env=env, cwd=repo_path())  # fmt: skip
         try:
@@ -159,6 +160,9 @@ class Check:
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text(json.dumps(value, indent=1) + "\n")
         temporary.replace(path)
+
+
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def stop_group(process: subprocess.Popen) -> None:

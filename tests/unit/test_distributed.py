@@ -13,7 +13,8 @@ from pretrain.errors import CommandParser, ConfigError, ExitCode, UserError, run
 
 def test_one_plain_process_is_rank_0_of_1(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded first, so that the values set below are undone too
+        monkeypatch.delenv(name)  # (left behind, every later process of this worker would inherit them)
     env = DistEnv.from_environ()
     assert env == DistEnv(0, 0, 1) and env.is_main
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
