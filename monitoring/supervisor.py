@@ -18,8 +18,10 @@ listed by GET /status and counted by `pretrain_restarts` in GET /metrics.
 
 Several nodes: with a hostfile the DeepSpeed launcher reaches every host over ssh (pdsh), and
 this one supervisor stops and restarts all of them. Its ranks are then not its descendants: it
-asks them to stop through the launcher (SIGTERM: DeepSpeed's kill command on every host, whose
-per-node launchers pass SIGTERM on to their ranks), learns from pdsh's own report when one host's
+asks them to stop through the launcher (SIGTERM: it signals this job's launcher on every host
+over pdsh, which passes SIGTERM on to its ranks; `pretrain/cli/deepspeed_runner.py`), follows the
+job's stderr through a file (RUN_DIR/monitor/launcher.stderr: a pipe would break the job's output
+if this process died), learns from pdsh's own report when one host's
 launcher has exited ("pdsh@H: HOST: ssh exited with exit code N": the whole job is stopped at
 once, naming the host), and waits for the last rank on any host to exit (the ranks' shared lock,
 `pretrain/lifeline.py`) before it restarts the job or exits. In the launcher's no-ssh mode each
@@ -98,6 +100,8 @@ class HangWatch:
         return f"hang: {what} for {since:.0f} s (limit {self.limit():.0f} s)"
 
 
+JOB_STDERR = "launcher.stderr"  # over ssh: the job's stderr, this attempt's (in RUN_DIR/monitor/)
+
 # pdsh's own line when one host's command ends with a failure (pdsh 2.x, ssh rcmd module)
 NODE_EXIT = re.compile(
     r"^pdsh@[^:]*: (?P<host>[^:\s]+): ssh (?:exited with exit code (?P<code>\d+)|killed by signal (?P<signal>\d+))"
@@ -143,26 +147,61 @@ class Job:
         env: dict | None = None,
         pass_fds: tuple = (),
         over_ssh: bool = False,
+        stderr_file: Path | None = None,
     ) -> Job:
+        """`stderr_file` (over ssh): the job's stderr goes there, and is followed onto this
+        process's stderr — a file, not a pipe, so that the job's writers (pdsh, which relays every
+        host's stderr) never break on a pipe when this process is gone."""
         started_at = time.time()
-        stderr = subprocess.PIPE if over_ssh else None
-        process = subprocess.Popen(command, start_new_session=True, env=env, pass_fds=pass_fds, stderr=stderr)
+        try:
+            stderr = open(stderr_file, "wb") if stderr_file is not None else None  # noqa: SIM115 (the child's)
+        except OSError:  # a full disk: the job's stderr is this process's, and failed hosts go unnoticed
+            stderr = stderr_file = None
+        try:
+            process = subprocess.Popen(
+                command, start_new_session=True, env=env, pass_fds=pass_fds, stderr=stderr
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()
         job = cls(process, attempt, started_at, over_ssh)
-        if over_ssh:
-            threading.Thread(target=job._relay_stderr, name="job-stderr", daemon=True).start()
+        if stderr_file is not None:
+            threading.Thread(
+                target=job._follow_stderr, args=(stderr_file,), name="job-stderr", daemon=True
+            ).start()
         return job
 
-    def _relay_stderr(self) -> None:
-        """Pass the job's stderr through unchanged, noting pdsh's reports of failed hosts."""
-        for raw in iter(self.process.stderr.readline, b""):
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.buffer.write(raw)
-                sys.stderr.flush()
-            exited = node_exit(raw.decode(errors="replace"))
+    def _follow_stderr(self, path: Path) -> None:
+        """Pass the job's stderr through unchanged as it is written, noting pdsh's reports of
+        failed hosts, until the job has exited and everything it wrote is read."""
+        with open(path, "rb") as f:
+            pending = b""
+            while True:
+                chunk = f.readline()
+                if not chunk:
+                    if self.process.poll() is not None:
+                        chunk = f.read()
+                        if not chunk:
+                            break
+                    else:
+                        time.sleep(0.05)
+                        continue
+                pending += chunk
+                if not pending.endswith(b"\n") and self.process.poll() is None:
+                    continue  # a line still being written
+                self._said(pending)
+                pending = b""
+
+    def _said(self, raw: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+        for line in raw.decode(errors="replace").splitlines():
+            exited = node_exit(line)
             if exited is not None:
                 self.node_exits.append(NodeExit(exited[0], exited[1], self.last_lines.get(exited[0], "")))
                 continue
-            said = HOST_LINE.match(raw.decode(errors="replace").rstrip())
+            said = HOST_LINE.match(line.rstrip())
             if said and said["text"].strip():
                 self.last_lines[said["host"]] = said["text"].strip()
 
@@ -336,7 +375,10 @@ class Supervisor:
         # told who supervises it: its ranks stop if this process dies (pretrain/lifeline.py).
         env = os.environ | self.job_env | {OWNER_ENV: owner_tag(os.getpid())}
         fds = (self.lock.fd,) if self.lock is not None and self.lock.fd is not None else ()
-        job = Job.start(command, restarts, env=env, pass_fds=fds, over_ssh=bool(self.ssh_nodes))
+        stderr_file = monitor_dir(self.run_dir) / JOB_STDERR if self.ssh_nodes else None
+        job = Job.start(
+            command, restarts, env=env, pass_fds=fds, over_ssh=bool(self.ssh_nodes), stderr_file=stderr_file
+        )
         self._set_state("running", restarts)
         return job
 

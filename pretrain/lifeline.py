@@ -11,8 +11,8 @@ variables from (`DS_ENV_FILE`, see `pretrain/cli/launch.py`).
   gone within `POLL_SECONDS + GRACE_SECONDS` of its supervisor.
 - Ranks on other hosts of an ssh (pdsh) launch cannot see the supervisor's process, but the
   DeepSpeed launcher can: it runs beside the supervisor (`pretrain/cli/deepspeed_runner.py`) and,
-  when the supervisor is gone, stops itself the way DeepSpeed stops a pdsh job — its kill command
-  on every host, whose per-node launchers pass SIGTERM to their ranks. In the launcher's no-ssh
+  when the supervisor is gone, signals this job's launcher on every host over pdsh, and each
+  passes SIGTERM to its ranks, which save and exit while pdsh still relays their output. In the launcher's no-ssh
   mode (and under Slurm) each node has its own supervisor, which its ranks watch.
 - Every rank of a supervised job holds a shared lock on RUN_DIR/monitor/ranks.lock for its life
   (the run directory is on a file system every node shares, as checkpoints need), so the
@@ -21,6 +21,7 @@ variables from (`DS_ENV_FILE`, see `pretrain/cli/launch.py`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -85,7 +86,8 @@ def _watch(tag: str, who: str, then: str) -> None:
     while supervisor_alive(tag):
         time.sleep(POLL_SECONDS)
     host, pid, _ = tag.rsplit(":", 2)
-    print(f"{who}: the supervisor (pid {pid}) is gone: {then}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # (a stderr that went away with the supervisor)
+        print(f"{who}: the supervisor (pid {pid}) is gone: {then}", file=sys.stderr, flush=True)
     STOP_CAUSE.append(f"its supervisor (pid {pid} on {host}) is gone")
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE_SECONDS)

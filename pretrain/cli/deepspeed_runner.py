@@ -1,46 +1,96 @@
 """DeepSpeed's launcher (`deepspeed.launcher.runner`, what the `deepspeed` command runs) as
 `pretrain launch` starts it: the same arguments and behaviour, with the console kept to what
 matters (`pretrain.console`: its one-node "no hostfile" note and INFO lines only with --verbose),
-and a lifeline: it runs beside the supervisor, so when the supervisor is gone it stops the job as
-DeepSpeed stops it on SIGTERM — over ssh, its kill command on every host (`pretrain/lifeline.py`)."""
+and, over ssh (pdsh), a stop that lets the ranks save:
+
+- SIGTERM/SIGINT: SIGTERM to this job's launcher on every host (pkill over pdsh, matched by the
+  job's rendezvous port), whose ranks then save at the next step boundary and exit; pdsh is left
+  running, so their output and exit still arrive, and this process exits when they have. (DeepSpeed's
+  own handler kills pdsh first: the ranks' stdout then breaks under them, and they die unsaved.)
+  A second signal ends this process at once.
+- A lifeline: it runs beside the supervisor, so when the supervisor is gone it stops the job
+  that way on every host (`pretrain/lifeline.py`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
 from pretrain.console import deepspeed_log_level, quiet_libraries
 
+_pdsh: dict = {}  # what a stop needs, from DeepSpeed's pdsh command: hosts, rendezvous port, environment
 
-def quiet_remote_launchers() -> None:
-    """Over ssh, DeepSpeed starts each host's launcher without the --log_level it gives a local
-    one; give it the same (its INFO lines only with --verbose)."""
+
+def adapt_pdsh_runner() -> None:
+    """Over ssh, DeepSpeed starts each host's launcher without the --log_level it gives a local one:
+    give it the same (its INFO lines only with --verbose); and note what a stop of this job needs."""
     from deepspeed.launcher.multinode_runner import PDSHRunner
 
     get_cmd = PDSHRunner.get_cmd
 
     def with_log_level(self, environment, active_resources):
         cmd, kill_cmd, env = get_cmd(self, environment, active_resources)
+        _pdsh.update(hosts=",".join(active_resources), port=self.args.master_port, env=dict(env))
         at = cmd.index("deepspeed.launcher.launch") + 1
         return [*cmd[:at], f"--log_level={deepspeed_log_level()}", *cmd[at:]], kill_cmd, env
 
     PDSHRunner.get_cmd = with_log_level
 
 
+def stop_command(hosts: str, port: int) -> list[str]:
+    """pdsh: SIGTERM to the DeepSpeed launcher of the job whose rendezvous port is `port`, on every host."""
+    # The launcher's own command line only: not pdsh's, ssh's or the remote shell's, which quote it
+    # (on the supervisor's host, which is often in the hostfile, those would be hit too).
+    pattern = f"^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch .*--master_port={port}( |$)"
+    return ["pdsh", "-S", "-f", "1024", "-w", hosts, "pkill", "-TERM", "-f", shlex.quote(pattern)]
+
+
+def _stop_every_host(signum, frame) -> None:
+    if not _pdsh or getattr(_stop_every_host, "asked", False):  # one node, or asked twice: the default
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _stop_every_host.asked = True
+    print("launcher: asking every host's ranks to save and stop", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(stop_command(_pdsh["hosts"], _pdsh["port"]), env=_pdsh["env"], timeout=60, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+class _SignalsKeptOurs:
+    """`signal` as DeepSpeed's runner sees it: its SIGINT/SIGTERM handler is not installed (ours is)."""
+
+    def __getattr__(self, name):
+        return getattr(signal, name)
+
+    @staticmethod
+    def signal(signum, handler):
+        return signal.getsignal(signum)
+
+
 if __name__ == "__main__":
     import gc
-    import signal
 
     # A scheduler's time-limit warning reaches every process of a Slurm job step: it is for the
     # supervisor and the ranks. The launchers between them ignore it (their children inherit that
     # until the ranks' own stop handler is in place).
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     quiet_libraries()
-    from deepspeed.launcher.runner import main
+    import deepspeed.launcher.runner as runner
 
     from pretrain.lifeline import watch_supervisor
 
-    quiet_remote_launchers()
-
-    watch_supervisor(who="launcher", then="stopping the job on every node")
+    adapt_pdsh_runner()
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, _stop_every_host)
+    runner.signal = _SignalsKeptOurs()
+    watch_supervisor(who="launcher", then="stopping the job on every host")
     try:
-        main()
+        runner.main()
     finally:
         gc.freeze()  # a quick exit (see pretrain.cli.entry)

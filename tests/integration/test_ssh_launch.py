@@ -41,7 +41,11 @@ def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_
     assert saved is not None and ck.step_of(saved) >= 3  # the ranks saved as they stopped
     (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
     assert stop["saved"] == saved and {r["rank"] for r in stop["requested_by"]} <= {0, 1}
-    assert all("its supervisor (pid" in r["why"] for r in stop["requested_by"]), stop
+    # Each rank stops on its own lifeline (it sees the supervisor's host) or on its launcher's SIGTERM
+    # (the path of ranks on other hosts: the DeepSpeed launcher beside the supervisor stops every host).
+    assert all(
+        "its supervisor (pid" in r["why"] or r["why"] == "SIGTERM received" for r in stop["requested_by"]
+    )
 
     again = subprocess.run(command, env=ssh_hosts.env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

@@ -60,3 +60,31 @@ def test_who_asked_to_stop_is_said_per_node_and_reason():
     assert describe_requesters([{"rank": r, "node": 0, "host": "a", "why": "x"} for r in (0, 2)]) == (
         "node 0 (a, ranks 0,2): x"
     )
+
+
+def test_the_stop_over_ssh_hits_this_jobs_launchers_only():
+    """pkill -f on every host: the job's DeepSpeed launchers, not the pdsh, ssh and shell command
+    lines that quote them (on the supervisor's host, often one of the hosts), nor another job's."""
+    import re
+    import shlex
+
+    from pretrain.cli.deepspeed_runner import stop_command
+
+    command = stop_command("localhost,vm", 29517)
+    assert command[:6] == ["pdsh", "-S", "-f", "1024", "-w", "localhost,vm"] and command[6:9] == [
+        "pkill",
+        "-TERM",
+        "-f",
+    ]
+    (pattern,) = shlex.split(command[9])  # as the remote shell reads it
+    launch = "-u -m deepspeed.launcher.launch --world_info=eyJ9 --node_rank=1 --master_addr=localhost"
+    assert re.search(pattern, f"/usr/bin/python3.11 {launch} --master_port=29517 --module pretrain.train")
+    assert re.search(pattern, f"python {launch} --master_port=29517")
+    assert not re.search(pattern, f"/usr/bin/python3.11 {launch} --master_port=29518 --module pretrain.train")
+    quoted = f"export PYTHONPATH=/r; cd /r; /usr/bin/python3.11 {launch} --master_port=29517 --module pretrain.train"
+    for wrapper in (
+        f"pdsh -S -f 1024 -w localhost,vm {quoted}",
+        f"ssh -2 -a -x vm {quoted}",
+        f"bash -c {quoted}",
+    ):
+        assert not re.search(pattern, wrapper), wrapper
