@@ -32,6 +32,8 @@ import sys
 import uuid
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import NamedTuple
 
@@ -155,24 +157,31 @@ def _tokenized(batches: Iterator[Batch], tokenizer: Tokenizer, workers: int) -> 
         for batch in batches:
             yield tokenize_batch(batch.texts, batch.held_out, batch.ends, tokenizer), batch
         return
-    context = multiprocessing.get_context("spawn")  # never fork a process holding threads
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.path),))
+    # spawn: never fork a process holding threads. An executor, not a multiprocessing.Pool: a worker
+    # that dies (killed, out of memory) breaks it with an error, where a Pool waits forever for the
+    # lost batch.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(str(tokenizer.path),)
+    )
+    pending: deque = deque()
     try:
-        pending: deque = deque()
         for batch in batches:
-            pending.append(
-                (pool.apply_async(tokenize_batch, (batch.texts, batch.held_out, batch.ends)), batch)
-            )
+            pending.append((pool.submit(tokenize_batch, batch.texts, batch.held_out, batch.ends), batch))
             if len(pending) >= 2 * workers:
-                result, done = pending.popleft()
-                yield result.get(), done
+                future, done = pending.popleft()
+                yield future.result(), done
         while pending:
-            result, done = pending.popleft()
-            yield result.get(), done
-        pool.close()
+            future, done = pending.popleft()
+            yield future.result(), done
+    except BrokenProcessPool:
+        raise UserError(
+            f"a tokenizing worker process died (of {workers}): run again, or with --workers 1 to see why"
+        ) from None
     finally:
-        pool.terminate()
-        pool.join()
+        for future, _ in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- prepare

@@ -65,3 +65,34 @@ def test_long_documents_are_tokenized_in_pieces_and_round_trip(tmp_path, tokeniz
     longest.clear()
     prepare_dataset(source, tokenizer_dir, tmp_path / "whole", val_fraction=0.2, progress=False)
     assert max(longest) == len(long_doc)
+
+
+def test_a_worker_that_dies_ends_the_prepare_in_one_line_instead_of_a_hang(tmp_path, tokenizer_dir):
+    """A tokenizing worker killed mid-run (out of memory, an operator): a multiprocessing.Pool
+    would wait forever for its lost batch; the prepare ends with one line, and no manifest."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    out = tmp_path / "out"
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS * 3000)
+    prepare = subprocess.Popen(
+        [sys.executable, "-m", "pretrain", "data", "prepare", "--source", str(source), "--tokenizer", str(tokenizer_dir),
+         "--out", str(out), "--workers", "2", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline, workers = time.time() + 60, []
+    while not workers and time.time() < deadline and prepare.poll() is None:
+        children = psutil.Process(prepare.pid).children()
+        workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        time.sleep(0.05)
+    assert workers, prepare.communicate()
+    workers[0].kill()
+    _, stderr = prepare.communicate(timeout=60)
+    lines = stderr.strip().splitlines()
+    assert prepare.returncode == 2 and len(lines) == 1 and "a tokenizing worker process died" in lines[0], (
+        stderr
+    )
+    assert not (out / "manifest.json").exists()
