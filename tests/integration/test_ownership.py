@@ -105,6 +105,7 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
     assert f"steps {ck.step_of(saved) + 1}..40 (resumed from {saved})" in again.stdout
     for noise in NOISE:  # a quiet console: our lines only
         assert noise not in again.stdout + again.stderr, noise
+    assert "changed since the last start" not in again.stdout  # nothing the user changed (issue 29)
     steps = step_events(tmp_path)  # the killed supervisor's service may have missed its last steps
     assert steps[: stopped + 1] == [*range(1, stopped + 1), stopped + 1]  # the resume went on from there
     assert steps[-(40 - ck.step_of(saved)) :] == list(range(ck.step_of(saved) + 1, 41))  # ... and this one

@@ -53,6 +53,7 @@ def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_
     assert "localhost: done: 30 steps" in again.stdout  # rank 0's lines, labelled by pdsh with its host
     for noise in NOISE:  # a quiet console: no launcher INFO lines from either host
         assert noise not in again.stdout + again.stderr, noise
+    assert "changed since the last start" not in again.stdout  # the same command changes nothing
     assert ck.step_of(ck.newest_complete(run_dir)) == 30
     assert not ssh_hosts.remote_pids()
 
