@@ -570,8 +570,13 @@ def packaged_configs() -> dict[str, Path]:
 
 def resolve_config(name: str | Path) -> Path:
     """A config file: the path as given when it exists, else a packaged config by name (from any
-    directory), so `--config demo` and `--config configs/train/demo.yaml` are the same file."""
+    directory), so `--config demo` and `--config configs/train/demo.yaml` are the same file — the
+    latter, as the docs print it, also outside the repository (the shipped `configs/`)."""
     path = Path(name)
+    if not path.is_file() and not path.is_absolute() and path.parts[:1] == ("configs",):
+        shipped = config_dir() / Path(*path.parts[1:])
+        if shipped.is_file():
+            return shipped
     if path.is_file() or path.suffix in (".yaml", ".yml") or len(path.parts) > 2:
         return path  # a path: read_yaml reports a missing file with the path
     packaged = packaged_configs()

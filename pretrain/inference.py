@@ -9,16 +9,18 @@ command that reads a checkpoint reads those.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from pretrain import atomic, checkpoint
 from pretrain.config import ModelConfig
-from pretrain.console import silenced_stdout
+from pretrain.console import silenced_stdout, verbose
 from pretrain.data import WindowStream, read_manifest
 from pretrain.errors import UserError
 from pretrain.model import KVCache, Transformer
@@ -43,9 +45,13 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, dict[str, torch.Tenso
     directory = checkpoint.find_checkpoint(path)
     run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
     with silenced_stdout():  # DeepSpeed reports its progress on stdout
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
+        if not verbose():  # and a "Loading checkpoint shards" bar on stderr
+            zero_to_fp32.tqdm = functools.partial(tqdm, disable=True)
+        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+            str(directory.parent), tag=directory.name
+        )
     return directory, run_config, state
 
 

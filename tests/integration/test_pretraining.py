@@ -197,6 +197,7 @@ def test_eval_and_generate(golden_run, train_data):
     outputs = [run_cli(*args) for _ in range(2)]
     assert outputs[0].returncode == 0, outputs[0].stderr
     assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.startswith("The list")
+    assert outputs[0].stderr == "", outputs[0].stderr  # no "Loading checkpoint shards" bar without --verbose
 
 
 def test_two_nodes_without_ssh_match_one_node(tmp_path, golden_run, train_data):

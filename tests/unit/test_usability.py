@@ -3,6 +3,7 @@ data prepare's progress with a total, and a demo that keeps earlier runs."""
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,6 +21,15 @@ from tests.helpers import assert_one_line_error
 def test_packaged_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatch, name, file):
     monkeypatch.chdir(tmp_path)
     assert resolve_config(name) == REPO_CONFIG_DIR / file
+
+
+@pytest.mark.parametrize("path", ["configs/finetune/classification.yaml", "configs/train/demo.yaml"])
+def test_a_config_path_as_the_docs_print_it_works_outside_the_repository(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)  # (issue 29: the README's fine-tune command failed here)
+    assert resolve_config(path) == REPO_CONFIG_DIR / path.removeprefix("configs/")
+    (tmp_path / "configs" / "train").mkdir(parents=True)
+    (tmp_path / "configs" / "train" / "demo.yaml").write_text("train: {steps: 3}\n")
+    assert resolve_config("configs/train/demo.yaml") == Path("configs/train/demo.yaml")  # a local file wins
 
 
 def test_a_file_in_the_working_directory_wins_over_a_packaged_name(tmp_path, monkeypatch):
