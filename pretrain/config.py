@@ -498,7 +498,8 @@ class FinetuneConfig:
     eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def __post_init__(self) -> None:
+    def check_runnable(self) -> FinetuneConfig:
+        """What a fine-tuning run needs that a shown config may leave to the command line."""
         if not _is_set(self.finetune.init):
             raise ConfigError(
                 "finetune.init is not set: name a checkpoint (run directory) or a Hugging Face Llama directory"
@@ -507,6 +508,7 @@ class FinetuneConfig:
             raise ConfigError(
                 "data.train is not set: name a .csv/.jsonl/.parquet file (or a split, with data.hub)"
             )
+        return self
 
 
 def _is_set(value: str | None) -> bool:
@@ -731,8 +733,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return _to_object(merged)
 
 
-def load_finetune_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> FinetuneConfig:
-    """Load a fine-tuning config: defaults ← file ← dotted overrides, then validate."""
+def load_finetune_config(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, runnable: bool = True
+) -> FinetuneConfig:
+    """Load a fine-tuning config: defaults ← file ← dotted overrides, then validate (`runnable`:
+    also that it names its initial checkpoint and training data, which `config show` does not need)."""
     path = resolve_config(path)
     data = read_yaml(path)
     if "finetune" not in data:
@@ -743,13 +748,16 @@ def load_finetune_config(path: str | Path, overrides: list[str] | tuple[str, ...
     cli = parse_overrides(overrides)
     merged = _merge_layer(_schema(FinetuneConfig), data, FinetuneConfig, str(path))
     merged = _merge_layer(merged, cli, FinetuneConfig, "override")
-    return _to_object(merged)
+    cfg = _to_object(merged)
+    return cfg.check_runnable() if runnable else cfg
 
 
 def finetune_config_from_dict(values: dict[str, Any]) -> FinetuneConfig:
     """A FinetuneConfig from a saved run_config.json (its extra keys, such as model, are ignored)."""
     sections = {k: v for k, v in values.items() if k in {f.name for f in fields(FinetuneConfig)}}
-    return _to_object(_merge_layer(_schema(FinetuneConfig), sections, FinetuneConfig, "run_config.json"))
+    return _to_object(
+        _merge_layer(_schema(FinetuneConfig), sections, FinetuneConfig, "run_config.json")
+    ).check_runnable()
 
 
 def load_defaults(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -760,16 +768,16 @@ def load_defaults(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
 
 
 def load_any(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, runnable: bool = True
 ) -> RunConfig | ModelConfig | FinetuneConfig:
     """A run config, a model preset file (as `pretrain flops configs/model/gpt3-125m.yaml` takes) or
-    a fine-tuning config."""
+    a fine-tuning config (`runnable`: see load_finetune_config)."""
     path = resolve_config(path)
     data = read_yaml(path)
     if is_model_preset(data):
         return load_model_config(path, overrides)
     if "finetune" in data:
-        return load_finetune_config(path, overrides)
+        return load_finetune_config(path, overrides, runnable=runnable)
     return load_config(path, overrides)
 
 

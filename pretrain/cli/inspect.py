@@ -11,7 +11,7 @@ from pretrain.errors import CommandParser
 def cmd_config_show(args: argparse.Namespace) -> int:
     from pretrain.config import load_any, to_yaml
 
-    print(to_yaml(load_any(args.config, args.overrides)), end="")
+    print(to_yaml(load_any(args.config, args.overrides, runnable=False)), end="")  # what it says, set or not
     return 0
 
 

@@ -39,6 +39,14 @@ def test_a_file_in_the_working_directory_wins_over_a_packaged_name(tmp_path, mon
     assert load_config("tiny", ["train.steps=7"]).train.steps == 7
 
 
+def test_config_show_prints_a_finetune_config_that_leaves_its_checkpoint_to_the_command_line(cli):
+    shown = cli("config", "show", "finetune/classification")  # (issue 29: exit 2, "finetune.init is not set")
+    assert shown.returncode == 0, shown.stderr
+    assert yaml.safe_load(shown.stdout)["finetune"]["task"] == "classification"
+    refused = cli("finetune", "--config", "finetune/classification")  # running it still needs one
+    assert_one_line_error(refused, "finetune.init is not set")
+
+
 def test_config_show_and_list_by_name(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
     shown = cli("config", "show", "tiny", "train.steps=9")
