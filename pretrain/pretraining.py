@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from monitoring.protocol import SUMMARY_FILE
+from pretrain import atomic
 from pretrain.checkpoint import resolve_resume
 from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
 from pretrain.config import RunConfig, config_hash, to_yaml
@@ -25,7 +28,7 @@ from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifes
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import check_tokenizer, fingerprint
-from pretrain.distributed import DistEnv
+from pretrain.distributed import DistEnv, barrier
 from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, continuations, validation_loss
@@ -228,12 +231,32 @@ def pretrain(cfg: RunConfig) -> dict:
     ) as resume_setting:
         connect(cfg, env)
         resume = choose_resume(cfg.run.dir, resume_setting, env)
+        if resume is not None and resume.state.step >= cfg.train.steps:
+            return already_complete(cfg, env, resume)
         ds_config = resume.deepspeed_config(checked.ds_config) if resume else checked.ds_config
         engine, optimizer = build(cfg, lambda: Transformer(cfg.model), ds_config)
         trainer = build_trainer(
             cfg, env, engine, optimizer, checked.plan, checked.data_dir, resume, zero_stage(ds_config)
         )
         return trainer.train()
+
+
+def already_complete(cfg: RunConfig, env: DistEnv, resume: Resume) -> dict:
+    """The run's last step is trained and saved: say so, train and evaluate nothing, and exit 0.
+    Rank 0 writes the summary again (the same, marked complete) for the supervisor to see."""
+    summary_path = Path(cfg.run.dir) / SUMMARY_FILE
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    state = resume.state
+    summary |= {"step": state.step, "tokens": summary.get("tokens", state.tokens), "completed": True}
+    if env.is_main:
+        atomic.write_json(summary_path, summary)
+        print(f"the run in {cfg.run.dir} is already complete: step {state.step} of {cfg.train.steps} is "
+              f"saved ({resume.tag}); nothing to train (raise train.steps to train further)", flush=True)  # fmt: skip
+    barrier()
+    return summary
 
 
 def build_trainer(
