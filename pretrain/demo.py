@@ -79,7 +79,7 @@ def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
         ]
     config = config_dir() / "train" / "demo.yaml"
     print(f"[3/3] pretrain launch --config {config} {' '.join(overrides)}", flush=True)
-    returncode = launch(str(config), overrides, nproc=nproc)
+    returncode = launch(str(config), overrides, nproc=nproc, next_steps=False)  # (its own, below)
     if returncode != 0:
         print(f"pretrain demo: training exited with status {returncode}", file=sys.stderr)
         return returncode

@@ -10,6 +10,7 @@ job's launcher inherits it, so it is released only when the last process of the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -18,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from monitoring.protocol import SUMMARY_FILE
 from monitoring.supervisor import Supervisor
 from pretrain import atomic
 from pretrain.config import load_config
 from pretrain.console import deepspeed_log_level, pin_accelerator
 from pretrain.distributed import free_port
-from pretrain.errors import UserError
+from pretrain.errors import ExitCode, UserError
 from pretrain.lifeline import owner_tag
 from pretrain.pretraining import preflight
 from pretrain.run_dir import OWNER_ENV, RunLock, claim
@@ -100,6 +102,14 @@ def resume_hint(no_ssh: bool) -> Callable[[int | None], str]:
     return hint
 
 
+def run_complete(run_dir: Path) -> bool:
+    """Whether the run's summary says its last step is trained and saved."""
+    try:
+        return json.loads((run_dir / SUMMARY_FILE).read_text()).get("completed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def local_process_count() -> int:
     """Every local GPU, or 2 CPU processes when there is none."""
     import torch
@@ -139,8 +149,10 @@ def launch(
     no_ssh: bool = False,
     node_rank: int = 0,
     log=None,
+    next_steps: bool = True,
 ) -> int:
-    """Check the run as its job would, then supervise it under the service; the job's exit status."""
+    """Check the run as its job would, then supervise it under the service; the job's exit status.
+    `next_steps`: after a complete run, where to look next (the demo prints its own)."""
     log = log or (lambda line: print(line, flush=True))
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc {nproc} must be at least 1")
@@ -182,7 +194,13 @@ def launch(
                                 job_env=job_env, resume=resume_hint(no_ssh))  # fmt: skip
         where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
         log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
-        return supervisor.run()
+        code = supervisor.run()
+        if code == ExitCode.DONE and node_rank == 0 and next_steps and run_complete(run_dir):
+            lines = [f"tensorboard --logdir {run_dir / 'tensorboard'}"] if cfg.logging.tensorboard else []
+            lines += [f'pretrain generate --checkpoint {run_dir} --prompt "..."',
+                      f"pretrain export-hf --checkpoint {run_dir} --out {run_dir / 'hf'}"]  # fmt: skip
+            log("next: " + "\n      ".join(lines))
+        return code
     finally:
         if lock is not None:
             lock.release()

@@ -106,6 +106,10 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
     for noise in NOISE:  # a quiet console: our lines only
         assert noise not in again.stdout + again.stderr, noise
     assert "changed since the last start" not in again.stdout  # nothing the user changed (issue 29)
+    assert (
+        f"next: tensorboard --logdir {tmp_path / 'tensorboard'}\n      pretrain generate --checkpoint {tmp_path}"
+        in (again.stdout)
+    )  # where to look next (issue 29)
     steps = step_events(tmp_path)  # the killed supervisor's service may have missed its last steps
     assert steps[: stopped + 1] == [*range(1, stopped + 1), stopped + 1]  # the resume went on from there
     assert steps[-(40 - ck.step_of(saved)) :] == list(range(ck.step_of(saved) + 1, 41))  # ... and this one
