@@ -119,6 +119,16 @@ def node_exit(line: str) -> tuple[str, int] | None:
     return (found["host"], status) if status != 0 else None
 
 
+def run_completed(run_dir: str | Path, since: float = 0.0) -> bool:
+    """Whether RUN_DIR's summary, written at or after `since` (wall clock), says the run's last step
+    is trained and saved."""
+    path = Path(run_dir) / SUMMARY_FILE
+    try:
+        return path.stat().st_mtime >= since and json.loads(path.read_text()).get("completed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 @dataclass
 class NodeExit:
     host: str
@@ -208,6 +218,10 @@ class Job:
     def poll(self) -> int | None:
         return self.process.poll()
 
+    def signal_launcher(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signum)
+
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signum)
@@ -216,8 +230,7 @@ class Job:
         """SIGTERM to every process of the job (over ssh, to the launcher, which stops every host's
         part), SIGKILL to what is left after `grace` seconds."""
         if self.over_ssh:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
+            self.signal_launcher(signal.SIGTERM)
         else:
             self.signal_group(signal.SIGTERM)
         try:
@@ -236,8 +249,7 @@ class Job:
         import psutil
 
         if self.over_ssh:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
+            self.signal_launcher(signal.SIGTERM)
             return
 
         try:
@@ -359,7 +371,7 @@ class Supervisor:
                     job.process.wait(timeout=self.config.stop_grace_seconds)
                 job.stop(grace=0)
                 if job.over_ssh:
-                    wait_for_ranks(self.run_dir, self.config.stop_grace_seconds + 35)
+                    wait_for_ranks(self.run_dir, self._ranks_exit_seconds)
             interrupt.restore()
             if self.server is not None:
                 self.server.shutdown()
@@ -384,9 +396,9 @@ class Supervisor:
 
     def _watch(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
         outcome = self._watch_until_done(job, interrupt)
-        if job.over_ssh and not wait_for_ranks(self.run_dir, self.config.stop_grace_seconds + 35):
+        if job.over_ssh and not wait_for_ranks(self.run_dir, self._ranks_exit_seconds):
             self.log(f"launch: ranks of the job are still running on {', '.join(self.ssh_nodes)} "
-                     f"{self.config.stop_grace_seconds + 35:.0f} s after it ended; going on without them")  # fmt: skip
+                     f"{self._ranks_exit_seconds:.0f} s after it ended; going on without them")  # fmt: skip
         return outcome
 
     def _watch_until_done(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
@@ -443,13 +455,13 @@ class Supervisor:
 
     def _completed_since(self, started_at: float) -> bool:
         """Whether this attempt wrote a summary of a completed run (the loop's last act)."""
-        path = self.run_dir / SUMMARY_FILE
-        try:
-            return (
-                path.stat().st_mtime >= started_at and json.loads(path.read_text()).get("completed") is True
-            )
-        except (OSError, ValueError):
-            return False
+        return run_completed(self.run_dir, since=started_at)
+
+    @property
+    def _ranks_exit_seconds(self) -> float:
+        """Over ssh, how long the ranks on every host may take to exit once the job has ended:
+        the stop's grace, then DeepSpeed's per-node launcher's own 30 s for its ranks, and a margin."""
+        return self.config.stop_grace_seconds + 35
 
     # --------------------------------------------------------------------------- records
 

@@ -51,7 +51,8 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     pick = random.SystemRandom()  # not the training's seeded generator: every process would pick alike
-    for _ in range(100 if low > 20_000 + 1000 else 0):
+    tries = 100 if low > 21_000 else 0  # (a range that leaves no room below it: the kernel's choice)
+    for _ in range(tries):
         port = pick.randrange(20_000, low)
         with socket.socket() as s:
             try:

@@ -12,8 +12,8 @@ variables from (`DS_ENV_FILE`, see `pretrain/cli/launch.py`).
 - Ranks on other hosts of an ssh (pdsh) launch cannot see the supervisor's process, but the
   DeepSpeed launcher can: it runs beside the supervisor (`pretrain/cli/deepspeed_runner.py`) and,
   when the supervisor is gone, signals this job's launcher on every host over pdsh, and each
-  passes SIGTERM to its ranks, which save and exit while pdsh still relays their output. In the launcher's no-ssh
-  mode (and under Slurm) each node has its own supervisor, which its ranks watch.
+  passes SIGTERM to its ranks, which save and exit while pdsh still relays their output. In the
+  launcher's no-ssh mode (and under Slurm) each node has its own supervisor, which its ranks watch.
 - Every rank of a supervised job holds a shared lock on RUN_DIR/monitor/ranks.lock for its life
   (the run directory is on a file system every node shares, as checkpoints need), so the
   supervisor can tell when the last rank of a job, on any host, has exited (`ranks_running`).
@@ -99,9 +99,13 @@ def _hold_ranks_lock(run_dir: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return  # a full disk: the supervisor then cannot wait for us
+    try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # never waits long: only a supervisor's brief probe is exclusive
     except OSError:
-        return  # a full disk or a file system without locks: the supervisor then cannot wait for us
+        os.close(fd)  # a file system without locks: as above
+        return
     _held.append(fd)
 
 

@@ -23,7 +23,8 @@ import sys
 
 from pretrain.console import deepspeed_log_level, quiet_libraries
 
-_pdsh: dict = {}  # what a stop needs, from DeepSpeed's pdsh command: hosts, rendezvous port, environment
+_pdsh: dict = {}  # what a stop needs, from DeepSpeed's pdsh command: hosts, rendezvous port, environment;
+# and "asked", once a stop has been sent
 
 
 def adapt_pdsh_runner() -> None:
@@ -51,11 +52,11 @@ def stop_command(hosts: str, port: int) -> list[str]:
 
 
 def _stop_every_host(signum, frame) -> None:
-    if not _pdsh or getattr(_stop_every_host, "asked", False):  # one node, or asked twice: the default
+    if not _pdsh or _pdsh.get("asked"):  # one node, or asked twice: the default
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    _stop_every_host.asked = True
+    _pdsh["asked"] = True
     print("launcher: asking every host's ranks to save and stop", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         subprocess.run(stop_command(_pdsh["hosts"], _pdsh["port"]), env=_pdsh["env"], timeout=60, check=False,

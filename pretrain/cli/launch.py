@@ -10,7 +10,6 @@ job's launcher inherits it, so it is released only when the last process of the 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -19,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from monitoring.protocol import SUMMARY_FILE
-from monitoring.supervisor import Supervisor
+from monitoring.supervisor import Supervisor, run_completed
 from pretrain import atomic
 from pretrain.config import load_config
 from pretrain.console import deepspeed_log_level, pin_accelerator
@@ -102,14 +100,6 @@ def resume_hint(no_ssh: bool) -> Callable[[int | None], str]:
     return hint
 
 
-def run_complete(run_dir: Path) -> bool:
-    """Whether the run's summary says its last step is trained and saved."""
-    try:
-        return json.loads((run_dir / SUMMARY_FILE).read_text()).get("completed") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def local_process_count() -> int:
     """Every local GPU, or 2 CPU processes when there is none."""
     import torch
@@ -173,7 +163,8 @@ def launch(
         master_addr = next(iter(hosts))
     run_dir = Path(cfg.run.dir)
     # Node 0 owns the run directory; its job's ranks, wherever they run, recognise the owner tag.
-    lock = RunLock(run_dir).acquire(owner=owner_tag()) if node_rank == 0 else None
+    owner = owner_tag()
+    lock = RunLock(run_dir).acquire(owner=owner) if node_rank == 0 else None
     try:
         if lock is not None:  # the job's rank 0 sees the same run and changes nothing more
             claim(run_dir, checked.identity, asdict(cfg), cfg.checkpoint.resume, log=log)
@@ -188,14 +179,14 @@ def launch(
         run_dir.mkdir(parents=True, exist_ok=True)
         job_env = {}
         if over_ssh:  # the ranks on every host learn who supervises them
-            job_env["DS_ENV_FILE"] = str(deepspeed_env_file(run_dir, {OWNER_ENV: owner_tag()}))
+            job_env["DS_ENV_FILE"] = str(deepspeed_env_file(run_dir, {OWNER_ENV: owner}))
         supervisor = Supervisor(make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed,
                                 log=log, lock=lock, ssh_nodes=list(hosts) if over_ssh else None,
                                 job_env=job_env, resume=resume_hint(no_ssh))  # fmt: skip
         where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
         log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
         code = supervisor.run()
-        if code == ExitCode.DONE and node_rank == 0 and next_steps and run_complete(run_dir):
+        if code == ExitCode.DONE and node_rank == 0 and next_steps and run_completed(run_dir):
             lines = [f"tensorboard --logdir {run_dir / 'tensorboard'}"] if cfg.logging.tensorboard else []
             lines += [f'pretrain generate --checkpoint {run_dir} --prompt "..."',
                       f"pretrain export-hf --checkpoint {run_dir} --out {run_dir / 'hf'}"]  # fmt: skip

@@ -247,7 +247,8 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[SlurmCluster]:
-    """A fresh cluster per test module (about 1 s to start); skips when it cannot run here."""
+    """A fresh cluster per test module (about 1 s to start); skips without Slurm, munge or root,
+    fails when they are there and the cluster does not come up (this fixture's own setup)."""
     missing = [name for name in _COMMANDS if shutil.which(name) is None]
     if missing:
         pytest.skip(f"Slurm test cluster: {', '.join(missing)} not installed")
@@ -258,7 +259,7 @@ def slurm() -> Iterator[SlurmCluster]:
     cluster = SlurmCluster(root)
     try:
         if (problem := cluster.start()) is not None:
-            pytest.skip(problem)
+            pytest.fail(problem)  # installed and root, yet not up: this fixture's fault, not the machine's
         yield cluster
     finally:
         cluster.stop()

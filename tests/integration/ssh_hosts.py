@@ -114,13 +114,13 @@ def _serve(root: Path) -> Iterator[SshHosts]:
         deadline = time.monotonic() + 10
         while f"listening on 127.0.0.1 port {port}" not in log.read_text():
             if sshd.poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"ssh hosts: sshd did not start: {_last_line(log.read_text())}")
+                pytest.fail(f"ssh hosts: sshd did not start: {_last_line(log.read_text())}")
             time.sleep(0.02)
         check = subprocess.run(
             ["ssh", hosts[-1], "true"], env=remote.env, capture_output=True, text=True, timeout=30
         )
         if check.returncode != 0:
-            pytest.skip(f"ssh hosts: sshd refused the test's key: {_last_line(check.stderr)}")
+            pytest.fail(f"ssh hosts: sshd refused the test's key: {_last_line(check.stderr)}")
         yield remote
     finally:
         for _ in range(100):  # the remote commands and what they started (their sessions then end), then sshd
@@ -137,6 +137,7 @@ def _serve(root: Path) -> Iterator[SshHosts]:
 @pytest.fixture(scope="session")
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     """This machine as ssh hosts `localhost` and its hostname, for the session (one sshd per xdist
-    worker). Skips with one reason line where sshd, ssh, pdsh or ssh-keygen is missing or sshd cannot
-    serve this user."""
+    worker). Skips with one reason line where sshd, ssh, pdsh or ssh-keygen is missing or sshd's
+    directory cannot be made (not root); fails when an installed sshd does not start or refuses the
+    test's key (the fixture's own setup)."""
     yield from _serve(tmp_path_factory.mktemp("ssh_hosts"))
