@@ -1,10 +1,13 @@
 """`GET /`: the monitor's page, one self-contained HTML document (inline CSS and SVG, no script,
 no external asset) rendered from /status. It reloads itself every 10 seconds.
 
-It shows the run's progress (step, total, tokens/s, ETA), the loss and the gradient norm of the
-last judged steps against their bands (the shaded area runs from the robust level to the
-threshold; orange marks are warnings, red marks rollbacks), and the list of events: warnings,
-rollbacks decided, applied and cancelled, restarts.
+It shows the run's progress (step, total, tokens/s, ETA, counts of warnings, rollbacks applied and
+restarts), the loss and the gradient norm of the last judged steps against their bands (the
+shaded area runs from the robust level to the threshold; orange marks are warnings, red marks
+rollbacks), and the list of events: every rollback decided, applied and cancelled, every restart,
+and the newest warnings. The line is the timeline that went on; the value judged at a step that
+was rolled back is a red mark labelled "VALUE (rolled back)" — at the chart's top edge when it is
+above the normal range, as a spike usually is, so that the rest of the chart keeps its scale.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import html
 import math
 
 WIDTH, HEIGHT, PAD = 640, 180, 36
+CHARTS = (
+    ("loss", "loss (shaded: its band, from the median to the threshold)"),
+    ("grad_norm", "gradient norm (shaded: its band; orange: warning, red: rollback)"),
+)
 
 
 def _number(value) -> float | None:
@@ -31,9 +38,31 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) -> str:
-    """An SVG line chart of `name` over the judged steps, with its band, and marks at warnings
-    and at the steps rollbacks were decided at."""
+def _rolled_back(point: dict, name: str, x, y, lo: float, hi: float) -> str:
+    """A red mark for the value judged at a step that was rolled back (no longer in the series),
+    labelled with that value: a dot where it lies within the axis, else an arrow at the edge it is
+    beyond (a spike is often 30x the normal range, which would flatten the rest of the chart)."""
+    raw, value = point.get(name), _number(point.get(name))
+    text = f"{value:.4g}" if value is not None else str(raw)
+    px = x(point["step"])
+    anchor, dx = ("end", -7) if px > WIDTH - 130 else ("start", 7)  # the label fits on its side
+    if value is not None and lo <= value <= hi:
+        mark, ty = f'<circle cx="{px:.1f}" cy="{y(value):.1f}" r="3.5"/>', y(value) - 5
+    elif value is not None and value < lo:
+        mark, ty = f'<path d="M{px:.1f},{HEIGHT - PAD / 2 + 10} l-5,-9 h10 z"/>', HEIGHT - PAD / 2 + 9
+    else:  # above the axis, or not a number (NaN, Inf)
+        mark, ty = f'<path d="M{px:.1f},3 l-5,9 h10 z"/>', 12
+    return (f'<g class="rolled-back"><title>step {point["step"]}: {html.escape(name)} {html.escape(text)} judged, '
+            f'rolled back</title>{mark}<text x="{px + dx:.1f}" y="{ty:.0f}" text-anchor="{anchor}">'
+            f"{html.escape(text)} (rolled back)</text></g>")  # fmt: skip
+
+
+def chart(
+    series: list[dict], name: str, title: str, rollbacks: list[int] = (), rolled_back: list[dict] = ()
+) -> str:
+    """An SVG line chart of `name` over the judged steps, with its band, marks at warnings and at
+    the steps rollbacks were decided at, and the values judged at the steps that were rolled back
+    (`rolled_back`: points of abandoned timelines, outside the axis' range when they are spikes)."""
     points = [(r["step"], _number(r.get(name))) for r in series]
     values = [v for _, v in points if v is not None]
     bands = [
@@ -48,7 +77,8 @@ def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) 
     steps = [s for s, _ in points]
     first = min(steps)
     rollbacks = [s for s in rollbacks if s >= first]  # (decided on a timeline that went on past the chart's)
-    last = max(max(steps), *rollbacks, first + 1)
+    rolled_back = [p for p in rolled_back if p.get("step") is not None and p["step"] >= first]
+    last = max(max(steps), *rollbacks, *(p["step"] for p in rolled_back), first + 1)
 
     def x(step: float) -> float:
         return PAD + (step - first) / (last - first) * (WIDTH - 2 * PAD)
@@ -70,6 +100,7 @@ def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) 
     for step, cls in marks:
         parts.append(f'<line class="{cls}" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{PAD / 2}" '
                      f'y2="{HEIGHT - PAD / 2}"><title>step {step}: {cls}</title></line>')  # fmt: skip
+    parts += [_rolled_back(point, name, x, y, lo, hi) for point in rolled_back]
     parts.append(
         f'<text x="2" y="{y(hi) + 4:.0f}">{hi:.4g}</text><text x="2" y="{y(lo):.0f}">{lo:.4g}</text>'
     )
@@ -78,10 +109,15 @@ def chart(series: list[dict], name: str, title: str, rollbacks: list[int] = ()) 
     return f"<figure><figcaption>{html.escape(title)}</figcaption>{''.join(parts)}</figure>"
 
 
+WARNINGS_LISTED = 50  # the newest; every rollback and restart is listed
+
+
 def _events(status: dict) -> list[tuple[int, str, str]]:
-    rows = []
-    for w in status.get("warnings_recent") or []:
-        rows.append((w.get("step") or 0, "warning", w.get("reason") or ""))
+    """The table's rows, newest step first: every rollback (decided, applied, cancelled) and
+    restart of the run, and the newest warnings (a run may warn often; it rolls back rarely)."""
+    warnings = sorted(((w.get("step") or 0, "warning", w.get("reason") or "")
+                       for w in status.get("warnings_recent") or []), reverse=True)  # fmt: skip
+    rows = warnings[:WARNINGS_LISTED]
     for d in status.get("rollbacks_decided") or []:
         rows.append(
             (
@@ -101,7 +137,7 @@ def _events(status: dict) -> list[tuple[int, str, str]]:
     for r in status.get("restarts") or []:
         rows.append((r.get("step") or 0, "restart", str(r.get("reason", ""))))
     order = ("warning", "rollback decided", "rollback applied", "rollback cancelled", "restart")
-    return sorted(rows, key=lambda row: (row[0], order.index(row[1])), reverse=True)[:50]
+    return sorted(rows, key=lambda row: (row[0], order.index(row[1])), reverse=True)
 
 
 STYLE = """
@@ -118,6 +154,7 @@ svg text { font-size: 10px; fill: #666; }
 .threshold { fill: none; stroke: #3b7dd8; stroke-dasharray: 4 3; stroke-width: 1; }
 .value { fill: none; stroke: #222; stroke-width: 1.3; }
 .warn { stroke: #e69500; stroke-width: 2; } .rollback { stroke: #d62728; stroke-width: 2; }
+.rolled-back { fill: #d62728; } svg .rolled-back text { fill: #d62728; font-weight: 600; }
 table { border-collapse: collapse; width: 100%; } td, th { text-align: left; padding: 2px 8px 2px 0; }
 th { color: #666; font-weight: normal; border-bottom: 1px solid #ddd; }
 .tripped { color: #d62728; font-weight: 600; } .empty { color: #888; }
@@ -142,6 +179,7 @@ def render_page(status: dict) -> str:
         ("ETA", _duration(status.get("eta_seconds"))),
         ("warnings", str(status.get("warnings", 0))),
         ("rollbacks applied", str(len(status.get("rollbacks") or []))),
+        ("restarts", str(len(status.get("restarts") or []))),
         (
             "rollback pending",
             f"decision {pending['decision']} (step {pending['step']})" if pending else "none",
@@ -155,6 +193,8 @@ def render_page(status: dict) -> str:
     )
     series = status.get("series") or []
     rollbacks = [d["step"] for d in status.get("rollbacks_decided") or []]
+    rolled_back = status.get("series_rolled_back") or []
+    charts = "\n".join(chart(series, name, title, rollbacks, rolled_back) for name, title in CHARTS)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
@@ -165,8 +205,7 @@ def render_page(status: dict) -> str:
 <div class="progress" title="{done:.1f}%"><div style="width: {done:.1f}%"></div></div>
 {breaker}
 <dl>{"".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts)}</dl>
-{chart(series, "loss", "loss (shaded: its band, from the median to the threshold)", rollbacks)}
-{chart(series, "grad_norm", "gradient norm (shaded: its band; orange: warning, red: rollback)", rollbacks)}
+{charts}
 <h2>Events</h2>
 <table><tr><th>step</th><th>event</th><th>detail</th></tr>{rows}</table>
 <p class="sub">JSON: <a href="/status">/status</a> · Prometheus: <a href="/metrics">/metrics</a></p>

@@ -5,7 +5,7 @@
     POST /v1/rollback    (token)  an operator's rollback request, decided at the next step (409 when
                                   there is no checkpoint to go back to)
     GET  /status                  JSON: progress and ETA, latest metrics, bands, recent verdicts,
-                                  warnings, rollbacks (applied, decided, pending, cancelled)
+                                  warnings, rollbacks (applied, decided, pending, cancelled), restarts
     GET  /metrics                 Prometheus text format
     GET  /                        a small self-contained HTML page of the same (no token needed)
 
@@ -16,7 +16,9 @@ Requests that change state need `Authorization: Bearer TOKEN`; the token is in
 RUN_DIR/monitor/token (mode 0600). The service binds to 127.0.0.1 unless told otherwise and
 announces itself in RUN_DIR/monitor/endpoint.json. Every rollback and circuit-breaker trip is
 appended to RUN_DIR/events.jsonl, and so is every reported step (type `step`: step, loss, grad
-norm, the action answered), so the file alone tells which steps ran, and which ran again.
+norm, the action answered), so the file alone tells which steps ran, and which ran again. A
+service started on a run with history (a run launched again) rebuilds from that file what it
+shows: decisions, rollbacks, restarts, warnings, the judged series and the bands.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def ensure_token(run_dir: str | Path) -> str:
 ANSWERED = object()  # what reading a request's body returns once it has answered the request itself
 MAX_BODY = 64 * 1024  # bytes: a step's report is ~300 (a few KiB with per-layer norms)
 SERIES_KEPT = 600  # judged steps kept for /status and the page
+ROLLED_BACK_KEPT = 50  # judged points of abandoned timelines' rollback steps, kept for the page
 
 
 class MonitorState:
@@ -82,7 +85,8 @@ class MonitorState:
     def __init__(self, run_dir: Path, config: MonitorConfig, base_seed: int = 0):
         self.run_dir = run_dir
         self.policy = Policy(config, str(run_dir), base_seed)
-        history = self.policy.restore(read_events(run_dir))
+        events = read_events(run_dir)
+        history = self.policy.restore(events)
         self.lock = threading.Lock()
         self.registry = CollectorRegistry()
         r = self.registry
@@ -102,24 +106,27 @@ class MonitorState:
             "pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r
         )
         self.c_restarts = Counter("pretrain_restarts", "restarts of a crashed or hung job", registry=r)
-        self.restarts: list[dict] = []
+        self.restarts: list[dict] = [e for e in events if e.get("type") == "restart"]  # earlier launches' too
         self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
         self.job: dict | None = None  # the supervisor's view of the job
         self.append_failed = False
         self.sender: tuple[str | None, int] = (None, 0)  # the trainer's session and its last seq
         self.last_answer: dict | None = None
         self.series: collections.deque[dict] = collections.deque(maxlen=SERIES_KEPT)
+        self.rolled_back: collections.deque[dict] = collections.deque(maxlen=ROLLED_BACK_KEPT)
         for judged in history:
-            while self.series and self.series[-1]["step"] >= judged["step"]:
-                self.series.pop()
-            self.series.append(judged)
+            self._chart(judged)
         self.step_times: collections.deque[float] = collections.deque(maxlen=50)
         self.tokens_per_second: float | None = None
         self.total_steps: int | None = _total_steps(run_dir)  # until the trainer says
         self.started = time.time()
 
     def record_restart(self, event: dict) -> None:
+        """A restart of the job; with no step reported to this process yet (the supervisor's step
+        is None), it is placed at the last step judged before it, from the run's history."""
         with self.lock:
+            if event.get("step") is None and self.series:
+                event = event | {"step": self.series[-1]["step"]}
             self.restarts.append(event)
             self.c_restarts.inc()
             self._append(event)
@@ -213,9 +220,18 @@ class MonitorState:
         for series in ("loss", "grad_norm"):
             if f"{series}_threshold" in point:
                 self.g_band.labels(series).set(point[f"{series}_threshold"])
-        while self.series and self.series[-1]["step"] >= metrics.step:
-            self.series.pop()  # a rollback went back: the chart shows the timeline that goes on
-        self.series.append(strict_json(point))
+        self._chart(strict_json(point))
+
+    def _chart(self, point: dict) -> None:
+        """The judged series the page draws is the timeline that goes on: a step judged again (after
+        a rollback or a restart went back) replaces the abandoned points from that step on. Of
+        those, the points a rollback was decided at are kept aside, so that the chart still shows
+        the value that was judged and rolled back."""
+        while self.series and self.series[-1]["step"] >= point["step"]:
+            abandoned = self.series.pop()
+            if abandoned.get("level") == "rollback":
+                self.rolled_back.append(abandoned)
+        self.series.append(point)
 
     def handle_outcome(self, outcome: Outcome, session: str | None, seq: int | None) -> dict:
         with self.lock:
@@ -270,6 +286,7 @@ class MonitorState:
             }
             if series:
                 out["series"] = list(self.series)
+                out["series_rolled_back"] = list(self.rolled_back)
             return out
 
 
