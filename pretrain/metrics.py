@@ -1,14 +1,19 @@
 """What rank 0 reports: TensorBoard scalars and text under stable tags, a console line, and
 RUN_DIR/metrics.jsonl (every step's metrics at full precision, appended across restarts).
 
-TensorBoard tags (RUN_DIR/tensorboard):
+TensorBoard tags (in RUN_DIR/tensorboard/<the run directory's name>/: TensorBoard names a run after
+the directory holding its event files, so `--logdir RUN_DIR/tensorboard` shows this run by name and
+`--logdir runs/` tells runs apart):
     train/loss  train/lr  train/grad_norm  train/tokens_per_sec  train/tokens_per_sec_per_device
     train/mfu (where a peak is known)  train/step_time  train/memory_gb  train/skipped_steps
     train/tokens  train/grad_norm/<group> (embeddings, layers.N, head; every
     logging.layer_grad_norms_every steps)  eval/loss  eval/perplexity  config (text)
     with the monitor, at every step it judged: monitor/loss  monitor/grad_norm (the values judged)
-    monitor/<series>_level  monitor/<series>_threshold (its band)  monitor/warning
-    monitor/rollback (1 at a step that warned / was rolled back, else 0)  monitor/rollbacks (text)
+    monitor/warning  monitor/rollback (1 at a step that warned / was rolled back, else 0)
+    and, the three together, at the steps a series (loss, grad_norm) has a band (not in the warm-up):
+    monitor/<series>_in_band (the value judged)  monitor/<series>_level  monitor/<series>_threshold
+    (TensorBoard's Margin chart refuses value, lower and upper tags whose steps differ)
+    monitor/rollbacks (text)
 
 With logging.wandb.project set, the same scalars and text (but the config, which is the run's W&B
 config) also go to Weights & Biases (pretrain/wandb_sink.py).
@@ -46,7 +51,7 @@ class MetricsWriter:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self.writer = SummaryWriter(log_dir=str(tensorboard_dir(run_dir)))
         if enabled and wandb is not None and wandb.project:
             self.wandb = WandbSink(wandb, run_dir, run_config, say=self.message)
 
@@ -64,14 +69,15 @@ class MetricsWriter:
             self.wandb.scalars(step, values)
 
     def band_layout(self) -> None:
-        """TensorBoard 'Custom Scalars': what the monitor judged at every step, each series inside
-        its band (from the robust level to the threshold: a Margin chart, whose tags are exact
-        names), and its marks (a Multiline chart, whose tags are regular expressions: anchored)."""
+        """TensorBoard 'Custom Scalars': each series the monitor judged inside its band, from the
+        robust level to the threshold (a Margin chart, whose tags are exact names and must share
+        their steps: `_in_band`, not the every-step value, which the warm-up has no band for), and
+        its marks at every judged step (a Multiline chart, whose tags are regular expressions: anchored)."""
         if self.writer is not None:
             self.writer.add_custom_scalars({
                 "monitor": {
-                    "gradient norm in its band (level .. threshold)": ["Margin", ["monitor/grad_norm", "monitor/grad_norm_level", "monitor/grad_norm_threshold"]],
-                    "loss in its band (level .. threshold)": ["Margin", ["monitor/loss", "monitor/loss_level", "monitor/loss_threshold"]],
+                    "gradient norm in its band (level .. threshold)": ["Margin", ["monitor/grad_norm_in_band", "monitor/grad_norm_level", "monitor/grad_norm_threshold"]],
+                    "loss in its band (level .. threshold)": ["Margin", ["monitor/loss_in_band", "monitor/loss_level", "monitor/loss_threshold"]],
                     "rollbacks and warnings (1 at the step judged)": ["Multiline", ["^monitor/rollback$", "^monitor/warning$"]],
                 }
             })  # fmt: skip
@@ -130,6 +136,14 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.close()
             self.wandb = None
+
+
+def tensorboard_dir(run_dir: str | Path) -> Path:
+    """Where a run's event files go (what TensorBoard's readers, such as EventAccumulator, need):
+    RUN_DIR/tensorboard/<the run directory's name>, the name TensorBoard shows for the run. A run
+    started before this layout keeps its older event files in RUN_DIR/tensorboard itself (TensorBoard
+    then shows them as a second run, ".")."""
+    return Path(run_dir) / "tensorboard" / (Path(run_dir).resolve().name or "run")
 
 
 def literal_markdown(text: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol, TextIO
 import numpy as np
 import torch
 
-from monitoring.protocol import SUMMARY_FILE, Action, append_event
+from monitoring.protocol import SUMMARY_FILE, Action, append_event, read_events
 from pretrain import atomic
 from pretrain.checkpoint import tag_for
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
@@ -133,7 +133,7 @@ class Trainer:
 
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
-        self.summary |= {"eval": [], "rollbacks": 0}
+        self.summary |= {"eval": [], "rollbacks": 0, "restarts": 0}
         with contextlib.ExitStack() as stack:
             stop = stack.enter_context(StopRequest())
             stack.callback(self.task.close)
@@ -299,7 +299,6 @@ class Trainer:
         self.monitor.resolved(action, step, tag_for(state.step))
         self.state = state
         self.last_saved = state.step
-        self.summary["rollbacks"] += 1
         return True
 
     def remember_data_position(self, step: int) -> None:
@@ -364,6 +363,7 @@ class Trainer:
         s = self.state
         self.summary |= {"step": s.step, "tokens": s.tokens, "completed": s.step >= self.cadence.steps}
         if self.env.is_main:
+            self.summary |= run_history(self.run_dir)
             atomic.write_json(self.run_dir / SUMMARY_FILE, self.summary)
             closing = self.task.finish(self.summary)
             if closing:
@@ -382,21 +382,40 @@ class Trainer:
 MARKS = ("monitor/warning", "monitor/rollback")
 
 
-def monitor_scalars(answer: dict) -> dict[str, float | None]:
+def run_history(run_dir: Path) -> dict[str, int]:
+    """The summary's counts over the whole run, every attempt (a restart or a resume starts a new
+    process whose own count would begin at 0), from RUN_DIR/events.jsonl: rollbacks applied and
+    the supervisor's restarts. `--fresh` moves an earlier run's events aside with the rest of it."""
+    types = [e.get("type") for e in read_events(run_dir)]
+    return {"rollbacks": types.count("rollback_applied"), "restarts": types.count("restart")}
+
+
+def monitor_scalars(answer: dict) -> dict[str, float]:
     """TensorBoard's `monitor/*` scalars for one judged step, from the service's answer."""
     judged, bands, verdict = answer["judged"], answer.get("bands") or {}, answer.get("verdict") or {}
     level = verdict.get("level")
-    out = {
+    out = _finite({
         "monitor/loss": judged.get("loss"),
         "monitor/grad_norm": judged.get("grad_norm"),
         "monitor/warning": float(level == "warn"),
         "monitor/rollback": float(level == "rollback"),
-    }
+    })  # fmt: skip
     for series in ("loss", "grad_norm"):
-        band = bands.get(series) or {}
-        out[f"monitor/{series}_level"] = band.get("level")
-        out[f"monitor/{series}_threshold"] = band.get("threshold")
-    numbers = {k: _number(v) for k, v in out.items()}
+        out |= in_band(series, judged.get(series), bands.get(series) or {})
+    return out
+
+
+def in_band(series: str, value, band: dict) -> dict[str, float]:
+    """The Margin chart's three tags of `series` (metrics.py), all or none: TensorBoard draws a
+    Margin chart only when its value, lower and upper tags have the same steps, and there is no
+    band in the warm-up (nor a value to draw when the judged one is not finite)."""
+    three = _finite({f"monitor/{series}_in_band": value, f"monitor/{series}_level": band.get("level"),
+                     f"monitor/{series}_threshold": band.get("threshold")})  # fmt: skip
+    return three if len(three) == 3 else {}
+
+
+def _finite(values: dict) -> dict[str, float]:
+    numbers = {k: _number(v) for k, v in values.items()}
     return {k: v for k, v in numbers.items() if v is not None and math.isfinite(v)}
 
 

@@ -32,7 +32,9 @@ def pretrained(golden_run):
 def events(run_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(run_dir / "tensorboard"))
+    from pretrain.metrics import tensorboard_dir
+
+    accumulator = EventAccumulator(str(tensorboard_dir(run_dir)))
     accumulator.Reload()
     return [(e.step, e.value) for e in accumulator.Scalars(tag)]
 

@@ -55,7 +55,9 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     assert summary["completed"] and summary["step"] == 10
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    board = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    from pretrain.metrics import tensorboard_dir
+
+    board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0})
     board.Reload()
     for name in ("prose", "code"):  # evaluated at step 0 (first attempt) and 10 (the last)
         losses = {e.step: e.value for e in board.Scalars(f"eval/loss/{name}")}

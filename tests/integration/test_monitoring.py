@@ -171,6 +171,20 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     assert 10 <= first <= 12 and 15 <= second <= 16
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["completed"] and summary["step"] == 16 and summary["rollbacks"] == 2
+    assert summary["restarts"] == 0
+    # TensorBoard's Margin charts (value, level, threshold) get their three tags at the same steps.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pretrain.metrics import tensorboard_dir
+
+    board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
+    board.Reload()
+    for series in ("loss", "grad_norm"):
+        steps = [
+            [e.step for e in board.Scalars(f"monitor/{series}_{part}")]
+            for part in ("in_band", "level", "threshold")
+        ]
+        assert steps[0] and steps[0] == steps[1] == steps[2], (series, steps)
     assert "rolling back to step_00000008" in result.stdout
     last = step_metrics(run_dir)  # the re-run steps are clean: each fault fires once
     assert all(last[s]["train/loss"] < 10 for s in range(1, 17))

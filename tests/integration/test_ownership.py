@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from pretrain import checkpoint as ck
+from pretrain.metrics import tensorboard_dir
 from tests.helpers import assert_one_line_error
 from tests.integration.runs import FAST, TINY, events
 
@@ -113,12 +114,12 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
     steps = step_events(tmp_path)  # the killed supervisor's service may have missed its last steps
     assert steps[: stopped + 1] == [*range(1, stopped + 1), stopped + 1]  # the resume went on from there
     assert steps[-(40 - ck.step_of(saved)) :] == list(range(ck.step_of(saved) + 1, 41))  # ... and this one
-    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 3  # one per start
+    assert len(list(tensorboard_dir(tmp_path).glob("events.out.tfevents.*"))) == 3  # one per start
     complete = run(command)  # once more: the run is complete (issue 29: it trained "steps 41..40")
     assert complete.returncode == 0, complete.stdout[-3000:] + complete.stderr[-3000:]
     assert f"is already complete: step 40 of 40 is saved ({ck.newest_complete(tmp_path)})" in complete.stdout
     assert "training " not in complete.stdout and "launch: the job" not in complete.stdout
-    assert step_events(tmp_path) == steps and len(list((tmp_path / "tensorboard").glob("events.out.*"))) == 3
+    assert step_events(tmp_path) == steps and len(list(tensorboard_dir(tmp_path).glob("events.out.*"))) == 3
     assert json.loads((tmp_path / "monitor" / "supervisor.json").read_text())["state"] == "completed"
     before = files_under(tmp_path / "checkpoints")
     changed = run([*command, "model.d_model=128", "model.n_heads=8"])

@@ -124,7 +124,9 @@ def test_sigterm_saves_and_exits(tmp_path, train_data):
 def test_tensorboard_tags(golden_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events_ = EventAccumulator(str(golden_run / "tensorboard"))
+    from pretrain.metrics import tensorboard_dir
+
+    events_ = EventAccumulator(str(tensorboard_dir(golden_run)))
     events_.Reload()
     scalars = set(events_.Tags()["scalars"])
     expected = {

@@ -15,7 +15,7 @@ import pytest
 
 from monitoring.service import serve
 from pretrain.config import MonitorConfig, WandbConfig, load_config
-from pretrain.metrics import MetricsWriter
+from pretrain.metrics import MetricsWriter, tensorboard_dir
 from pretrain.wandb_sink import RUN_ID_FILE
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
@@ -110,7 +110,7 @@ def test_every_logged_step_is_in_the_history_at_its_training_step(two_starts):
     ours = history(runs, "train/loss")
     assert ours == [(r["step"], r["train/loss"]) for r in logged]  # logging.every=1: every record
     assert [s for s, _ in ours].count(7) == 2 and sorted({s for s, _ in ours}) == list(range(1, 13))
-    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
     board.Reload()
     seen = sorted((e.step, e.value) for e in board.Scalars("train/loss"))
     assert seen == sorted((step, float(np.float32(loss))) for step, loss in ours)  # (TensorBoard: float32)

@@ -119,8 +119,10 @@ def test_quarantined_windows_are_not_served_again_in_their_epoch_and_every_other
 def test_evaluation_reports_each_corpus_and_tokens_per_corpus(spiked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from pretrain.metrics import tensorboard_dir
+
     run_dir, _, summary, _ = spiked_run
-    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
     board.Reload()
     tags = set(board.Tags()["scalars"])
     assert {
@@ -145,11 +147,11 @@ def test_each_evaluation_samples_the_prompts_into_the_text_tab(spiked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from pretrain.inference import generate
-    from pretrain.metrics import literal_markdown
+    from pretrain.metrics import literal_markdown, tensorboard_dir
     from pretrain.tokenizer import Tokenizer
 
     run_dir, cfg, _, model = spiked_run
-    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"tensors": 0})
     board.Reload()
     tok = Tokenizer.load(run_dir / "checkpoints" / "step_00000034")
     for index, prompt in enumerate(cfg.eval.sample_prompts):
@@ -161,3 +163,17 @@ def test_each_evaluation_samples_the_prompts_into_the_text_tab(spiked_run):
         ids = generate(model.eval(), tok.encode_document(prompt), 6, temperature=0.0, stop_id=tok.eos_id)
         assert texts[34] == f"**{literal_markdown(prompt)}**{literal_markdown(tok.decode(ids))}"
         assert texts[0] != texts[34]  # the model learnt something to write in between
+
+
+def test_inspect_says_first_that_the_spike_was_injected(spiked_run, cli):
+    run_dir, _, _, _ = spiked_run
+    human = cli("data", "inspect", "--run-dir", str(run_dir), "--step", "8")
+    assert human.returncode == 0, human.stderr
+    assert human.stdout.splitlines()[0] == (
+        "step 8: the loss spike was injected (faults.spike_steps, the loss × 50, in the first attempt): "
+        "the documents below are not its cause"
+    )
+    report = json.loads(cli("data", "inspect", "--run-dir", str(run_dir), "--step", "8", "--json").stdout)
+    assert [f["fault"] for f in report["injected"]] == ["spike"]
+    clean = cli("data", "inspect", "--run-dir", str(run_dir), "--step", "9")
+    assert clean.returncode == 0 and "injected" not in clean.stdout

@@ -143,7 +143,9 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    board = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    from pretrain.metrics import tensorboard_dir
+
+    board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0, "tensors": 0})
     board.Reload()
     judged = board.Scalars("monitor/grad_norm")
     assert sorted({e.step for e in judged}) == list(range(1, 11))
@@ -158,7 +160,7 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     grad_chart = next(c for title, c in charts.items() if title.startswith("gradient norm"))
     series = grad_chart.margin.series[0]
     assert (series.value, series.lower, series.upper) == (
-        "monitor/grad_norm", "monitor/grad_norm_level", "monitor/grad_norm_threshold")  # fmt: skip
+        "monitor/grad_norm_in_band", "monitor/grad_norm_level", "monitor/grad_norm_threshold")  # fmt: skip
     marks_chart = next(c for title, c in charts.items() if title.startswith("rollbacks"))
     assert list(marks_chart.multiline.tag) == ["^monitor/rollback$", "^monitor/warning$"]
     # The data position is an uninterrupted run's; the order after the target was reshuffled.

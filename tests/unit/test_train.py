@@ -67,7 +67,9 @@ def test_the_loop_trains_evaluates_and_checkpoints_on_its_cadence(six_steps):
 def test_tensorboard_holds_every_step_the_evaluations_and_the_probe(six_steps):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(six_steps[0] / "tensorboard"))
+    from pretrain.metrics import tensorboard_dir
+
+    events = EventAccumulator(str(tensorboard_dir(six_steps[0])))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in events.Scalars("eval/perplexity")] == [0, 3, 6]
