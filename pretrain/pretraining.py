@@ -28,6 +28,7 @@ from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifes
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import check_tokenizer, fingerprint
+from pretrain.data.stream import split_windows
 from pretrain.distributed import DistEnv, barrier
 from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
 from pretrain.errors import UserError
@@ -108,13 +109,52 @@ def check_data(cfg: RunConfig, world_size: int) -> list[dict]:
                 f"set model.vocab_size={vocab}"
             )
         check_tokenizer(data_dir, manifest)
-        if cfg.eval.every > 0:  # refuses too few windows
-            WindowStream(data_dir, cfg.data.seq_len, 0, world_size, split="validation")
+        if cfg.eval.every > 0:  # each corpus is evaluated on its own
+            check_windows(cfg, "validation", data_dir, split_windows(manifest, "validation", cfg.data.seq_len),
+                          world_size, manifest.get("val_fraction"))  # fmt: skip
+            WindowStream(data_dir, cfg.data.seq_len, 0, world_size, split="validation")  # shard sizes
         manifests.append(manifest)
     MixtureStream(sources, cfg.data.seq_len)  # one tokenizer for all, names and weights
+    train = sum(split_windows(m, "train", cfg.data.seq_len) for m in manifests)  # the mixture's windows
+    check_windows(cfg, "train", Path(sources[0][1]) if len(sources) == 1 else None, train, world_size)
     for _, directory, _ in sources:
         WindowStream(directory, cfg.data.seq_len, 0, world_size, split="train")
     return manifests
+
+
+def check_windows(
+    cfg: RunConfig,
+    split: str,
+    data_dir: Path | None,
+    windows: int,
+    world_size: int,
+    val_fraction: float | None = None,
+) -> None:
+    """At least one micro-batch of `split` per rank. Training serves windows round-robin to the
+    ranks; fewer per rank than a micro-batch would put a window twice into one step. The evaluation
+    reads min(eval.batches, windows per rank // micro-batch) micro-batches on each rank: none is a
+    failure at the first evaluation (after the job has started), fewer than eval.batches is not."""
+    seq_len, micro = cfg.data.seq_len, cfg.train.micro_batch_size
+    per_rank = windows // world_size
+    if per_rank >= micro:
+        return
+    where = (
+        f"the {split} split of {data_dir} gives"
+        if data_dir is not None
+        else f"the mixture's {split} splits give"
+    )
+    has = (f"{where} {per_rank} window(s) of {seq_len + 1} tokens per rank at data.seq_len={seq_len} "
+           f"({windows} over {world_size} rank(s))")  # fmt: skip
+    if split == "train":
+        raise UserError(
+            f"{has}, fewer than one micro-batch (train.micro_batch_size={micro}): "
+            "lower data.seq_len or train.micro_batch_size, or add data"
+        )
+    share = f" (this one was prepared with {val_fraction})" if val_fraction is not None else ""
+    raise UserError(
+        f"{has}, fewer than the {micro} of one evaluation micro-batch (train.micro_batch_size): lower "
+        f"data.seq_len or train.micro_batch_size, prepare with a larger --val-fraction{share}, or set eval.every=0"
+    )
 
 
 class LanguageModeling:

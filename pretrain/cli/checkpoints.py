@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 _HARNESS_OPTIONS = ("--include-path", "--limit", "--out")  # `pretrain eval --tasks` only
 
@@ -18,23 +19,74 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "and --tasks T1,T2 (lm-evaluation-harness tasks)"
         )
     harness = args.tasks is not None
-    mode, other = ("--tasks", ("--max-batches",)) if harness else ("--data", _HARNESS_OPTIONS)
-    given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) is not None]
+    mode, other = ("--tasks", ("--max-batches", "--as-run")) if harness else ("--data", _HARNESS_OPTIONS)
+    if args.as_run and not harness:
+        mode, other = "--as-run", ("--batch-size", "--max-batches")  # the run's micro-batches, all of them
+    given = [flag for flag in other if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
     if given:
         raise UserError(f"{', '.join(given)} cannot be used with {mode}")
+    args.batch_size = args.batch_size or 8
     return _eval_tasks(args) if harness else _eval_perplexity(args)
 
 
 def _eval_perplexity(args: argparse.Namespace) -> int:
-    from pretrain.inference import load_trained, perplexity
+    """The whole validation split (or --max-batches of it) in fp32; or, with --as-run, the windows,
+    micro-batches and bf16 weights of the run's own evaluation. Either way, says what it read."""
+    from pretrain.data import WindowStream, read_manifest
+    from pretrain.data.shards import fingerprint
+    from pretrain.evaluation import RunEvaluation
+    from pretrain.inference import load_trained, perplexity, window_length
 
-    result = perplexity(load_trained(args.checkpoint), args.data, args.batch_size, args.max_batches)
+    trained = load_trained(args.checkpoint)
+    run = RunEvaluation.of(trained.directory, trained.run_config)
+    seq_len = window_length(trained)
+    if args.as_run:
+        result = _as_run(trained, run, Path(args.data))
+    else:
+        result = perplexity(trained, args.data, args.batch_size, args.max_batches)
+        result["windows"] = result["tokens"] // seq_len
+    total = WindowStream(args.data, seq_len, split="validation").num_windows
+    result |= {"split": "validation", "data": str(args.data), "split_windows": total, "seq_len": seq_len}
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"{result['checkpoint']}: validation loss {result['loss']:.4f}, "
-              f"perplexity {result['perplexity']:.2f} over {result['tokens']:,} tokens")  # fmt: skip
+        return 0
+    how = f"as the run's evaluation read them ({run.describe()}, bf16)" if args.as_run else (
+        f"in batches of {args.batch_size}, fp32")  # fmt: skip
+    print(f"{result['checkpoint']}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+          f"over {result['windows']:,} of the {total:,} windows of {seq_len} tokens ({result['tokens']:,} tokens) "
+          f"of the validation split of {args.data}, {how}")  # fmt: skip
+    if args.as_run:
+        if result["logged"] is not None:
+            print(f"the run logged {result['logged_as']} {result['logged']:.4f} at step {run.step}")
+        return 0
+    metric = run.metric(fingerprint(read_manifest(args.data))) if run is not None else None
+    if metric is not None:  # the run evaluated this corpus: say how its number differs
+        print(f"the run's own {metric} reads {run.windows(total):,} of these windows ({run.describe()}) "
+              "in bf16: --as-run evaluates exactly those")  # fmt: skip
     return 0
+
+
+def _as_run(trained, run, data_dir: Path) -> dict:
+    """What the run's evaluation computes at the checkpoint's step on `data_dir`, one of its corpora."""
+    import torch
+
+    from pretrain.data import read_manifest
+    from pretrain.data.shards import fingerprint
+    from pretrain.errors import UserError
+    from pretrain.evaluation import run_validation_loss
+
+    if run is None:
+        raise UserError(
+            f"{trained.directory} is not a pretraining checkpoint of ours (no train_state.json, or a fine-tune): "
+            "--as-run reproduces a pretraining run's own evaluation; drop --as-run"
+        )
+    manifest = read_manifest(data_dir)
+    metric = run.metric_of(fingerprint(manifest), data_dir)
+    eos_id = manifest["tokenizer"]["eos_id"] if run.document_masking else None
+    model = trained.model.to(torch.bfloat16)  # the engine's bf16 copy of the fp32 master weights
+    result = run_validation_loss(model, data_dir, run, eos_id)
+    return result | {"checkpoint": str(trained.directory), "step": run.step, "logged_as": metric,
+                     "logged": run.logged(trained.directory, metric)}  # fmt: skip
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
@@ -144,9 +196,14 @@ def register(sub) -> None:
     evaluate.add_argument(
         "--tasks", help="lm-evaluation-harness tasks, comma-separated (needs the `eval` extra)"
     )
-    evaluate.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    evaluate.add_argument("--batch-size", type=int, default=None, help="sequences per forward (default 8)")
     evaluate.add_argument(
         "--max-batches", type=int, default=None, help="--data: stop after this many batches"
+    )
+    evaluate.add_argument(
+        "--as-run",
+        action="store_true",
+        help="--data: evaluate what the run's own evaluation did (its windows, micro-batches, ranks, bf16)",
     )
     evaluate.add_argument("--include-path", help="--tasks: a directory of task YAML files of your own")
     evaluate.add_argument(

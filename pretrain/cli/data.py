@@ -23,7 +23,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from pretrain.data.prepare import prepare
+    from pretrain.data.prepare import prepare, validation_report
     from pretrain.data.sources import resolve_source
 
     manifest, written = prepare(
@@ -37,6 +37,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         print(
             f"{name}: {split['documents']:,} documents, {split['tokens']:,} tokens in {len(split['shards'])} shard(s)"
         )
+    windows, warning = validation_report(manifest)
+    print(windows)
+    if warning:
+        print(warning, file=sys.stderr)
     print(f"wrote {Path(args.out) / 'manifest.json'} (corpus fingerprint {manifest['fingerprint']})")
     return 0
 
@@ -62,7 +66,7 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     """The windows a run trained at one step: corpus, token range, documents and text."""
     import json
 
-    from pretrain.data.provenance import Provenance, trained_at
+    from pretrain.data.provenance import Provenance, injected_at, trained_at
     from pretrain.errors import UserError
     from pretrain.run_dir import read_run_file
 
@@ -82,9 +86,12 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
         {"attempt": a["attempt"], "windows": [{"rank": rank, **provenance.window(w)}
                                               for rank, ids in sorted(a["windows"].items()) for w in ids]}
         for a in attempts]}  # fmt: skip
+    report["injected"] = injected_at(run_dir, config, args.step, len(attempts))  # the data is not the cause
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    for fault in report["injected"]:  # first: a user reading on would blame the documents
+        print(fault["line"])
     for attempt in report["attempts"]:
         again = " (trained again after a rollback or restart)" if attempt["attempt"] > 1 else ""
         print(f"step {args.step}, attempt {attempt['attempt']} of {len(attempts)}{again}: "

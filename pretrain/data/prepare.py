@@ -40,6 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pretrain import __version__, atomic
+from pretrain.config import DataConfig, TrainConfig
 from pretrain.data.progress import Progress, count_documents
 from pretrain.data.shards import (
     FORMAT,
@@ -54,9 +55,12 @@ from pretrain.data.shards import (
     token_dtype,
 )
 from pretrain.data.sources import Source
+from pretrain.data.stream import split_windows
 from pretrain.errors import UserError
 from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
 
+# `data prepare`'s report: the validation windows at these sequence lengths (`validation_report`).
+REPORT_SEQ_LENS = (512, 1024, 2048, 4096)
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MiB per uint16 shard
 BATCH_CHARS = 1 << 20  # characters of text per task handed to a worker
 BATCH_DOCS = 2048
@@ -185,6 +189,25 @@ def _tokenized(batches: Iterator[Batch], tokenizer: Tokenizer, workers: int) -> 
 
 
 # --------------------------------------------------------------------------- prepare
+
+
+def validation_report(manifest: dict) -> tuple[str, str | None]:
+    """A line of the validation windows at each of REPORT_SEQ_LENS, and a warning when the split
+    has fewer windows at the default data.seq_len than one micro-batch at the default
+    train.micro_batch_size (8 at 2048): a run at the defaults could not evaluate, even on one rank
+    (each rank evaluates whole micro-batches of its share), and is refused before it starts."""
+    counts = {seq_len: split_windows(manifest, "validation", seq_len) for seq_len in REPORT_SEQ_LENS}
+    line = "validation windows by data.seq_len: " + ", ".join(f"{n}: {c:,}" for n, c in counts.items())
+    seq_len, micro = DataConfig.seq_len, TrainConfig.micro_batch_size
+    windows = split_windows(manifest, "validation", seq_len)
+    if windows >= micro:
+        return line, None
+    return line, (
+        f"warning: the validation split gives {windows} window(s) at data.seq_len={seq_len}, fewer than one "
+        f"evaluation micro-batch at the default train.micro_batch_size={micro} per rank: a run at those "
+        f"settings is refused; prepare with a larger --val-fraction (this one: {manifest.get('val_fraction')}), "
+        "or train with a shorter data.seq_len, a smaller train.micro_batch_size or eval.every=0"
+    )
 
 
 def recipe(source: Source, tokenizer: Tokenizer, val_fraction: float, shard_tokens: int) -> dict:

@@ -8,6 +8,9 @@ came from (the document index `pretrain data prepare` writes), and the start of 
 Window ids are the mixture's (pretrain/data/mixture.py): the data trace, rollback events and the
 quarantine name windows by them. Used by `pretrain data inspect`, by rollbacks (their events carry
 the anomalous step's documents) and by the quarantine.
+
+`injected_at` says which loss faults were injected into a step (pretrain/faults.py): a spike there
+is the injection's, not its documents', and `pretrain data inspect` says so before naming them.
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ from pathlib import Path
 from pretrain.data.mixture import MixtureStream
 from pretrain.data.shards import DocumentIndex
 from pretrain.errors import UserError
+from pretrain.faults import FIRED_FILE
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
 
 TEXT_CHARS = 160  # of a window's text shown
+# The faults injected into a step's loss (pretrain/faults.py), in the order FaultInjector picks the
+# one a step gets: the setting that asks for it, its factor's setting, what it is called, what it scales.
+LOSS_FAULTS = {
+    "nan": ("faults.nan_steps", None, "the NaN loss", None),
+    "spike": ("faults.spike_steps", "faults.spike_factor", "the loss spike", "the loss"),
+    "grad_spike": ("faults.grad_spike_steps", "faults.grad_spike_factor", "the gradient spike", "the gradients"),
+}  # fmt: skip
 
 
 class Provenance:
@@ -97,3 +108,27 @@ def trained_at(run_dir: Path, step: int) -> list[dict]:
                 attempts.append({"attempt": len(attempts) + 1, "windows": {}})
             attempts[attempt]["windows"][rank] = [int(w) for w in record["windows"] if w is not None]
     return attempts
+
+
+def injected_at(run_dir: Path, config: dict, step: int, attempts: int = 1) -> list[dict]:
+    """The loss fault injected into step `step`, as [{"fault", "setting", "factor", "line"}] (or []):
+    the one RUN_DIR/faults_fired.json records as fired there ("spike:45"); without that file (gone,
+    or a run from before it), the one the run's recorded config (run.json's flat keys) asks for
+    there. A fault fires once, the first time its step is trained: of `attempts` (a rollback or a
+    restart trains the step again), the first."""
+    try:
+        fired = set(json.loads((run_dir / FIRED_FILE).read_text()))
+        wanted = [fault for fault in LOSS_FAULTS if f"{fault}:{step}" in fired]
+    except (OSError, ValueError, TypeError):
+        wanted = [
+            fault for fault, (setting, *_) in LOSS_FAULTS.items() if step in (config.get(setting) or [])
+        ]
+    if not wanted:
+        return []
+    fault = wanted[0]  # a step gets one loss fault
+    setting, factor_key, called, scaled = LOSS_FAULTS[fault]
+    factor = config.get(factor_key) if factor_key else None
+    what = f"{setting}, {scaled} × {factor:g}" if factor is not None else setting
+    first = ", in the first attempt" if attempts > 1 else ""
+    line = f"step {step}: {called} was injected ({what}{first}): the documents below are not its cause"
+    return [{"fault": fault, "setting": setting, "factor": factor, "line": line}]

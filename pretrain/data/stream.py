@@ -44,6 +44,13 @@ from pretrain.errors import DataError, UserError
 BLOCK = 1024  # window indices computed per vectorized batch
 
 
+def split_windows(manifest: dict, split: str, seq_len: int) -> int:
+    """The windows of `seq_len` + 1 tokens a prepared split holds, from its manifest alone (the
+    rule above: each shard on its own), so the checks before a run need not open a shard."""
+    shards = manifest["splits"].get(split, {}).get("shards", [])
+    return sum(max((int(shard["tokens"]) - 1) // seq_len, 0) for shard in shards)
+
+
 class WindowStream:
     def __init__(
         self,

@@ -1,10 +1,12 @@
 """Commands as a user runs them, each in its own process: the console script, the demo, the data
-and monitoring benchmarks."""
+and monitoring benchmarks, `eval` against the run's own evaluation."""
 
 import json
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -30,6 +32,26 @@ def test_demo_runs_the_whole_path(tmp_path):
     assert summary["eval"][-1]["loss"] < summary["eval"][0]["loss"] - 0.5
     assert "tensorboard --logdir" in result.stdout and "pretrain generate" in result.stdout
     assert (tmp_path / "demo" / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+
+
+def test_eval_as_run_gives_the_loss_the_runs_own_evaluation_logged(golden_run, train_data):
+    """The golden run evaluates eval.batches=2 micro-batches of 2 windows on each of 2 ranks, in bf16:
+    8 of the validation split's 11 windows. `eval --as-run` reads those and gives its eval/loss;
+    plain `eval` reads all 11 in fp32 (another number) and says how the run's evaluation differs."""
+    logged = json.loads((golden_run / "train_summary.json").read_text())["eval"][-1]
+    result = run("eval", "--checkpoint", str(golden_run), "--data", str(train_data), "--as-run", "--json")
+    assert result.returncode == 0, result.stderr
+    ours = json.loads(result.stdout)
+    assert (
+        ours["step"] == logged["step"] == 20 and ours["windows"] == 2 * 2 * 2 and ours["split_windows"] == 11
+    )
+    assert ours["loss"] == pytest.approx(logged["loss"], abs=5e-6) and ours["logged"] == logged["loss"]
+    whole = run("eval", "--checkpoint", str(golden_run), "--data", str(train_data))
+    assert whole.returncode == 0, whole.stderr
+    first, second = whole.stdout.strip().splitlines()
+    assert "over 11 of the 11 windows of 512 tokens (5,632 tokens) of the validation split" in first
+    assert second == ("the run's own eval/loss reads 8 of these windows (eval.batches=2 × train.micro_batch_size=2 "
+                      "× 2 ranks) in bf16: --as-run evaluates exactly those")  # fmt: skip
 
 
 def test_bench_data_prints_the_figures():
