@@ -52,7 +52,7 @@ from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.config import MonitorConfig
 from pretrain.errors import ExitCode
-from pretrain.lifeline import owner_tag, wait_for_ranks
+from pretrain.lifeline import clear_rank_records, describe_failure, owner_tag, wait_for_ranks
 from pretrain.run_dir import OWNER_ENV, RunLock
 
 NOT_RESTARTED = {
@@ -348,11 +348,10 @@ class Supervisor:
                     if stopped_early:
                         self._tell_how_to_resume("the job saved and stopped before the last step")
                     elif detail != ExitCode.DONE:
-                        self.log(
-                            f"launch: the job exited with status {detail} ({NOT_RESTARTED.get(detail, 'failed')})"
-                        )
+                        self.log(f"launch: the job exited with status {detail} "
+                                 f"({NOT_RESTARTED.get(detail, 'failed')}): {self._why_failed(job, detail)}")  # fmt: skip
                     return detail
-                reason = f"exit status {detail}" if outcome == "exit" else detail
+                reason = self._why_failed(job, detail) if outcome == "exit" else detail
                 if restarts >= self.config.max_restarts:
                     self._set_state("failed", job.attempt)
                     self.log(
@@ -387,6 +386,8 @@ class Supervisor:
         # told who supervises it: its ranks stop if this process dies (pretrain/lifeline.py).
         env = os.environ | self.job_env | {OWNER_ENV: owner_tag(os.getpid())}
         fds = (self.lock.fd,) if self.lock is not None and self.lock.fd is not None else ()
+        if self.leader:
+            clear_rank_records(self.run_dir)  # (what the ranks of an earlier attempt left)
         stderr_file = monitor_dir(self.run_dir) / JOB_STDERR if self.ssh_nodes else None
         job = Job.start(
             command, restarts, env=env, pass_fds=fds, over_ssh=bool(self.ssh_nodes), stderr_file=stderr_file
@@ -452,6 +453,14 @@ class Supervisor:
                      "why": why, "resume": resume}  # fmt: skip
             with contextlib.suppress(OSError):
                 append_event(self.run_dir, event)
+
+    def _why_failed(self, job: Job, status: int) -> str:
+        """A failed job's cause in a few words: the node whose launcher failed, the rank that was
+        killed (and the signal) or that stopped on bad input, with the step; else the status."""
+        if job.node_exits:
+            failed = job.node_exits[0]
+            return f"{failed.host}'s launcher exited with status {failed.code}"
+        return describe_failure(self.run_dir, status)
 
     def _completed_since(self, started_at: float) -> bool:
         """Whether this attempt wrote a summary of a completed run (the loop's last act)."""

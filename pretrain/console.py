@@ -63,9 +63,10 @@ def quiet_libraries() -> None:
 
 
 def deepspeed_log_level() -> str:
-    """For the launcher's --log_level: its INFO lines (commands, world info, device lists) only
-    with --verbose."""
-    return "info" if verbose() else "warning"
+    """For the launcher's --log_level: its INFO lines (commands, world info, device lists) and its
+    own report of a failed rank (an [ERROR] line quoting the rank's whole command) only with
+    --verbose; the supervisor says which rank failed, how, and at which step."""
+    return "info" if verbose() else "critical"
 
 
 def pin_accelerator() -> None:

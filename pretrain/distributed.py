@@ -160,6 +160,30 @@ def all_gather_objects(obj) -> list:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
+# What the collective libraries say when another rank of the job is gone (killed, crashed, exited):
+# gloo's transport, NCCL's remote errors and aborted communicators, torch's store timeouts.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
+              "ncclRemoteError", "NCCL communicator was aborted", "collective operation timeout",
+              "Socket Timeout", "connection refused")  # fmt: skip
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """The library's own words, in one short line, when `exc` (or what caused it) is a collective
+    that failed because another rank left the job; else None."""
+    while exc is not None:
+        text = str(exc)
+        if isinstance(exc, (RuntimeError, dist.DistError)) and any(
+            m.lower() in text.lower() for m in _PEER_GONE
+        ):
+            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            first = (
+                first.split("] ", 1)[1] if first.startswith("[") and "] " in first else first
+            )  # (a source path)
+            return first.split(". This is typically", 1)[0].strip()
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class StopRequest:
     """SIGTERM/SIGINT/SIGUSR1 set a flag that the ranks agree on at the next step boundary; a second
     SIGINT interrupts at once. Use as a context manager: the previous handlers come back.

@@ -3,7 +3,8 @@
 A `UserError` is bad input (a missing file, a bad config, an unknown preset). Every command and
 module entry runs through `run_main`, which prints its message as one line on stderr (from local
 rank 0 only, when several ranks run the same command) and exits with status 2; `--debug` shows the
-traceback instead. Everything else is a bug and keeps its traceback.
+traceback instead. A rank that loses another rank of its job (`RankFailed`) says so in one line too.
+Everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ class DataError(UserError):
     same_on_every_rank = False
 
 
+class RankFailed(Exception):
+    """This rank cannot go on because another rank left the job (killed, crashed, or stopped on bad
+    input): one line on every rank, naming what is known, and the supervisor's usual restart."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pretrain") -> int:
     """Run a command; bad input becomes one line on stderr and status 2, Ctrl-C status 130."""
     try:
@@ -64,6 +74,11 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
             # A launcher kills every rank once one exits with an error: a silent rank that exited
             # first could take the one meant to speak down with it. It waits for the speaker instead.
             time.sleep(SPEAKER_GRACE_S)
+        return exc.exit_code
+    except RankFailed as exc:
+        if debug:
+            raise
+        print(f"{prog}: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

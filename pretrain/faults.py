@@ -57,10 +57,12 @@ class FaultInjector:
             if at != step or not self._pending(kind, step):
                 continue
             self.fired.add(f"{kind}:{step}")
+            if self.rank == 0:  # (rank 0 speaks: after its console line of the step before)
+                print(f"faults: {'killing' if kind == 'kill' else 'hanging'} rank {rank} as step {step} begins "
+                      f"(faults.{kind}_step)", file=sys.stderr, flush=True)  # fmt: skip
             if self.rank != rank:
                 continue
             atomic.write_json(self.path, sorted(self.fired))
-            print(f"faults: {kind} rank {rank} at step {step}", file=sys.stderr, flush=True)
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # hung: alive, but never reaching the next collective

@@ -17,12 +17,19 @@ variables from (`DS_ENV_FILE`, see `pretrain/cli/launch.py`).
 - Every rank of a supervised job holds a shared lock on RUN_DIR/monitor/ranks.lock for its life
   (the run directory is on a file system every node shares, as checkpoints need), so the
   supervisor can tell when the last rank of a job, on any host, has exited (`ranks_running`).
+- Every rank of a supervised job also keeps a record, RUN_DIR/monitor/ranks/rank-R.json (its host
+  and pid), marked as exited when the process leaves through Python's exit, with the step it was
+  in and why it stopped where that is known (`note_exit`). A rank the kernel killed (SIGKILL, the
+  OOM killer) or that crashed below Python leaves its record unmarked: the supervisor names it
+  when the job fails (`vanished_ranks`) instead of quoting the launcher's exit status.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -31,14 +38,17 @@ import threading
 import time
 from pathlib import Path
 
+from pretrain import atomic
 from pretrain.distributed import STOP_CAUSE
 from pretrain.run_dir import OWNER_ENV
 
 POLL_SECONDS = 1.0
 GRACE_SECONDS = 25.0
 RANKS_LOCK = "monitor/ranks.lock"
+RANK_RECORDS = "monitor/ranks"
 
 _held: list[int] = []  # this process's shared lock on ranks.lock, kept open for its life
+_record: dict = {}  # this rank's record: its path, and what it says once the rank exits
 
 
 def owner_tag(pid: int | None = None) -> str:
@@ -74,6 +84,7 @@ def watch_supervisor(
         return None
     if run_dir is not None:
         _hold_ranks_lock(Path(run_dir))
+        _keep_record(Path(run_dir))
     if tag.rsplit(":", 2)[0] != socket.gethostname():
         return None
     who = who or f"rank {os.environ.get('RANK', '0')}"
@@ -107,6 +118,118 @@ def _hold_ranks_lock(run_dir: Path) -> None:
         os.close(fd)  # a file system without locks: as above
         return
     _held.append(fd)
+
+
+def _keep_record(run_dir: Path) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"rank": rank, "node": int(os.environ.get("CROSS_RANK", "0")), "host": socket.gethostname(),
+              "pid": os.getpid()}  # fmt: skip
+    path = run_dir / RANK_RECORDS / f"rank-{rank}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(path, record)
+    except OSError:
+        return  # a full disk: the supervisor then cannot name a vanished rank
+    _record.update(path=path, record=record)
+    atexit.register(_mark_exited)
+
+
+def note_step(step: int) -> None:
+    """The step this rank is in (the loop, as each step begins; a dict write)."""
+    _record["step"] = step
+
+
+def current_step() -> int | None:
+    return _record.get("step")
+
+
+def note_exit(*, why: str, status: int | None = None, now: bool = False) -> None:
+    """Why this rank stops early (and its exit status), for its record; `now`: written at once, for
+    the other ranks, which learn of it when this one is gone."""
+    _record["why"] = why
+    if status is not None:
+        _record["status"] = status
+    if now and "path" in _record:
+        _mark_exited()
+
+
+def _mark_exited() -> None:
+    extra = {k: _record[k] for k in ("step", "why", "status") if k in _record}
+    with contextlib.suppress(OSError):
+        atomic.write_json(_record["path"], _record["record"] | extra | {"exited": True})
+
+
+def peer_reason(wait: float, poll: float = 0.2) -> dict | None:
+    """Another rank's record that says why it stopped (bad input it found), waiting up to `wait`
+    seconds for one to appear; None when none does (it was killed, or there are no records)."""
+    if "path" not in _record:
+        return None
+    run_dir = Path(_record["path"]).parents[2]
+    deadline = time.monotonic() + wait
+    while True:
+        told = [
+            r for r in rank_records(run_dir) if r.get("status") and r.get("rank") != _record["record"]["rank"]
+        ]
+        if told or time.monotonic() >= deadline:
+            return told[0] if told else None
+        time.sleep(poll)
+
+
+def clear_rank_records(run_dir: str | Path) -> None:
+    """Before a job starts: the records of an earlier attempt's ranks are gone."""
+    for path in (Path(run_dir) / RANK_RECORDS).glob("rank-*.json"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def rank_records(run_dir: str | Path) -> list[dict]:
+    """The records of the job's ranks, by rank (unreadable ones left out)."""
+    records = []
+    for path in (Path(run_dir) / RANK_RECORDS).glob("rank-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    return sorted(records, key=lambda r: r.get("rank", 0))
+
+
+def describe_failure(run_dir: str | Path, status: int) -> str:
+    """Why a job failed, for the supervisor's line: the ranks that vanished (killed by a signal
+    or crashed without Python's exit), the signal where the status says it, and the step the
+    surviving ranks were in; else what a rank said when it stopped; else the exit status."""
+    records = rank_records(run_dir)
+    steps = [r["step"] for r in records if r.get("step") is not None]
+    at = f" during step {max(steps)}" if steps else ""
+    vanished = [r for r in records if not r.get("exited")]
+    if vanished:
+        signum = signal_of_status(status)
+        how = (
+            f"killed by {signal.Signals(signum).name}"
+            if signum
+            else "gone without exiting (killed or crashed)"
+        )
+        who = ", ".join(f"rank {r['rank']} ({r['host']}, pid {r['pid']})" for r in vanished)
+        return f"{who} {'were' if len(vanished) > 1 else 'was'} {how}{at} (exit status {status})"
+    told = sorted(
+        (r for r in records if r.get("why")), key=lambda r: "status" not in r
+    )  # (its own reason first)
+    if told:
+        return f"rank {told[0]['rank']} stopped{at}: {told[0]['why']} (exit status {status})"
+    return f"exit status {status}"
+
+
+def signal_of_status(status: int) -> int | None:
+    """The signal that ended a rank, from a launcher's exit status: DeepSpeed's launcher exits with
+    the rank's negative return code (256 - N), a shell with 128 + N."""
+    for signum in (256 - status, status - 128):
+        if signum in (
+            signal.SIGKILL,
+            signal.SIGSEGV,
+            signal.SIGABRT,
+            signal.SIGBUS,
+            signal.SIGTERM,
+            signal.SIGINT,
+        ):
+            return signum
+    return None
 
 
 def ranks_running(run_dir: str | Path) -> bool:

@@ -34,6 +34,7 @@ from pretrain.distributed import DistEnv, StopRequest, all_gather_objects, all_r
 from pretrain.engine import set_lr
 from pretrain.faults import FaultInjector
 from pretrain.flops import mfu
+from pretrain.lifeline import note_step
 from pretrain.metrics import MetricsWriter, literal_markdown
 from pretrain.monitor_link import MonitorLink, apply_rollback
 
@@ -162,6 +163,7 @@ class Trainer:
         c = self.cadence
         while self.state.step < c.steps:
             step = self.state.step + 1
+            note_step(step)  # (what this rank says, and the supervisor reads, if another rank is lost)
             self.faults.before_step(step)
             self.remember_data_position(step)
             metrics, served, stop_requested, action_waits = self.optimizer_step(step, stop)

@@ -14,7 +14,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.distributed import ignore_late_stop_requests
     from pretrain.pretraining import pretrain
 
-    summary = pretrain(load_config(args.config, _with_fresh(args)))
+    summary = as_a_rank(lambda: pretrain(load_config(args.config, _with_fresh(args))))
     ignore_late_stop_requests()
     if summary.get("stopped_by_monitor"):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -28,9 +28,42 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from pretrain.distributed import ignore_late_stop_requests
     from pretrain.finetune import finetune
 
-    finetune(load_finetune_config(args.config, _with_fresh(args)))
+    as_a_rank(lambda: finetune(load_finetune_config(args.config, _with_fresh(args))))
     ignore_late_stop_requests()
     return ExitCode.DONE
+
+
+def as_a_rank(run):
+    """A rank's training: bad input it found is written to its record for the other ranks and the
+    supervisor (`pretrain/lifeline.py`); a collective that fails because another rank left the job
+    becomes one line (`RankFailed`) naming what is known: the step, and the other rank's reason
+    when it left one (a bad-input rank's status, 2, is then this rank's too)."""
+    from pretrain import lifeline
+    from pretrain.distributed import ignore_late_stop_requests, lost_peer
+    from pretrain.errors import ExitCode, RankFailed, UserError
+
+    try:
+        return run()
+    except UserError as exc:
+        lifeline.note_exit(why=str(exc), status=int(exc.exit_code), now=True)
+        raise
+    except Exception as exc:
+        detail = lost_peer(exc)
+        if detail is None:
+            raise
+        ignore_late_stop_requests()  # (the launcher's SIGTERM to the ranks left must not cut this short)
+        step = lifeline.current_step()
+        at = f" during step {step}" if step is not None else ""
+        lifeline.note_exit(why=f"lost another rank{at}", now=True)
+        told = lifeline.peer_reason(wait=PEER_REASON_WAIT_S)
+        if told is not None:
+            raise RankFailed(f"stopped{at}: rank {told['rank']} stopped: {told['why']}",
+                             told.get("status", ExitCode.FAILED)) from exc  # fmt: skip
+        raise RankFailed(f"stopped{at}: another rank left the job ({detail}); the supervisor's line "
+                         "names it") from exc  # fmt: skip
+
+
+PEER_REASON_WAIT_S = 3.0  # how long a rank that lost another waits for that rank's reason, if any
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ outlives its supervisor, a full disk ends in one line, and bad data is refused, 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -185,3 +186,16 @@ def test_out_of_range_ids_are_bad_input_and_not_restarted(tmp_path, train_data):
     assert "holds token id 4095 at token offset" in result.stderr and "pretrain data verify" in result.stderr
     assert "restart" not in result.stdout and "Traceback" not in result.stderr
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+    # One line per rank: a rank that found it says what (here both do), a rank that lost such a
+    # rank repeats its reason; the supervisor's line names the rank and what it found.
+    said = [line for line in result.stderr.splitlines() if line.strip()]
+    pattern = (
+        r"pretrain: (?:error on rank (\d): .*holds token id 4095|rank (\d): stopped during step \d+: "
+        r"rank \d stopped: .*holds token id 4095)"
+    )
+    ranks = sorted(next(g for g in re.match(pattern, line).groups() if g) for line in said)
+    assert len(said) == 2 and ranks == ["0", "1"], result.stderr
+    assert re.search(
+        r"exited with status 2 \(bad input\): rank \d stopped during step \d+: .*holds token id 4095",
+        result.stdout,
+    ), result.stdout
