@@ -67,9 +67,9 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
             raise
         rank = int(os.environ.get("RANK", "0"))
         if not getattr(exc, "same_on_every_rank", True):
-            print(f"{prog}: error on rank {rank}: {exc}", file=sys.stderr)
+            say(f"{prog}: error on rank {rank}: {exc}")
         elif int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every rank found it: once per node
-            print(f"{prog}: error: {exc}", file=sys.stderr)
+            say(f"{prog}: error: {exc}")
         else:
             # A launcher kills every rank once one exits with an error: a silent rank that exited
             # first could take the one meant to speak down with it. It waits for the speaker instead.
@@ -78,7 +78,7 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
     except RankFailed as exc:
         if debug:
             raise
-        print(f"{prog}: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        say(f"{prog}: rank {os.environ.get('RANK', '0')}: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -86,6 +86,13 @@ def run_main(handler: Callable[[], int], *, debug: bool = False, prog: str = "pr
     except BrokenPipeError:  # `pretrain ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no error at exit's flush)
         return 0
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: the ranks of a job share it, and print()'s separate write
+    of the newline lets two ranks' lines run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class CommandParser(argparse.ArgumentParser):

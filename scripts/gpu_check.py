@@ -382,7 +382,9 @@ def drill_report(run_dir: Path, drill: Drill, first: Finished, second: Finished)
         "rollbacks_applied": applied,
         "restarts": restarts,
         "resumed_from": resumed.group(1) if resumed else None,
-        "summary": {k: summary.get(k) for k in ("step", "tokens", "completed", "rollbacks", "restarts", "world_size")},
+        "summary": {
+            k: summary.get(k) for k in ("step", "tokens", "completed", "rollbacks", "restarts", "world_size")
+        },
     }
 
 
