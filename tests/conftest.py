@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 # The Hub is out of reach for tests (and for this machine): fail fast instead of retrying the network.
@@ -21,6 +22,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_restored():
+    """A training command run in process ends by ignoring SIGTERM and SIGUSR1 (its clean exit must
+    not be cut short); the worker must not keep that, or every process a later test starts (a
+    monitoring service it then terminates) inherits it and cannot be stopped."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
 
 
 def small_model_config(**overrides) -> ModelConfig:
