@@ -14,14 +14,39 @@ import torch
 
 from pretrain.config import ModelConfig
 
+# Roughly how long each integration file's tests take here (seconds, both workers busy), for the
+# order below only: a wrong figure costs time, never a result.
+INTEGRATION_SECONDS = {
+    "test_readme.py": 280, "test_pretraining.py": 190, "test_ownership.py": 155, "test_gpu_check.py": 96,
+    "test_launch.py": 93, "test_slurm_launch.py": 92, "test_bench.py": 85, "test_finetune.py": 65,
+    "test_monitoring.py": 60, "test_commands.py": 54, "test_ssh_launch.py": 50, "test_nonfinite_engine.py": 42,
+}  # fmt: skip
+
 
 def pytest_collection_modifyitems(config, items):
+    items[:] = in_running_order(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def in_running_order(items: list) -> list:
+    """The integration tier first, its longest files at both ends and the shortest in the middle,
+    then the unit tier. pytest-xdist's worksteal gives each worker a contiguous half and a worker
+    that runs dry steals from the end of the other's queue: the long tests then start first on
+    both workers, the short ones are what is left at the end, and neither worker finishes long
+    after the other. Within a file, the order is the file's."""
+    integration = [i for i in items if "integration" in Path(str(i.fspath)).parts]
+    unit = [i for i in items if i not in set(integration)]
+    files = sorted(
+        {Path(str(i.fspath)).name for i in integration}, key=lambda f: -INTEGRATION_SECONDS.get(f, 20)
+    )
+    front, back = files[0::2], files[1::2]
+    place = {name: n for n, name in enumerate([*front, *reversed(back)])}
+    return sorted(integration, key=lambda i: place[Path(str(i.fspath)).name]) + unit
 
 
 @pytest.fixture(autouse=True)

@@ -6,11 +6,12 @@ demo`, built once by the `readme_dir` fixture); each later block is one test, an
 in the README's order within a worker. What the test adds to a command, and why:
 
 - fewer steps, where the command takes an override (`FEWER_STEPS`); a command that states its
-  own `train.steps` (the drill: its faults are placed by step) keeps it;
+  own `train.steps` (the drill: its faults are placed by step) keeps them, on smaller
+  micro-batches (`LESS_WORK`);
 - the files a command names as its input (`corpus/*.jsonl`, `train.csv`, `val.csv`), made here
   from the built-in corpus and the test's sentiment splits;
 - for a config sized for GPUs (the GPT-3 presets), a CPU shape (`CPU_SHAPE`): the same command
-  path, a 2-layer model of width 128;
+  path, a 2-layer model of width 128 on 512-token windows;
 - commands that do not run here (`SKIPPED`): installing, this suite itself, and the multi-node
   launches, which tests/integration/test_ssh_launch.py and test_slurm_launch.py run with real sshd,
   pdsh and Slurm.
@@ -31,13 +32,14 @@ from tests.conftest import built_once
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
+LESS_WORK = ["train.micro_batch_size=2"]  # for a command that fixes its own steps (the drill)
 FEWER_STEPS = {
     ("pretrain", "demo"): ["--steps", "8"],
     ("pretrain", "launch"): ["train.steps=2"],
     ("pretrain", "finetune"): ["finetune.epochs=1"],
 }
-CPU_SHAPE = ["model.n_layers=2", "model.d_model=128", "model.n_heads=4", "train.micro_batch_size=1",
-             "eval.batches=1", "engine.compile=false"]  # fmt: skip
+CPU_SHAPE = ["model.n_layers=2", "model.d_model=128", "model.n_heads=4", "data.seq_len=512",
+             "train.micro_batch_size=1", "eval.batches=1", "engine.compile=false"]  # fmt: skip
 SKIPPED = (
     (lambda words: words[0] == "pip", "installs: the suite runs in the installed environment"),
     (lambda words: words[:3] == ["python", "-m", "pytest"], "this suite itself"),
@@ -69,7 +71,8 @@ def skipped(words: list[str]) -> str | None:
 
 def as_run_here(words: list[str]) -> list[str]:
     """The command with fewer steps and, for a GPU-sized config, the CPU shape."""
-    extra = [] if any(w.startswith("train.steps=") for w in words) else FEWER_STEPS.get(tuple(words[:2]), [])
+    fixed = any(w.startswith("train.steps=") for w in words)
+    extra = LESS_WORK if fixed else FEWER_STEPS.get(tuple(words[:2]), [])
     config = words[words.index("--config") + 1] if "--config" in words else ""
     if config.startswith("gpt3-"):
         extra = [*extra, *CPU_SHAPE]
@@ -151,4 +154,15 @@ def test_each_later_block_of_the_readme_runs_as_printed(readme_dir, index):
             run_dir = readme_dir / next(w.split("=", 1)[1] for w in words if w.startswith("run.dir="))
             kinds = [json.loads(line)["type"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
             assert "rollback_applied" in kinds and "restart" in kinds, kinds
-            assert "Traceback" not in output, output[-3000:]
+            # The killed rank reads as one line from each side: the rank that lost it, and the
+            # supervisor naming the rank, the signal and the step; no traceback, no launcher [ERROR].
+            kill = next(int(w.split("=")[1]) for w in words if w.startswith("faults.kill_step="))
+            rank = next(int(w.split("=")[1]) for w in words if w.startswith("faults.kill_rank="))
+            assert f"faults: killing rank {rank} as step {kill} begins (faults.kill_step)" in output
+            assert (
+                f"pretrain: rank {1 - rank}: stopped during step {kill}: another rank left the job ("
+                in output
+            )
+            assert re.search(rf"launch: restart 1/3 after rank {rank} \(\S+, pid \d+\) was killed by SIGKILL "
+                             rf"during step {kill} \(exit status 247\)", output), output[-3000:]  # fmt: skip
+            assert "Traceback" not in output and "[ERROR]" not in output, output[-3000:]
