@@ -38,11 +38,12 @@ def in_running_order(items: list) -> list:
     then the unit tier. pytest-xdist's worksteal gives each worker a contiguous half and a worker
     that runs dry steals from the end of the other's queue: the long tests then start first on
     both workers, the short ones are what is left at the end, and neither worker finishes long
-    after the other. Within a file, the order is the file's."""
+    after the other. Within a file, the order is the file's. (The same order on every worker, or
+    xdist refuses: ties are broken by name, not by a set's order.)"""
     integration = [i for i in items if "integration" in Path(str(i.fspath)).parts]
     unit = [i for i in items if i not in set(integration)]
     files = sorted(
-        {Path(str(i.fspath)).name for i in integration}, key=lambda f: -INTEGRATION_SECONDS.get(f, 20)
+        {Path(str(i.fspath)).name for i in integration}, key=lambda f: (-INTEGRATION_SECONDS.get(f, 20), f)
     )
     front, back = files[0::2], files[1::2]
     place = {name: n for n, name in enumerate([*front, *reversed(back)])}
