@@ -9,10 +9,8 @@ before any process group starts.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,30 +185,8 @@ def initialize(model: nn.Module, cfg: RunConfig, ds: dict[str, Any]):
     if cfg.engine.compile:
         compile_blocks(model)
     optimizer = make_optimizer(model, cfg, ds)
-    with muon_not_imported():
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return engine, optimizer
-
-
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-@contextlib.contextmanager
-def muon_not_imported():
-    """DeepSpeed's ZeRO check of the optimizer (`is_zero_supported_optimizer`) imports its Muon
-    optimizer to add it to the supported list, which imports torch's compiler stack: 1.2 s of
-    every rank's start on CPU. The optimizer we pass is our own AdamW, so the check does not need
-    Muon: while the engine is built, the module reads as not installed (DeepSpeed's own
-    ImportError path), then is importable again."""
-    if MUON in sys.modules:
-        yield
-        return
-    sys.modules[MUON] = None
-    try:
-        yield
-    finally:
-        if sys.modules.get(MUON, 0) is None:
-            del sys.modules[MUON]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -112,19 +112,3 @@ def test_activation_checkpointing_keeps_names_and_numbers():
     torch.testing.assert_close(loss2, loss)
     for name in names:
         torch.testing.assert_close(grads2[name], grads[name], rtol=1e-5, atol=1e-6)
-
-
-def test_deepspeeds_muon_import_is_skipped_while_the_engine_is_built_and_only_then():
-    """DeepSpeed's ZeRO optimizer check imports its Muon optimizer (1.2 s of every rank's start);
-    with our own AdamW it is not needed: inside the context the import fails as if Muon were not
-    installed (the path DeepSpeed handles), and afterwards nothing is left marked."""
-    import importlib
-    import sys
-
-    from pretrain.engine import MUON, muon_not_imported
-
-    if MUON in sys.modules:
-        pytest.skip("Muon was imported by another test of this process")
-    with muon_not_imported(), pytest.raises(ImportError):
-        importlib.import_module(MUON)
-    assert MUON not in sys.modules
