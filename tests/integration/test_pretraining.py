@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from pretrain.config import REPO_CONFIG_DIR
 from pretrain.distributed import free_port
@@ -158,48 +157,21 @@ def run_cli(*args):
     )
 
 
-def test_attention_command_draws_the_grid_and_the_head_view(tmp_path, golden_run):
-    import matplotlib.image
-
-    result = run_cli("attention", "--checkpoint", str(golden_run), "--text", "def main(): return 0", "--out",
-                     str(tmp_path / "maps" / "probe"))  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "2 layers x 4 heads" in result.stdout
-    png = matplotlib.image.imread(tmp_path / "maps" / "probe.png")
-    assert png.ndim == 3 and png.shape[0] > 100
-    page = (tmp_path / "maps" / "probe.html").read_text()
-    assert "<select" in page and "http" not in page
+def test_attention_refuses_an_empty_text_in_one_line(tmp_path, golden_run):
+    """(The maps themselves, of the README's command: tests/integration/test_readme.py.)"""
     bad = run_cli("attention", "--checkpoint", str(golden_run), "--text", "", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_export_hf_loads_in_transformers_with_equal_logits(tmp_path, golden_run):
-    transformers = pytest.importorskip("transformers")
-    from pretrain.inference import load_trained
-
-    result = run_cli("export-hf", "--checkpoint", str(golden_run), "--out", str(tmp_path / "hf"))
-    assert result.returncode == 0, result.stderr
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours = load_trained(golden_run).model
-    tokens = torch.randint(0, 512, (2, 64))
-    with torch.no_grad():
-        assert (theirs(tokens).logits - ours(tokens).logits).abs().max().item() <= 1e-4
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 2
-
-
-def test_eval_and_generate(golden_run, train_data):
+def test_eval_agrees_with_the_runs_own_evaluation(golden_run, train_data):
+    """(export-hf against transformers, generate and the attention maps, of the README's commands:
+    tests/integration/test_readme.py.)"""
     result = run_cli("eval", "--checkpoint", str(golden_run), "--data", str(train_data), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     trained_eval = json.loads((golden_run / "train_summary.json").read_text())["eval"][-1]["loss"]
     assert abs(report["loss"] - trained_eval) < 0.3
     assert report["perplexity"] == pytest.approx(math.exp(report["loss"]))
-    args = ["generate", "--checkpoint", str(golden_run), "--prompt", "The list", "--max-new-tokens", "12",
-            "--temperature", "0"]  # fmt: skip
-    outputs = [run_cli(*args) for _ in range(2)]
-    assert outputs[0].returncode == 0, outputs[0].stderr
-    assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.startswith("The list")
-    assert outputs[0].stderr == "", outputs[0].stderr  # no "Loading checkpoint shards" bar without --verbose
 
 
 def test_two_nodes_without_ssh_match_one_node(tmp_path, golden_run, train_data):

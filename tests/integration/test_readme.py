@@ -19,7 +19,9 @@ in the README's order within a worker. What the test adds to a command, and why:
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -79,9 +81,9 @@ def as_run_here(words: list[str]) -> list[str]:
     return [sys.executable, "-m", "pretrain", *words[1:], *extra] if words[0] == "pretrain" else words
 
 
-def run_block(directory: Path, block: list[list[str]]) -> list[str]:
-    """Every command of a block, in order, each to exit 0; what each printed."""
-    outputs = []
+def run_block(directory: Path, block: list[list[str]]) -> list[tuple[list[str], subprocess.CompletedProcess]]:
+    """Every command of a block, in order, each to exit 0; each command with what it printed."""
+    results = []
     for words in block:
         if skipped(words):
             continue
@@ -100,8 +102,42 @@ def run_block(directory: Path, block: list[list[str]]) -> list[str]:
         if "--out" in words:  # what it says it writes (a file, a directory or a prefix), it wrote
             out = directory / words[words.index("--out") + 1]
             assert out.exists() or list(out.parent.glob(out.name + ".*")), shlex.join(words)
-        outputs.append(result.stdout + result.stderr)
-    return outputs
+        results.append((words, result))
+    return results
+
+
+def check_against_references(directory: Path, words: list[str], result: subprocess.CompletedProcess) -> None:
+    """What a command of the README made, checked against references nobody here wrote
+    (transformers' Llama, matplotlib's reader) and the command's own promises."""
+    arg = dict(itertools.pairwise(words))  # (a flag's value follows it)
+    if words[:2] == ["pretrain", "export-hf"]:  # transformers loads it and computes our logits
+        import torch
+        import transformers
+
+        from pretrain.inference import load_trained
+
+        theirs = transformers.LlamaForCausalLM.from_pretrained(directory / arg["--out"]).eval()
+        ours = load_trained(directory / arg["--checkpoint"]).model
+        tokens = torch.randint(
+            0, theirs.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad():
+            assert (theirs(tokens).logits - ours(tokens).logits).abs().max().item() <= 1e-4
+        assert json.loads((directory / arg["--out"] / "config.json").read_text())["eos_token_id"] == 2
+    if words[:2] == ["pretrain", "eval"]:
+        loss, perplexity = map(
+            float, re.search(r"loss ([\d.]+), perplexity ([\d.]+)", result.stdout).groups()
+        )
+        assert perplexity == pytest.approx(math.exp(loss), rel=1e-3), result.stdout
+    if words[:2] == ["pretrain", "generate"]:
+        assert result.stdout.startswith(arg["--prompt"]) and result.stderr == "", result.stderr  # no bar
+    if words[:2] == ["pretrain", "attention"]:
+        import matplotlib.image
+
+        png = matplotlib.image.imread(directory / (arg["--out"] + ".png"))
+        assert png.ndim == 3 and png.shape[0] > 100
+        page = (directory / (arg["--out"] + ".html")).read_text()
+        assert "<select" in page and "http" not in page  # the head view: self-contained
 
 
 def make_inputs(directory: Path, sentiment) -> None:
@@ -127,8 +163,8 @@ def readme_dir(tmp_path_factory, sentiment):
         (demo,) = [words for words in first if not skipped(words)]
         assert demo[:2] == ["pretrain", "demo"], demo  # the README starts with the demo
         make_inputs(directory, sentiment)
-        (printed,) = run_block(directory, first)
-        (directory / "demo.out").write_text(printed)
+        ((_, result),) = run_block(directory, first)
+        (directory / "demo.out").write_text(result.stdout + result.stderr)
 
     return built_once(tmp_path_factory, "readme", build)
 
@@ -148,8 +184,9 @@ def test_the_readme_starts_with_the_demo_and_it_says_where_to_look_next(readme_d
 @pytest.mark.parametrize("index", range(1, len(readme_blocks())))
 def test_each_later_block_of_the_readme_runs_as_printed(readme_dir, index):
     block = readme_blocks()[index]
-    printed = run_block(readme_dir, block)
-    for words, output in zip([w for w in block if not skipped(w)], printed, strict=True):
+    for words, result in run_block(readme_dir, block):
+        check_against_references(readme_dir, words, result)
+        output = result.stdout + result.stderr
         if any(w.startswith("faults.") for w in words):  # the drill: what it rehearses happened
             run_dir = readme_dir / next(w.split("=", 1)[1] for w in words if w.startswith("run.dir="))
             kinds = [json.loads(line)["type"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
