@@ -44,11 +44,17 @@ from pretrain.errors import DataError, UserError
 BLOCK = 1024  # window indices computed per vectorized batch
 
 
+def windows_per_shard(tokens, seq_len: int) -> np.ndarray:
+    """How many windows of `seq_len` + 1 tokens each shard of `tokens` tokens gives (each shard on
+    its own: a window never spans two)."""
+    return np.maximum((np.asarray(tokens, dtype=np.int64) - 1) // seq_len, 0)
+
+
 def split_windows(manifest: dict, split: str, seq_len: int) -> int:
-    """The windows of `seq_len` + 1 tokens a prepared split holds, from its manifest alone (the
-    rule above: each shard on its own), so the checks before a run need not open a shard."""
+    """The windows a prepared split holds, from its manifest alone, so the checks before a run
+    need not open a shard."""
     shards = manifest["splits"].get(split, {}).get("shards", [])
-    return sum(max((int(shard["tokens"]) - 1) // seq_len, 0) for shard in shards)
+    return int(windows_per_shard([shard["tokens"] for shard in shards], seq_len).sum())
 
 
 class WindowStream:
@@ -69,7 +75,7 @@ class WindowStream:
         self.seq_len, self.rank, self.world_size, self.split = seq_len, rank, world_size, split
         self.fingerprint = fingerprint(self.shards.manifest)
         self.vocab_size = int(self.shards.manifest["tokenizer"]["vocab_size"])  # every id must be below it
-        per_shard = np.maximum((self.shards.tokens - 1) // seq_len, 0)
+        per_shard = windows_per_shard(self.shards.tokens, seq_len)
         self._shard_starts = np.concatenate([[0], np.cumsum(per_shard)]).astype(np.int64)
         self.num_windows = int(self._shard_starts[-1])
         if self.num_windows < world_size:
