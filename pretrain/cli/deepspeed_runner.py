@@ -7,19 +7,23 @@ and, over ssh (pdsh), a stop that lets the ranks save:
   job's rendezvous port), whose ranks then save at the next step boundary and exit; pdsh is left
   running, so their output and exit still arrive, and this process exits when they have. (DeepSpeed's
   own handler kills pdsh first: the ranks' stdout then breaks under them, and they die unsaved.)
-  A second signal ends this process at once.
+  A host whose launcher has not started yet when the stop goes out (its ssh connection was slow:
+  it would then start its ranks, which wait for the rest in the rendezvous) is asked again each
+  second until its launcher is found, for up to `STOP_RETRY_SECONDS`. A second signal ends this
+  process at once.
 - A lifeline: it runs beside the supervisor, so when the supervisor is gone it stops the job
   that way on every host (`pretrain/lifeline.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 from pretrain.console import deepspeed_log_level, quiet_libraries
 
@@ -43,12 +47,49 @@ def adapt_pdsh_runner() -> None:
     PDSHRunner.get_cmd = with_log_level
 
 
+# A host's launcher starts within DeepSpeed's ssh connect timeout (10 s), and then some.
+STOP_RETRY_SECONDS = 60.0
+_FOUND = "pkill-status="  # what the remote shell echoes after pkill: 0, a launcher was signalled; 1, none was there
+
+
 def stop_command(hosts: str, port: int) -> list[str]:
-    """pdsh: SIGTERM to the DeepSpeed launcher of the job whose rendezvous port is `port`, on every host."""
+    """pdsh: SIGTERM to the DeepSpeed launcher of the job whose rendezvous port is `port`, on every
+    host, each host then saying whether it found one (`hosts_without_launcher` reads that)."""
     # The launcher's own command line only: not pdsh's, ssh's or the remote shell's, which quote it
     # (on the supervisor's host, which is often in the hostfile, those would be hit too).
     pattern = f"^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch .*--master_port={port}( |$)"
-    return ["pdsh", "-S", "-f", "1024", "-w", hosts, "pkill", "-TERM", "-f", shlex.quote(pattern)]
+    return ["pdsh", "-S", "-f", "1024", "-w", hosts, "pkill", "-TERM", "-f", shlex.quote(pattern), ";", "echo",
+            f"{_FOUND}$?"]  # fmt: skip
+
+
+def hosts_without_launcher(pdsh_output: str) -> list[str]:
+    """The hosts where the stop found no launcher of the job (pdsh labels each line `host: `);
+    not those it could not reach (no line of theirs says so)."""
+    missing = []
+    for line in pdsh_output.splitlines():
+        host, _, said = line.partition(": ")
+        if said.strip() == f"{_FOUND}1":
+            missing.append(host.strip())
+    return missing
+
+
+def _ask_hosts_to_stop(hosts: str, port: int, env: dict) -> list[str]:
+    """One stop over pdsh; the hosts where no launcher was found yet."""
+    try:
+        done = subprocess.run(stop_command(hosts, port), env=env, timeout=60, check=False, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return hosts_without_launcher(done.stdout)
+
+
+def _ask_late_hosts_again(pending: list[str], port: int, env: dict) -> None:
+    """Hosts whose launcher was not there yet: asked again each second (the job's pdsh, which this
+    process waits for, ends once every host's launcher has; this thread ends with the process)."""
+    deadline = time.monotonic() + STOP_RETRY_SECONDS
+    while pending and time.monotonic() < deadline:
+        time.sleep(1.0)
+        pending = _ask_hosts_to_stop(",".join(pending), port, env)
 
 
 def _stop_every_host(signum, frame) -> None:
@@ -58,9 +99,10 @@ def _stop_every_host(signum, frame) -> None:
         return
     _pdsh["asked"] = True
     print("launcher: asking every host's ranks to save and stop", file=sys.stderr, flush=True)
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run(stop_command(_pdsh["hosts"], _pdsh["port"]), env=_pdsh["env"], timeout=60, check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    pending = _ask_hosts_to_stop(_pdsh["hosts"], _pdsh["port"], _pdsh["env"])
+    if pending:
+        threading.Thread(target=_ask_late_hosts_again, args=(pending, _pdsh["port"], _pdsh["env"]),
+                         name="stop-late-hosts", daemon=True).start()  # fmt: skip
 
 
 class _SignalsKeptOurs:

@@ -48,6 +48,19 @@ class SshHosts:
         path.write_text("".join(f"{host} slots={slots}\n" for host in self.hosts))
         return path
 
+    @contextlib.contextmanager
+    def slow_to_launch(self, host: str, seconds: float) -> Iterator[None]:
+        """Within this block, ssh takes `seconds` longer to start a DeepSpeed launcher on `host` (a
+        slow connection, a loaded node); other commands over ssh (a stop's pkill) are not slowed."""
+        wrapper = self.root / "bin" / "ssh"
+        original = wrapper.read_text()
+        wait = f'case " $* " in *" {host} "*" -m deepspeed.launcher.launch "*) sleep {seconds};; esac\n'
+        wrapper.write_text(original.replace("exec ", wait + "exec ", 1))
+        try:
+            yield
+        finally:
+            wrapper.write_text(original)
+
     def remote_pids(self) -> list[int]:
         """The live processes started through this sshd and their descendants, wherever they are in the
         process tree now (a remote command outlives its ssh client, pdsh and sshd's session)."""

@@ -76,6 +76,7 @@ def test_the_stop_over_ssh_hits_this_jobs_launchers_only():
         "-TERM",
         "-f",
     ]
+    assert command[10:] == [";", "echo", "pkill-status=$?"]  # each host says whether it found a launcher
     (pattern,) = shlex.split(command[9])  # as the remote shell reads it
     launch = "-u -m deepspeed.launcher.launch --world_info=eyJ9 --node_rank=1 --master_addr=localhost"
     assert re.search(pattern, f"/usr/bin/python3.11 {launch} --master_port=29517 --module pretrain.train")
@@ -88,3 +89,14 @@ def test_the_stop_over_ssh_hits_this_jobs_launchers_only():
         f"bash -c {quoted}",
     ):
         assert not re.search(pattern, wrapper), wrapper
+
+
+def test_hosts_where_the_stop_found_no_launcher_are_read_from_pdshs_lines():
+    """pkill's status, echoed by each host: 1 (no launcher of the job there yet) is asked again; a
+    host that was signalled (0) or that could not be reached (no status line) is not."""
+    from pretrain.cli.deepspeed_runner import hosts_without_launcher
+
+    output = "localhost: pkill-status=0\nvm: pkill-status=1\nnode-7: pkill-status=1\n"
+    assert hosts_without_launcher(output) == ["vm", "node-7"]
+    assert hosts_without_launcher("down: ssh: connect to host 10.0.0.9 port 22: Connection refused\n") == []
+    assert hosts_without_launcher("") == []
