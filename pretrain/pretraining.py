@@ -42,7 +42,7 @@ from pretrain.monitor_link import MonitorLink
 from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
-from pretrain.train import Cadence, Trainer
+from pretrain.train.loop import Cadence, Trainer
 from pretrain.wandb_sink import check_available
 
 

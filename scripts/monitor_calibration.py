@@ -71,7 +71,7 @@ def _docs():
 
 
 def corpora(args) -> None:
-    from pretrain.demo import prepare_corpus
+    from pretrain.data import prepare_corpus
 
     out = Path(args.out)
     sources = {"prose": _prose(Path(args.prose)), "code": _code(), "docs": _docs()}

@@ -101,7 +101,7 @@ def run(
     eval_every: int | None = None,
     as_json: bool = False,
 ) -> dict:
-    from pretrain.demo import prepare_corpus
+    from pretrain.data import prepare_corpus
 
     if not lrs or any(lr <= 0 for lr in lrs):
         raise UserError("--lrs: give one or more positive learning rates")

@@ -80,7 +80,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pretrain.demo import run_demo
+    from pretrain.cli.demo import run_demo
 
     return run_demo(out_dir=args.out, steps=args.steps)
 

@@ -15,6 +15,7 @@ _EXPORTS = {
     "ShardSet": "pretrain.data.shards",
     "read_manifest": "pretrain.data.shards",
     "prepare_dataset": "pretrain.data.prepare",
+    "prepare_corpus": "pretrain.data.prepare",
     "Source": "pretrain.data.sources",
     "resolve_source": "pretrain.data.sources",
 }

@@ -26,7 +26,7 @@ from pretrain.metrics import MetricsWriter
 from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import sha256_file
-from pretrain.train import Cadence, Trainer
+from pretrain.train.loop import Cadence, Trainer
 from pretrain.wandb_sink import check_available
 
 

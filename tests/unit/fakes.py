@@ -22,7 +22,7 @@ from pretrain.finetune.finetuning import check_inputs
 from pretrain.model import Transformer
 from pretrain.pretraining import build_trainer, preflight
 from pretrain.run_dir import claim
-from pretrain.train import Trainer
+from pretrain.train.loop import Trainer
 
 ONE_PROCESS = DistEnv(rank=0, local_rank=0, world_size=1)
 

@@ -6,7 +6,7 @@ import pytest
 from monitoring.supervisor import node_exit
 from pretrain.errors import UserError
 from pretrain.run_dir import RunLock
-from pretrain.train import describe_requesters
+from pretrain.train.loop import describe_requesters
 
 
 def test_pdsh_reports_of_failed_hosts_are_read_and_other_lines_are_not():

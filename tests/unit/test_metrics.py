@@ -3,13 +3,15 @@
 name, and the summary's counts over every attempt of a run."""
 
 import json
+import time
+from types import SimpleNamespace
 
 from monitoring.protocol import StepMetrics, append_event
 from monitoring.service import MonitorState
 from pretrain.config import MonitorConfig, load_config
 from pretrain.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
-from pretrain.train import Trainer, run_history
+from pretrain.train.loop import Trainer, run_history
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
 
@@ -81,6 +83,7 @@ def test_tensorboard_names_the_run_after_its_directory(tmp_path, monkeypatch):
     tells runs apart; a run resumed from the older layout (event files in RUN_DIR/tensorboard itself)
     goes on, shown as two runs."""
     from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.summary.writer import event_file_writer
     from torch.utils.tensorboard import SummaryWriter
 
     def runs(logdir) -> list[str]:
@@ -90,8 +93,14 @@ def test_tensorboard_names_the_run_after_its_directory(tmp_path, monkeypatch):
 
     run_dir = tmp_path / "runs" / "125m"
     run_dir.mkdir(parents=True)
+    clock = time.time
     for step, given in ((1, run_dir), (2, ".")):  # two starts of the run, the second as run.dir=.
         monkeypatch.chdir(run_dir if given == "." else tmp_path)
+        # Starts seconds apart, as two processes' are: event files sort by their start time, then
+        # by a per-process counter whose "10" sorts before "9" after earlier tests' writers.
+        monkeypatch.setattr(
+            event_file_writer, "time", SimpleNamespace(time=lambda step=step: clock() + 10 * step)
+        )
         writer = MetricsWriter(given, 2, enabled=True)
         writer.scalars(step, {"train/loss": 3.0 / step})
         writer.close()

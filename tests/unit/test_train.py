@@ -13,7 +13,7 @@ import torch
 
 from pretrain.checkpoint import checkpoints_dir, newest_complete, read_latest
 from pretrain.config import load_config
-from pretrain.train import layer_grad_squares
+from pretrain.train.loop import layer_grad_squares
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
 

@@ -123,7 +123,7 @@ def test_prepare_progress_in_a_terminal_is_a_bar_with_a_total(tmp_path):
 
 
 def test_the_demo_never_reuses_an_earlier_run(tmp_path, capsys):
-    from pretrain.demo import new_run_dir
+    from pretrain.cli.demo import new_run_dir
 
     assert new_run_dir(tmp_path) == tmp_path / "run"
     (tmp_path / "run").mkdir()

@@ -19,29 +19,8 @@ from pathlib import Path
 
 from pretrain.cli.launch import launch, local_process_count
 from pretrain.config import config_dir
+from pretrain.data.prepare import prepare_corpus
 from pretrain.errors import UserError
-
-
-def prepare_corpus(spec: str, out: Path, vocab_size: int = 4096, announce=print) -> tuple[Path, Path]:
-    """A tokenizer trained on the source and its token shards (95% train, 5% validation) under
-    `out`; both steps are skipped when their outputs exist. Returns (tokenizer_dir, data_dir)."""
-    from pretrain.data import prepare_dataset, resolve_source
-    from pretrain.tokenizer import MODEL_FILE, train_tokenizer
-
-    source = resolve_source(spec)
-    tokenizer_dir, data_dir = out / "tokenizer", out / "data"
-    if not (tokenizer_dir / MODEL_FILE).is_file():
-        announce(f"training a {vocab_size}-piece tokenizer on {source.description} -> {tokenizer_dir}")
-        train_tokenizer(source.documents(), tokenizer_dir, vocab_size=vocab_size)
-    else:
-        announce(f"tokenizer: {tokenizer_dir} (exists)")
-    announce(f"preparing token shards -> {data_dir}")
-    manifest = prepare_dataset(source, tokenizer_dir, data_dir, val_fraction=0.05, workers=2, progress=False)
-    announce(
-        f"{manifest['splits']['train']['tokens']:,} training and "
-        f"{manifest['splits']['validation']['tokens']:,} validation tokens"
-    )
-    return tokenizer_dir, data_dir
 
 
 def new_run_dir(out: Path) -> Path:

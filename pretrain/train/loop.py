@@ -1,7 +1,5 @@
 """The training loop, one for pretraining and fine-tuning.
 
-    python -m pretrain.train --config CFG [overrides...]     (`pretrain train`, under any launcher)
-
 `Trainer.train` reads top to bottom: each optimizer step runs its micro-batches, then comes each
 step-boundary call in the order it happens — metrics, the monitor's verdict, evaluation, checkpoint,
 stop. What differs between pretraining and fine-tuning (the batches, what is evaluated, the data
@@ -16,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -509,10 +506,3 @@ def _memory_gb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**30
-
-
-if __name__ == "__main__":  # `python -m pretrain.train ...` is `pretrain train ...`
-    from pretrain.cli import entry
-
-    sys.argv.insert(1, "train")
-    sys.exit(entry())
