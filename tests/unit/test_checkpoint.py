@@ -291,3 +291,30 @@ def test_restore_brings_back_weights_and_rng(tmp_path):
         engine,
         json.loads((ck.checkpoints_dir(tmp_path / "run") / "step_00000002" / "train_state.json").read_text()),
     )
+
+
+def test_a_rollback_is_seen_not_to_match_its_checkpoint_when_any_held_weight_differs(tmp_path):
+    """`matches_checkpoint` (the rollback_applied event): the bf16 module weights and the fp32 master
+    weights the optimizer holds apart from them (as DeepSpeed's bf16 optimizers do) are both in the
+    digest, so a load that restored one and not the other is seen."""
+    import torch
+
+    from pretrain.checkpoint.checkpointer import TrainState
+
+    engine, saver = checkpointer(tmp_path)
+    masters = [p.detach().float().clone().view(-1) for p in engine.module.parameters()]
+    engine.optimizer.single_partition_of_fp32_groups = masters  # where ZeRO-1/2 keeps them
+    saver.save(engine, TrainState(2), {"consumed": 2})
+    saved = json.loads(
+        (ck.checkpoints_dir(tmp_path / "run") / "step_00000002" / "train_state.json").read_text()
+    )
+    assert saver.matches(engine, saved) is True
+    kept = masters[0][0].item()
+    masters[0][0] += 1.0  # the master weights alone differ (the module's are as saved)
+    assert saver.matches(engine, saved) is False
+    masters[0][0] = kept
+    assert saver.matches(engine, saved) is True
+    with torch.no_grad():
+        next(engine.module.parameters()).view(-1)[0] += 1.0  # the module's alone
+    assert saver.matches(engine, saved) is False
+    assert saver.matches(engine, saved | {"weights_sha256": ["x", "y"]}) is None  # another world size
