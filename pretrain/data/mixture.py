@@ -190,7 +190,8 @@ class MixtureStream:
     def state_dict(self) -> dict:
         """JSON-serializable; identical on every rank after each window; world-size independent."""
         self._drop_expired()
-        if len(self.streams) == 1:  # one corpus: the WindowStream's own state (docs/architecture.md's contract)
+        # One corpus: the WindowStream's own state (the stream-state contract of docs/architecture.md).
+        if len(self.streams) == 1:
             state = self.streams[0].state_dict()
             return state | ({"quarantine": self.quarantined()} if self._quarantine else {})
         return {
