@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from monitoring.protocol import SUMMARY_FILE
 from pretrain.config import config_dir, load_config
 from pretrain.errors import UserError
 from pretrain.flops import flops_per_token
@@ -47,7 +48,7 @@ def train_run(
     arm: str, lr: float, run_dir: Path, data_dir: Path, steps: int | None, eval_every: int | None
 ) -> list[dict]:
     """One `pretrain train` process (unless it already finished); returns its evaluation curve."""
-    summary = run_dir / "train_summary.json"
+    summary = run_dir / SUMMARY_FILE
     if not (summary.is_file() and json.loads(summary.read_text()).get("completed")):
         overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", f"optim.lr={lr}"]
         if steps is not None:

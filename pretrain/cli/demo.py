@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from monitoring.protocol import SUMMARY_FILE
 from pretrain.cli.launch import launch, local_process_count
 from pretrain.config import config_dir
 from pretrain.data.prepare import prepare_corpus
@@ -62,7 +63,7 @@ def run_demo(out_dir: str = "runs/demo", steps: int | None = None) -> int:
     if returncode != 0:
         print(f"pretrain demo: training exited with status {returncode}", file=sys.stderr)
         return returncode
-    evals = json.loads((run_dir / "train_summary.json").read_text())["eval"]
+    evals = json.loads((run_dir / SUMMARY_FILE).read_text())["eval"]
     print()
     print(
         f"validation loss: {evals[0]['loss']:.3f} at step {evals[0]['step']} -> {evals[-1]['loss']:.3f} "
