@@ -23,9 +23,12 @@ cache: our cache has no padding mask, so batching it is not simple.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from pretrain import atomic
+from pretrain.console import verbose
 from pretrain.data.loader import document_ids
 from pretrain.errors import UserError
 from pretrain.inference import Trained, load_trained, sample_token
@@ -150,7 +154,9 @@ class PretrainLM(LM):
             (i for i, (_, cont) in enumerate(pairs) if cont), key=lambda i: -sum(map(len, pairs[i]))
         )
         batches = range(0, len(todo), self.batch_size)
-        for start in tqdm(batches, desc="loglikelihood batches", disable=disable_tqdm, file=sys.stderr):
+        for start in tqdm(
+            batches, desc="loglikelihood batches", disable=disable_tqdm or not verbose(), file=sys.stderr
+        ):
             batch = todo[start : start + self.batch_size]
             for index, result in zip(batch, self._score_batch([pairs[i] for i in batch]), strict=True):
                 results[index] = result
@@ -190,7 +196,9 @@ class PretrainLM(LM):
         """The continuation of each context up to the first stop string (`until`) or EOS, greedy
         unless the task asks for sampling (do_sample, temperature, top_k, top_p; other keys are ignored)."""
         outputs = []
-        for request in tqdm(requests, desc="generate_until", disable=disable_tqdm, file=sys.stderr):
+        for request in tqdm(
+            requests, desc="generate_until", disable=disable_tqdm or not verbose(), file=sys.stderr
+        ):
             context, gen_kwargs = request.args
             text = self._generate(context, dict(gen_kwargs or {}))
             self.cache_hook.add_partial("generate_until", request.args, text)
@@ -323,7 +331,7 @@ def evaluate_checkpoint(
     trained = load_trained(checkpoint)
     path = results_path(out, trained.directory)
     model = PretrainLM(trained, batch_size)
-    with contextlib.redirect_stdout(sys.stderr):  # progress and notes of the harness and `datasets`
+    with contextlib.redirect_stdout(sys.stderr), quiet_harness():  # (what the harness prints: stderr)
         try:
             results = simple_evaluate(model=model, tasks=names, task_manager=manager, limit=limit,
                                       batch_size=batch_size, log_samples=False)  # fmt: skip
@@ -331,3 +339,43 @@ def evaluate_checkpoint(
             raise UserError(f"a task's data could not be loaded: {exc}".replace("\n", " ")) from None
     write_results(results, path)
     return results, path
+
+
+@contextlib.contextmanager
+def quiet_harness() -> Iterator[None]:
+    """The harness's and `datasets`' chatter held back unless --verbose: progress bars (`datasets`
+    loading each task's split, the harness building each task's requests; ours, scoring them), and
+    the "fatal: not a git repository" that git prints when the harness records the working
+    directory's commit outside a repository."""
+    if verbose():
+        yield
+        return
+    import datasets
+    from lm_eval import evaluator
+    from lm_eval.api import task as harness_task
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    kept = evaluator.get_git_commit_hash, harness_task.tqdm
+    evaluator.get_git_commit_hash = _git_commit_quietly
+    harness_task.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash, harness_task.tqdm = kept
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _git_commit_quietly() -> str | None:
+    """The harness's `git_hash` of its results, as it finds it (`git describe --always`, else the
+    repository files of the working directory), without git's error on stderr."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        found = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        found = None
+    if found is not None and found.returncode == 0 and found.stdout.strip():
+        return found.stdout.strip()
+    return get_commit_from_path(os.getcwd())

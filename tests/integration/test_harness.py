@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import pydoc_data.topics
 import subprocess
 
@@ -126,18 +127,53 @@ def tasks(tmp_path_factory, tokenizer_dir):
     return directory, text
 
 
+@contextlib.contextmanager
+def stderr_of_this_process(path):
+    """Everything written to stderr inside, by Python (`sys.stderr`, which pytest replaces) or by a
+    subprocess (file descriptor 2), into `path`."""
+    saved = os.dup(2)
+    with open(path, "w", buffering=1) as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(sink):
+                yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory, golden_run, tasks):
-    """One harness run of both tasks: (the printed JSON, eval_results.json)."""
+    """One harness run of both tasks, from a directory outside any git repository, as a user's
+    run directory often is: (the printed JSON, eval_results.json, its path, what reached stderr)."""
     out = tmp_path_factory.mktemp("harness_out") / "results" / "eval_results.json"
-    code, stdout = run("eval", "--checkpoint", golden_run, "--tasks", TASKS,
-                       "--include-path", tasks[0], "--limit", LIMIT, "--out", out, "--json")  # fmt: skip
+    import datasets
+
+    elsewhere, here = tmp_path_factory.mktemp("not_a_repository"), os.getcwd()
+    cache = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = elsewhere / "datasets"  # (a first load: `datasets` has bars to show)
+    os.chdir(elsewhere)
+    try:
+        with stderr_of_this_process(elsewhere / "stderr.txt"):
+            code, stdout = run("eval", "--checkpoint", golden_run, "--tasks", TASKS,
+                               "--include-path", tasks[0], "--limit", LIMIT, "--out", out, "--json")  # fmt: skip
+    finally:
+        os.chdir(here)
+        datasets.config.HF_DATASETS_CACHE = cache
     assert code == 0
-    return json.loads(stdout), json.loads(out.read_text()), out
+    return json.loads(stdout), json.loads(out.read_text()), out, (elsewhere / "stderr.txt").read_text()
+
+
+def test_the_harness_and_datasets_say_nothing_without_verbose(evaluated):
+    """No git error (the harness asks git for the working directory's commit) and no progress
+    bars of `datasets` or the harness on stderr; with --verbose they come back."""
+    stderr = evaluated[3]
+    assert "fatal:" not in stderr and "not a git repository" not in stderr, stderr[-2000:]
+    assert "it/s]" not in stderr and "examples/s]" not in stderr, stderr[-2000:]
 
 
 def test_multiple_choice_results_are_written_in_the_harness_format(evaluated, golden_run):
-    printed, written, out = evaluated
+    printed, written, out, _ = evaluated
     assert printed["eval_results"] == str(out) and printed["results"] == written["results"]
     mc = written["results"]["pydoc_titles"]
     for metric in ("acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"):
@@ -152,7 +188,7 @@ def test_multiple_choice_results_are_written_in_the_harness_format(evaluated, go
 
 
 def test_the_generation_task_decodes_until_its_stop_string(evaluated):
-    _, written, _ = evaluated
+    _, written, _, _ = evaluated
     generation = written["results"]["pydoc_title_generation"]
     assert 0.0 <= generation["exact_match,none"] <= 1.0
     assert written["configs"]["pydoc_title_generation"]["generation_kwargs"]["until"] == ["\n"]
@@ -164,7 +200,7 @@ def test_the_perplexity_task_agrees_with_pretrain_eval_on_the_same_tokens(evalua
     eval` scores a prepared validation split holding a newline, the text and EOS, in windows of 512
     + 1 tokens. Both predict the text's 1,024 tokens with the same contexts, but for the first window's
     first token (EOS there, the newline here)."""
-    _, written, _ = evaluated
+    _, written, _, _ = evaluated
     _, text = tasks
     tokenizer = Tokenizer.load(tokenizer_dir)
     newline = tokenizer.encode("\n")
