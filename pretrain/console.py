@@ -28,6 +28,9 @@ DEEPSPEED_CHATTER = (
 )
 # print()ed by DeepSpeed when a rank opens its process group on CPU.
 PRINTED_CHATTER = ("built successfully",)
+# Written to file descriptor 2 by torch.profiler's C++ side (Kineto) as it starts and stops, with
+# no log level that holds them back.
+PROFILER_CHATTER = ("USDT:", "STAGE:")
 
 
 def verbose() -> bool:
@@ -104,3 +107,29 @@ def silenced_stdout() -> Iterator[None]:
     sink = sys.stderr if verbose() else io.StringIO()
     with contextlib.redirect_stdout(sink):
         yield
+
+
+@contextlib.contextmanager
+def without_native_chatter(chatter: tuple[str, ...] = PROFILER_CHATTER) -> Iterator[None]:
+    """Hold what reaches file descriptor 2 inside (C++ libraries write there directly, past
+    `sys.stderr`); pass on every line but those starting with one of `chatter`, once the block ends."""
+    if verbose():
+        yield
+        return
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(chatter):
+                    sys.stderr.write(line)
+            sys.stderr.flush()

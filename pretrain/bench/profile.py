@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pretrain.bench.train import BenchSettings, check_settings, deepspeed_json, load_run_config, what_ran
+from pretrain.console import without_native_chatter
 from pretrain.errors import UserError
 
 CATEGORIES = ("matmul", "attention", "norm", "elementwise", "optimizer", "communication", "other")
@@ -276,7 +277,7 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
     plan = schedule(wait=settings.warmup - warm, warmup=warm, active=settings.steps, repeat=1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     times = []
-    with profile(activities=activities, schedule=plan) as prof:
+    with without_native_chatter(), profile(activities=activities, schedule=plan) as prof:
         for index in range(settings.warmup + settings.steps):
             sync()
             start = time.perf_counter()

@@ -53,6 +53,9 @@ def test_bench_profile_summarises_the_training_step(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout)  # stdout holds the result alone (DeepSpeed's chatter is on stderr)
+    assert (
+        "USDT:" not in result.stderr and "STAGE:" not in result.stderr
+    )  # the profiler's C++ notes (issue 29)
     assert r["config"] == "tiny" and r["device"] == "cpu" and r["timeline"] == "cpu"
     assert (r["seq_len"], r["micro_batch_size"], r["warmup"], r["steps"]) == (512, 2, 1, 1)
     assert r["zero_stage"] == 1 and r["dtype"] == "bf16" and r["compile"] is False
