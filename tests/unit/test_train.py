@@ -171,3 +171,37 @@ def test_layer_groups_of_a_classifier_are_those_of_its_backbone():
     assert set(norms) == {"embeddings", "layers.0", "layers.1", "head"}
     total = math.sqrt(sum(p.grad.pow(2).sum().item() for p in model.parameters() if p.grad is not None))
     assert math.sqrt(sum(v * v for v in norms.values())) == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize("masking", [True, False])
+def test_document_masking_reaches_the_model_in_training_and_evaluation(
+    tmp_path, train_data, monkeypatch, masking
+):
+    """`data.document_masking=true`: every forward of the loop, training and held-out evaluation
+    alike, gets the batch's `document_ids`, computed from the EOS positions of its own tokens; off,
+    none does (the plain causal path)."""
+    from pretrain.data import read_manifest
+    from pretrain.data.loader import document_ids
+    from pretrain.model import Transformer
+
+    calls = []
+    forward = Transformer.forward
+
+    def spy(self, tokens, targets=None, document_ids=None, **kwargs):
+        calls.append((self.training, tokens.clone(), document_ids))
+        return forward(self, tokens, targets, document_ids, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    cfg = config(tmp_path, train_data, "train.steps=2", "eval.every=2", "checkpoint.every=2",
+                 f"data.document_masking={str(masking).lower()}")  # fmt: skip
+    pretraining_trainer(cfg).train()
+    training, evaluation = [c for c in calls if c[0]], [c for c in calls if not c[0]]
+    assert len(training) >= 2 and evaluation  # 2 steps' micro-batches; the baseline's and step 2's evaluation
+    eos = read_manifest(train_data)["tokenizer"]["eos_id"]
+    for _, tokens, ids in training + evaluation:
+        if masking:
+            assert ids is not None and torch.equal(ids, document_ids(tokens, eos))
+        else:
+            assert ids is None
+    if masking:  # the corpus's windows hold several documents: the ids are not all one document
+        assert any(ids.max() > ids.min() for _, _, ids in training + evaluation)
