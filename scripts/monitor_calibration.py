@@ -20,6 +20,7 @@ under it, 2 DeepSpeed processes), so its events.jsonl holds what the monitor dec
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -126,14 +127,25 @@ def faults(args) -> None:
 
 
 def _step_times(run_dir: Path, skip: int = 10) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/step_time"] for r in rows if r["step"] > skip]
+    """Each whole step's wall time, monitor work included: the time between the TensorBoard
+    records of consecutive steps (`logging.every=1`). `train/step_time` would not do: it ends at
+    the step's all-reduce, before the step reports to the monitor and acts on its answers."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pretrain.metrics import tensorboard_dir
+
+    board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
+    board.Reload()
+    events = board.Scalars("train/loss")
+    pairs = itertools.pairwise(events)
+    return [b.wall_time - a.wall_time for a, b in pairs if b.step == a.step + 1 and a.step >= skip]
 
 
 def overhead(args) -> None:
     """The real loop's cost of the monitor: the same job under `pretrain launch` (service and
     supervisor, monitor.enabled=true) and under the DeepSpeed launcher alone with
-    monitor.enabled=false, alternated; the ratio of their median step times."""
+    monitor.enabled=false, alternated; the ratio of their median step times (whole steps, from one
+    step's record to the next: `_step_times`)."""
     import statistics
 
     from pretrain.distributed import free_port
@@ -143,7 +155,7 @@ def overhead(args) -> None:
     path, vocab = CONFIGS[args.config]
     data = out / "corpora" / f"{args.kind}-{vocab}" / "data"
     common = [f"data.dir={data}", f"model.vocab_size={vocab}", "checkpoint.resume=fresh", f"train.steps={args.steps}",
-              "eval.every=0", f"checkpoint.every={args.steps}"]  # fmt: skip
+              "eval.every=0", f"checkpoint.every={args.steps}", "logging.every=1"]  # fmt: skip
     medians = {"with": [], "without": []}
     for pair in range(args.pairs):
         for kind in ("with", "without") if pair % 2 == 0 else ("without", "with"):

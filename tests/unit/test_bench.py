@@ -126,3 +126,28 @@ def test_bench_masking_times_both_arms_on_the_same_model(capsys):
     assert result["masked_over_unmasked"] == result["step_seconds_masked"] / result["step_seconds_unmasked"]
     assert 2 <= result["documents_per_window"] <= 12  # ~128 / 32 documents, packed
     assert "masked / unmasked" in capsys.readouterr().out
+
+
+def test_the_calibrations_step_times_are_whole_steps_monitor_work_included(tmp_path):
+    """scripts/monitor_calibration.py overhead: a step's time runs from its record to the next
+    step's, so the monitor's work between them counts; `train/step_time` (which ends before it)
+    is not what is read. Steps before `skip` and gaps (a step missing) are left out."""
+    import importlib.util
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from pretrain.config import REPO_CONFIG_DIR
+    from pretrain.metrics import tensorboard_dir
+
+    script = REPO_CONFIG_DIR.parent / "scripts" / "monitor_calibration.py"
+    spec = importlib.util.spec_from_file_location("monitor_calibration", script)
+    calibration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibration)
+    run_dir = tmp_path / "run"
+    writer = SummaryWriter(str(tensorboard_dir(run_dir)))
+    walls = {1: 100.0, 2: 100.5, 3: 101.25, 4: 102.0, 6: 103.0, 7: 103.25}  # (step 5 not logged)
+    for step, wall in walls.items():
+        writer.add_scalar("train/loss", 1.0, step, walltime=wall)
+        writer.add_scalar("train/step_time", 0.01, step, walltime=wall)
+    writer.close()
+    assert calibration._step_times(run_dir, skip=2) == [0.75, 0.75, 0.25]
