@@ -78,6 +78,8 @@ class FaultInjector:
             None
         ]
         if target is None:
+            print(f"faults: {tag} holds no optimizer file of rank 0 to corrupt (faults.corrupt_checkpoint_step)",
+                  file=sys.stderr, flush=True)  # fmt: skip
             return
         data = bytearray(target.read_bytes())
         middle = len(data) // 2

@@ -27,6 +27,10 @@ from pretrain.train.loop import Trainer
 ONE_PROCESS = DistEnv(rank=0, local_rank=0, world_size=1)
 
 
+# Named as DeepSpeed's ZeRO optimizer file of rank 0 is, which faults.corrupt_checkpoint_step changes.
+OPTIMIZER_FILE = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
 class FakeEngine:
     """Forward, backward scaled by the accumulation steps, a step that clips and skips a step
     with non-finite gradients (as DeepSpeed's bf16 overflow check does), and save/load of the
@@ -90,7 +94,7 @@ class FakeEngine:
         directory = Path(save_dir) / tag
         directory.mkdir(parents=True, exist_ok=True)
         save_model(self.module, str(directory / "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
         counters = {
             "micro_steps": self.micro_steps,
             "global_steps": self.global_steps,
@@ -104,7 +108,7 @@ class FakeEngine:
     ):
         directory = Path(load_dir) / tag
         load_model(self.module, str(directory / "model.safetensors"), strict=load_module_strict)
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
         counters = json.loads((directory / "engine.json").read_text())
         self.micro_steps, self.global_steps = counters["micro_steps"], counters["global_steps"]
         return str(directory), {}

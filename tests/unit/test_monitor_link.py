@@ -2,6 +2,7 @@
 with the real service (its HTTP server on a thread here; as its own process in the integration
 tier) ordering a rollback, which the trainer applies, or a stop."""
 
+import contextlib
 import json
 import threading
 import time
@@ -205,3 +206,54 @@ def test_without_a_service_the_run_goes_on_and_never_applies_a_nan(tmp_path, tra
     steps = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
     assert math.isnan(steps[2]["train/loss"]) and steps[4]["train/skipped_steps"] == 1  # the step was skipped
     assert all(torch.isfinite(p).all() for p in trainer.engine.module.parameters())
+
+
+@contextlib.contextmanager
+def service_with(run_dir, **settings):
+    """The monitoring service for `run_dir` with these monitor settings, on a thread."""
+    server, state = serve(run_dir, MonitorConfig(warmup=4, window=16, **settings))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_rollback_with_no_intact_checkpoint_is_cancelled_by_the_trainer_and_the_run_goes_on(
+    tmp_path, train_data, capsys
+):
+    """The service picks step_00000005 (complete by its sizes); the trainer finds its files changed
+    (faults.corrupt_checkpoint_step), sets it aside, has nothing older, cancels with the reason,
+    and trains on; the service records the decision as cancelled, not as a rollback."""
+    with service_with(tmp_path) as service:
+        summary = pretraining_trainer(config(tmp_path, train_data, "train.steps=10", "checkpoint.every=5",
+                                             "faults.corrupt_checkpoint_step=6", "faults.spike_steps=[7]")).train()  # fmt: skip
+        status = service.status()
+    assert summary["completed"] and summary["step"] == 10 and summary["rollbacks"] == 0
+    assert "no intact checkpoint at or before step_00000005: rollback cancelled" in capsys.readouterr().out
+    log = read_events(tmp_path)
+    assert [e["type"] for e in log if e["type"] not in ("step", "warning")] == [
+        "rollback", "checkpoint_corrupt", "rollback_cancelled"
+    ]  # fmt: skip
+    (cancelled,) = [e for e in log if e["type"] == "rollback_cancelled"]
+    assert cancelled["tag"] == "step_00000005" and cancelled["decided_at"] == 7
+    assert status["rollbacks"] == [] and [c["decision"] for c in status["rollbacks_cancelled"]] == [
+        cancelled["decision"]
+    ]
+    assert [e["step"] for e in log if e["type"] == "step"] == list(range(1, 11))  # nothing trained twice
+
+
+def test_a_finding_answered_with_stop_ends_the_run_at_once_without_saving_the_refused_state(
+    tmp_path, train_data, capsys
+):
+    """monitor.on_loss_spike=stop: the spike's verdict is the stop; the loop ends at the boundary
+    where it arrives, saves nothing after the refused state, and says why."""
+    with service_with(tmp_path, on_loss_spike="stop"):
+        summary = pretraining_trainer(config(tmp_path, train_data, "train.steps=10", "checkpoint.every=4",
+                                             "faults.spike_steps=[6]", "monitor.on_loss_spike=stop")).train()  # fmt: skip
+    assert not summary["completed"] and summary["stopped_by_monitor"].startswith("loss")
+    assert "stopping the job" in capsys.readouterr().out
+    assert newest_complete(tmp_path) == "step_00000004"
+    assert [e["type"] for e in read_events(tmp_path) if e["type"] == "rollback"] == []
