@@ -28,6 +28,15 @@ from pathlib import Path
 
 from pretrain.wandb_sink import WandbSink, check_available
 
+# The monitor's TensorBoard tags, named here once: the verdict marks (1 at a judged step that was
+# warned about or rolled back, else 0), and each judged series' value, level and threshold.
+MARK_TAGS = ("monitor/rollback", "monitor/warning")
+
+
+def band_tags(series: str) -> tuple[str, str, str]:
+    """The Margin chart's tags of a judged series: its value, its band's level and threshold."""
+    return f"monitor/{series}_in_band", f"monitor/{series}_level", f"monitor/{series}_threshold"
+
 
 class MetricsWriter:
     def __init__(
@@ -76,9 +85,9 @@ class MetricsWriter:
         if self.writer is not None:
             self.writer.add_custom_scalars({
                 "monitor": {
-                    "gradient norm in its band (level .. threshold)": ["Margin", ["monitor/grad_norm_in_band", "monitor/grad_norm_level", "monitor/grad_norm_threshold"]],
-                    "loss in its band (level .. threshold)": ["Margin", ["monitor/loss_in_band", "monitor/loss_level", "monitor/loss_threshold"]],
-                    "rollbacks and warnings (1 at the step judged)": ["Multiline", ["^monitor/rollback$", "^monitor/warning$"]],
+                    "gradient norm in its band (level .. threshold)": ["Margin", list(band_tags("grad_norm"))],
+                    "loss in its band (level .. threshold)": ["Margin", list(band_tags("loss"))],
+                    "rollbacks and warnings (1 at the step judged)": ["Multiline", [f"^{t}$" for t in MARK_TAGS]],
                 }
             })  # fmt: skip
 

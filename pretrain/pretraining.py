@@ -42,7 +42,9 @@ from pretrain.monitor_link import MonitorLink
 from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence, Trainer
+from pretrain.train.monitor_hook import Monitored
 from pretrain.wandb_sink import check_available
 
 
@@ -253,7 +255,9 @@ class LanguageModeling:
     def close(self) -> None:
         self.loader.close()
 
-    pause = close  # before a rollback: stop prefetching; the stream stays at the last batch handed out
+    def pause(self) -> None:
+        """Before a rollback: stop prefetching; the stream stays at the last batch handed out."""
+        self.loader.close()
 
     def finish(self, summary: dict) -> str | None:
         if not summary["completed"]:
@@ -334,6 +338,13 @@ def build_trainer(
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
         + (f" (resumed from {resume.tag})" if resume else "")
     )
+    hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
+    if cfg.logging.data_trace:
+        hooks.append(DataTrace(run_dir, env.rank))
+    if monitor is not None:
+        hooks.append(
+            Monitored(monitor, env, run_dir, engine, task, checkpointer, writer, cfg.monitor.quarantine)
+        )
     cadence = Cadence.of(cfg, cfg.train.steps, cfg.train.stop_at_step)
     schedule = schedule_for(cfg.optim.lr, cfg.train.steps, cfg.schedule, cfg.model.d_model)
     return Trainer(
@@ -347,12 +358,9 @@ def build_trainer(
         grad_accum=plan.grad_accum,
         writer=writer,
         checkpointer=checkpointer,
-        faults=FaultInjector(cfg.faults, run_dir, env.rank),
-        monitor=monitor,
+        hooks=hooks,
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
         peak_flops=cfg.engine.peak_flops or current_device_peak_flops(),
-        data_trace=cfg.logging.data_trace,
-        quarantine=cfg.monitor.quarantine,
         state=state,
         summary={"world_size": env.world_size, "zero_stage": zero},
     )

@@ -13,11 +13,10 @@ import torch
 from pretrain.checkpoint import resolve_resume
 from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
 from pretrain.classifier import SequenceClassifier
-from pretrain.config import FaultsConfig, FinetuneConfig, config_hash, to_yaml
+from pretrain.config import FinetuneConfig, config_hash, to_yaml
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
 from pretrain.errors import UserError
-from pretrain.faults import FaultInjector
 from pretrain.finetune.data import Examples, load_examples, padding_id
 from pretrain.finetune.initial import Initial, find_initial
 from pretrain.finetune.tasks import SFT, Classification
@@ -26,6 +25,7 @@ from pretrain.metrics import MetricsWriter
 from pretrain.run_dir import model_identity, owned
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import sha256_file
+from pretrain.train.hooks import DataTrace
 from pretrain.train.loop import Cadence, Trainer
 from pretrain.wandb_sink import check_available
 
@@ -152,8 +152,7 @@ def build_trainer(
         grad_accum=plan.grad_accum,
         writer=writer,
         checkpointer=checkpointer,
-        faults=FaultInjector(FaultsConfig(), run_dir, env.rank),  # fine-tuning injects no faults
-        data_trace=cfg.logging.data_trace,
+        hooks=[DataTrace(run_dir, env.rank)] if cfg.logging.data_trace else [],  # (no faults, no monitor)
         state=state,
         summary=summary,
     )

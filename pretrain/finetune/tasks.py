@@ -56,32 +56,11 @@ class FinetuneTask:
     def served(self) -> list:
         return list(self.last)
 
-    def scalars(self) -> dict[str, float]:
-        return {}
-
-    def windows_of(self, state: dict) -> list[tuple[int, int]]:
-        return []  # (examples, not windows: the data trace names them)
-
-    def evidence(self, windows: list[int]) -> dict:
-        return {}
-
-    def quarantine(self, entries: list[tuple[int, int]]) -> None:
-        pass
-
     def state_dict(self) -> dict:
         return {"examples": self.examples}
 
     def load_state_dict(self, state: dict) -> None:
         self.examples = state["examples"]
-
-    def probe(self, engine, step: int) -> np.ndarray | None:
-        return None
-
-    def samples(self, engine, step: int) -> list[tuple[str, str]]:
-        return []
-
-    def close(self) -> None:
-        pass
 
     def _mine(self) -> list[int]:
         """This rank's share of the validation examples: rank, rank + world, ..."""

@@ -187,6 +187,7 @@ def test_a_training_step_synchronizes_with_the_host_once(tmp_path, train_data, m
     loop's own code (data, model, loss, the step's numbers) may do so once per step: its one read
     (tests/unit/test_host_reads.py counts the reads on CPU)."""
     from pretrain.config import load_config
+    from pretrain.train.hooks import StepHook
     from tests.helpers import FAST, TINY
     from tests.unit.fakes import pretraining_trainer
 
@@ -195,11 +196,10 @@ def test_a_training_step_synchronizes_with_the_host_once(tmp_path, train_data, m
     trainer = pretraining_trainer(cfg, device="cuda")
     syncs: list[tuple[int, str]] = []
     step_now = [0]
-    before_step = trainer.faults.before_step
 
-    def mark(step):
-        step_now[0] = step
-        before_step(step)
+    class Mark(StepHook):
+        def before_step(self, step):
+            step_now[0] = step
 
     def record(message, category, *args, **kwargs):
         where = synchronizing_caller()
@@ -207,7 +207,7 @@ def test_a_training_step_synchronizes_with_the_host_once(tmp_path, train_data, m
         if on_the_loop and where is not None and "synchroniz" in str(message):
             syncs.append((step_now[0], where))
 
-    trainer.faults.before_step = mark
+    trainer.hooks.insert(0, Mark())
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record

@@ -17,6 +17,7 @@ import pretrain
 from monitoring.protocol import read_events
 from monitoring.service import serve
 from pretrain.config import MonitorConfig, load_config
+from pretrain.train.hooks import StepHook
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
 
@@ -58,13 +59,12 @@ def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
                              "checkpoint.every=6", "eval.every=0", "monitor.enabled=true"])  # fmt: skip
     trainer = pretraining_trainer(cfg)
     began: dict[int, int] = {}  # step → reads made before it began
-    before_step = trainer.faults.before_step
 
-    def mark(step):
-        began[step] = len(host_reads)
-        before_step(step)
+    class Mark(StepHook):  # (first: before any other hook's work of the step)
+        def before_step(self, step):
+            began[step] = len(host_reads)
 
-    trainer.faults.before_step = mark
+    trainer.hooks.insert(0, Mark())
     try:
         trainer.train()
     finally:

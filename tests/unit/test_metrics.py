@@ -11,13 +11,14 @@ from monitoring.service import MonitorState
 from pretrain.config import MonitorConfig, load_config
 from pretrain.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
-from pretrain.train.loop import Trainer, run_history
+from pretrain.train.loop import run_history
+from pretrain.train.monitor_hook import Monitored
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
 
 
 class Judged:
-    """The monitor link as `Trainer.chart_verdicts` uses it: the service's answers since the last call."""
+    """The monitor link as `Monitored.chart_verdicts` uses it: the service's answers since the last call."""
 
     def __init__(self):
         self.answers = []
@@ -27,11 +28,10 @@ class Judged:
         return answers
 
 
-def charting_trainer(run_dir, writer, monitor) -> Trainer:
-    """A trainer with only what charting the monitor's verdicts uses."""
-    return Trainer(env=None, run_dir=run_dir, engine=None, optimizer=None, task=None, cadence=None,
-                   lr_at=None, grad_accum=1, writer=writer, checkpointer=None, faults=None,
-                   monitor=monitor)  # fmt: skip
+def charting_hook(run_dir, writer, monitor) -> Monitored:
+    """The monitor's step hook with only what charting the verdicts uses."""
+    return Monitored(link=monitor, env=None, run_dir=run_dir, engine=None, task=None, checkpointer=None,
+                     writer=writer)  # fmt: skip
 
 
 def board(run_dir):
@@ -51,7 +51,7 @@ def test_every_margin_chart_has_its_value_and_band_at_the_same_steps(tmp_path):
     service, monitor = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16)), Judged()
     writer = MetricsWriter(tmp_path, 10, enabled=True)
     writer.band_layout()
-    trainer = charting_trainer(tmp_path, writer, monitor)
+    hook = charting_hook(tmp_path, writer, monitor)
     # The losses reported between two step boundaries; after step 9, a rollback to 6: 7.. run again.
     boundaries = [{step: 3.0 - 0.01 * step for step in range(1, 6)},
                   {6: 2.94, 7: 2.93, 8: float("nan"), 9: 2.91},
@@ -60,7 +60,7 @@ def test_every_margin_chart_has_its_value_and_band_at_the_same_steps(tmp_path):
         for step, loss in losses.items():
             metrics = StepMetrics(step, loss, 1.0 + 0.01 * step, 1e-3, 0.1, 100 * step)
             monitor.answers.append(service.handle_metrics(metrics))
-        trainer.chart_verdicts()
+        hook.chart_verdicts()
     writer.close()
     events = board(tmp_path)
     layout = layout_pb2.Layout()

@@ -205,3 +205,34 @@ def test_document_masking_reaches_the_model_in_training_and_evaluation(
             assert ids is None
     if masking:  # the corpus's windows hold several documents: the ids are not all one document
         assert any(ids.max() > ids.min() for _, _, ids in training + evaluation)
+
+
+def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_unsaved(tmp_path, train_data):
+    """The hook interface as a new component uses it: its vote comes back summed over ranks (one
+    rank here) at the boundary of the same step, hooks run in order, and a `Stop` before a
+    checkpoint ends the run there with nothing saved after the refused state."""
+    from pretrain.train.hooks import CONTINUE, StepHook, Stop
+
+    seen = []
+
+    class Counting(StepHook):
+        def vote(self):
+            return 2.5
+
+        def after_step(self, step, metrics, served, vote):
+            seen.append(("after", step, vote, metrics["train/loss"] is not None))
+            return CONTINUE
+
+        def before_checkpoint(self, step, stopping, last):
+            seen.append(("checkpoint", step))
+            return Stop("enough") if step == 4 else CONTINUE
+
+    trainer = pretraining_trainer(
+        config(tmp_path, train_data, "train.steps=6", "checkpoint.every=2", "eval.every=0")
+    )
+    trainer.hooks.append(Counting())
+    summary = trainer.train()
+    assert seen == [("after", 1, 2.5, True), ("after", 2, 2.5, True), ("checkpoint", 2),
+                    ("after", 3, 2.5, True), ("after", 4, 2.5, True), ("checkpoint", 4)]  # fmt: skip
+    assert not summary["completed"] and summary["step"] == 4 and summary["stopped_by_monitor"] == "enough"
+    assert newest_complete(tmp_path) == "step_00000002"  # step 4 was refused: never saved

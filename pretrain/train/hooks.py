@@ -1,0 +1,114 @@
+"""The loop's step hooks: what happens at the boundaries of every optimizer step besides the step
+itself, each a small object that owns its state (docs/architecture.md). `Trainer` calls every hook,
+in the order it was given them, at these points:
+
+    open(stack)                 once, as training starts (what it opens, it closes on `stack`)
+    before_step(step)           before the step's first micro-batch
+    loss(step, loss) -> loss    each micro-batch's loss, before its backward pass
+    vote() -> float             its value in the step's one all-reduce (summed over ranks)
+    after_step(step, metrics, served, vote) -> Answer
+                                the step is logged; `vote` is the sum of every rank's vote
+    before_checkpoint(step, stopping, last) -> Answer
+                                a checkpoint is due (`stopping`: the ranks agreed to stop after it)
+    close()                     as training ends, also on an error
+
+A hook answers `CONTINUE`, `Rewind(state)` (it put the weights and the data back at an earlier
+step: the loop goes on from there) or `Stop(reason)` (the run must not go on: nothing after this
+state is saved). The first answer other than `CONTINUE` ends that boundary; the hooks after the
+one that gave it are not called there. `StepHook`'s methods do nothing: a hook overrides those it
+needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from pretrain.checkpoint.checkpointer import TrainState
+from pretrain.faults import FaultInjector
+
+
+class Answer:
+    """What a hook says at a step boundary: go on (`CONTINUE`), `Rewind` or `Stop`."""
+
+
+CONTINUE = Answer()
+
+
+@dataclass(frozen=True)
+class Rewind(Answer):
+    state: TrainState  # where the loop goes on from (the step, tokens and lr scale of a checkpoint)
+
+
+@dataclass(frozen=True)
+class Stop(Answer):
+    reason: str
+
+
+class StepHook:
+    """A component the loop calls at its step boundaries; every method here does nothing."""
+
+    def open(self, stack: contextlib.ExitStack) -> None:
+        pass
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def vote(self) -> float:
+        return 0.0
+
+    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
+        return CONTINUE
+
+    def before_checkpoint(self, step: int, stopping: bool, last: bool) -> Answer:
+        return CONTINUE
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class InjectedFaults(StepHook):
+    """`faults.*`: spikes and NaNs in the loss, killed and hung ranks, a corrupted checkpoint, each
+    fired once (`pretrain/faults.py` holds what fires when)."""
+
+    faults: FaultInjector
+
+    def before_step(self, step: int) -> None:
+        self.faults.before_step(step)
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return self.faults.apply(step, loss)
+
+    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
+        self.faults.mark_fired(step)
+        return CONTINUE
+
+
+@dataclass
+class DataTrace(StepHook):
+    """`logging.data_trace`: RUN_DIR/data_trace/rank_NNNNN.jsonl, the windows (or examples) this
+    rank trained on at each step, one line per step; a step trained again after a rollback or a
+    restart appends another line."""
+
+    run_dir: Path
+    rank: int
+    file: TextIO | None = None
+
+    def open(self, stack: contextlib.ExitStack) -> None:
+        directory = Path(self.run_dir) / "data_trace"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"rank_{self.rank:05d}.jsonl"
+        self.file = stack.enter_context(open(path, "a", buffering=1))  # noqa: SIM115 (closed by the stack)
+
+    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
+        self.file.write(json.dumps({"step": step, "windows": served}) + "\n")
+        return CONTINUE
