@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pretrain.config import RunConfig, TrainConfig, config_dir
+from pretrain.config import EngineConfig, OptimConfig, RunSection, TrainConfig, config_dir
 from pretrain.distributed import DistEnv, configure_determinism, init_distributed
 from pretrain.errors import ConfigError
 
@@ -67,10 +67,11 @@ def resolve_deepspeed_path(path: str) -> Path:
     raise ConfigError(f"engine.deepspeed_config={path}: no such file; use one of configs/deepspeed/*.json")
 
 
-def deepspeed_config(cfg: RunConfig, plan: BatchPlan) -> dict[str, Any]:
-    """The run's DeepSpeed JSON with the derived batch sizes and clipping written in; explicit
-    values that disagree with the run config are an error, not silently overridden."""
-    path = resolve_deepspeed_path(cfg.engine.deepspeed_config)
+def deepspeed_config(engine: EngineConfig, grad_clip: float, plan: BatchPlan) -> dict[str, Any]:
+    """The run's DeepSpeed JSON (`engine.deepspeed_config`) with the derived batch sizes and
+    clipping (`train.grad_clip`) written in; explicit values that disagree with the run config are
+    an error, not silently overridden."""
+    path = resolve_deepspeed_path(engine.deepspeed_config)
     try:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -81,7 +82,7 @@ def deepspeed_config(cfg: RunConfig, plan: BatchPlan) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
         "train_batch_size": plan.global_batch_size,
-        "gradient_clipping": cfg.train.grad_clip,
+        "gradient_clipping": grad_clip,
     }
     for key, value in derived.items():
         given = ds.get(key, "auto")
@@ -129,12 +130,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def make_optimizer(
-    model: nn.Module, cfg: RunConfig, ds: dict[str, Any], on_gpu: bool | None = None
+    model: nn.Module, optim: OptimConfig, ds: dict[str, Any], on_gpu: bool | None = None
 ) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam when ZeRO offloads the optimizer, its fused Adam on GPUs, torch's AdamW
     on CPU. `on_gpu`: where the parameters will train (default: on a GPU when there is one)."""
-    groups = param_groups(model, cfg.optim.weight_decay)
-    kwargs = {"lr": cfg.optim.lr, "betas": (cfg.optim.beta1, cfg.optim.beta2), "eps": cfg.optim.eps}
+    groups = param_groups(model, optim.weight_decay)
+    kwargs = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
     if _offloads_optimizer(ds):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -163,30 +164,33 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def connect(cfg: RunConfig, env: DistEnv) -> None:
-    """Every rank, once the input is checked: determinism settings, then the process group."""
-    configure_determinism(cfg.run.deterministic)
+def set_determinism_and_connect(run: RunSection, env: DistEnv) -> None:
+    """Every rank, once the input is checked: determinism settings (`run.deterministic`), then the
+    process group."""
+    configure_determinism(run.deterministic)
     init_distributed(env)
 
 
-def build(cfg: RunConfig, make_model: Callable[[], nn.Module], ds: dict[str, Any]):
-    """Every rank: the model (built after seeding, so every rank builds the same one) in its
-    engine; returns (engine, optimizer)."""
-    torch.manual_seed(cfg.run.seed)
-    return initialize(make_model(), cfg, ds)
+def build(
+    run: RunSection, engine: EngineConfig, optim: OptimConfig, make_model: Callable[[], nn.Module], ds: dict[str, Any]
+):  # fmt: skip
+    """Every rank: the model (built after seeding with `run.seed`, so every rank builds the same
+    one) in its engine; returns (engine, optimizer)."""
+    torch.manual_seed(run.seed)
+    return initialize(make_model(), engine, optim, ds)
 
 
-def initialize(model: nn.Module, cfg: RunConfig, ds: dict[str, Any]):
-    """Wrap the model in a DeepSpeed engine; returns (engine, optimizer)."""
+def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: dict[str, Any]):
+    """Wrap the model in a DeepSpeed engine, as `engine` says; returns (engine, optimizer)."""
     import deepspeed
 
-    if cfg.engine.activation_checkpointing:
+    if engine.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if cfg.engine.compile:
+    if engine.compile:
         compile_blocks(model)
-    optimizer = make_optimizer(model, cfg, ds)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
-    return engine, optimizer
+    optimizer = make_optimizer(model, optim, ds)
+    wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    return wrapped, optimizer
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

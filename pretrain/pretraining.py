@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,27 +18,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from monitoring.protocol import SUMMARY_FILE
-from pretrain import atomic
 from pretrain.checkpoint import resolve_resume
-from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState
 from pretrain.config import RunConfig, config_hash, to_yaml
 from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import check_tokenizer, fingerprint
 from pretrain.data.stream import split_windows
-from pretrain.distributed import DistEnv, barrier
-from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
+from pretrain.distributed import DistEnv
+from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, continuations, validation_loss
 from pretrain.faults import FaultInjector
 from pretrain.flops import current_device_peak_flops, describe_model, flops_per_token
-from pretrain.lifeline import watch_supervisor
 from pretrain.metrics import MetricsWriter
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
-from pretrain.run_dir import model_identity, owned
+from pretrain.run_builder import RunPlan, run
+from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import MODEL_FILE, Tokenizer
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
@@ -69,7 +66,7 @@ def preflight(cfg: RunConfig, world_size: int) -> Checked:
             raise UserError(
                 f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
             )
-    ds_config = deepspeed_config(cfg, plan)
+    ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
     manifests = check_data(cfg, world_size)
     resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
     identity = model_identity(cfg.model) | {
@@ -267,40 +264,17 @@ class LanguageModeling:
 
 def pretrain(cfg: RunConfig) -> dict:
     """Train as `cfg` says, on every rank the launcher started; returns the run's summary."""
-    watch_supervisor(cfg.run.dir)
-    env = DistEnv.from_environ()
-    checked = preflight(cfg, env.world_size)  # all bad input is found here
-    with owned(
-        cfg.run.dir, env.is_main, checked.identity, asdict(cfg), cfg.checkpoint.resume
-    ) as resume_setting:
-        connect(cfg, env)
-        resume = choose_resume(cfg.run.dir, resume_setting, env)
-        if resume is not None and resume.state.step >= cfg.train.steps:
-            return already_complete(cfg, env, resume)
-        ds_config = resume.deepspeed_config(checked.ds_config) if resume else checked.ds_config
-        engine, optimizer = build(cfg, lambda: Transformer(cfg.model), ds_config)
-        trainer = build_trainer(
-            cfg, env, engine, optimizer, checked.plan, checked.data_dir, resume, zero_stage(ds_config)
-        )
-        return trainer.train()
 
+    def check(env: DistEnv) -> RunPlan:
+        checked = preflight(cfg, env.world_size)  # all bad input is found here
 
-def already_complete(cfg: RunConfig, env: DistEnv, resume: Resume) -> dict:
-    """The run's last step is trained and saved: say so, train and evaluate nothing, and exit 0.
-    Rank 0 writes the summary again (the same, marked complete) for the supervisor to see."""
-    summary_path = Path(cfg.run.dir) / SUMMARY_FILE
-    try:
-        summary = json.loads(summary_path.read_text())
-    except (OSError, ValueError):
-        summary = {}
-    state = resume.state
-    summary |= {"step": state.step, "tokens": summary.get("tokens", state.tokens), "completed": True}
-    if env.is_main:
-        atomic.write_json(summary_path, summary)
-        print(f"the run in {cfg.run.dir} is already complete: step {state.step} of {cfg.train.steps} is "
-              f"saved ({resume.tag}); nothing to train (raise train.steps to train further)", flush=True)  # fmt: skip
-    barrier()
-    return summary
+        def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
+            return build_trainer(cfg, env, engine, optimizer, checked.plan, checked.data_dir, resume, zero)
+
+        return RunPlan(cfg.run, cfg.checkpoint, cfg.engine, cfg.optim, cfg.train.steps, checked.identity,
+                       asdict(cfg), checked.ds_config, lambda: Transformer(cfg.model), make_trainer)  # fmt: skip
+
+    return run(cfg.run.dir, check)
 
 
 def build_trainer(

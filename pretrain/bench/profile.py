@@ -260,7 +260,10 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     torch.manual_seed(cfg.run.seed)
     engine, _ = initialize(
-        Transformer(cfg.model), cfg, deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size)
+        Transformer(cfg.model),
+        cfg.engine,
+        cfg.optim,
+        deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size),
     )
     batch = torch.randint(
         0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device

@@ -241,8 +241,8 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     batch = torch.randint(
         0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device
     )
-    ours_engine, _ = initialize(ours, cfg, dict(ds))
-    hf_engine, _ = initialize(_HFBlocks(hf), cfg, dict(ds))
+    ours_engine, _ = initialize(ours, cfg.engine, cfg.optim, dict(ds))
+    hf_engine, _ = initialize(_HFBlocks(hf), cfg.engine, cfg.optim, dict(ds))
     contenders = [
         Contender("ours", ours_engine, lambda e, x, y: e(x, y).loss, batch),
         Contender("hf", hf_engine, lambda e, x, y: e(input_ids=x, labels=y, shift_labels=y).loss, batch),

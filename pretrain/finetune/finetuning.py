@@ -11,18 +11,18 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import resolve_resume
-from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState
 from pretrain.classifier import SequenceClassifier
 from pretrain.config import FinetuneConfig, config_hash, to_yaml
 from pretrain.distributed import DistEnv
-from pretrain.engine import BatchPlan, build, connect, deepspeed_config, plan_batches, zero_stage
+from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.finetune.data import Examples, load_examples, padding_id
 from pretrain.finetune.initial import Initial, find_initial
 from pretrain.finetune.tasks import SFT, Classification
-from pretrain.lifeline import watch_supervisor
 from pretrain.metrics import MetricsWriter
-from pretrain.run_dir import model_identity, owned
+from pretrain.run_builder import RunPlan, run
+from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import sha256_file
 from pretrain.train.hooks import DataTrace
@@ -81,20 +81,20 @@ def identity(cfg: FinetuneConfig, inputs: Inputs) -> dict:
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
-    watch_supervisor(cfg.run.dir)
-    env = DistEnv.from_environ()
-    plan = plan_batches(cfg.train, 0, env.world_size)
-    ds_config = deepspeed_config(cfg, plan)
-    inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
-    resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
-    with owned(
-        cfg.run.dir, env.is_main, identity(cfg, inputs), asdict(cfg), cfg.checkpoint.resume
-    ) as resume_setting:
-        connect(cfg, env)
-        resume = choose_resume(cfg.run.dir, resume_setting, env)
-        ds_config = resume.deepspeed_config(ds_config) if resume else ds_config
-        engine, optimizer = build(cfg, inputs.model, ds_config)
-        return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero_stage(ds_config)).train()
+
+    def check(env: DistEnv) -> RunPlan:
+        plan = plan_batches(cfg.train, 0, env.world_size)
+        ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
+        inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
+        resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
+
+        def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
+            return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero)
+
+        return RunPlan(cfg.run, cfg.checkpoint, cfg.engine, cfg.optim, inputs.steps, identity(cfg, inputs),
+                       asdict(cfg), ds_config, inputs.model, make_trainer)  # fmt: skip
+
+    return run(cfg.run.dir, check)
 
 
 def build_trainer(

@@ -129,9 +129,12 @@ def test_sft_lowers_the_validation_loss_and_the_checkpoint_generates(tmp_path, p
     assert len(table) == 24 and all("completion" in row for row in table)
 
 
-def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncation(tmp_path, pretrained):
+def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncation(
+    tmp_path, pretrained, capsys
+):
     """finetune.init may be an exported Llama directory; labels may be integers; long examples
-    are truncated to finetune.max_length and counted."""
+    are truncated to finetune.max_length and counted. The same command again finds the run
+    complete (the lifecycle pretraining shares: pretrain/run_builder.py) and trains nothing."""
     import datasets
 
     export = subprocess.run([sys.executable, "-m", "pretrain", "export-hf", "--checkpoint", str(pretrained), "--out",
@@ -144,12 +147,18 @@ def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncatio
             row["text"] = " ".join([row["text"]] * 6)  # about 40+ tokens: over max_length
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
     run_dir = tmp_path / "run"
-    code = cli_main(["finetune", "--config", CLASSIFICATION, f"finetune.init={tmp_path / 'hf'}",
-                     f"data.train={tmp_path / 'train.parquet'}", f"data.validation={tmp_path / 'train.parquet'}",
-                     "finetune.max_length=24", f"run.dir={run_dir}", "train.steps=2", *TINY_FT])  # fmt: skip
-    assert code == 0
+    command = ["finetune", "--config", CLASSIFICATION, f"finetune.init={tmp_path / 'hf'}",
+               f"data.train={tmp_path / 'train.parquet'}", f"data.validation={tmp_path / 'train.parquet'}",
+               "finetune.max_length=24", f"run.dir={run_dir}", "train.steps=2", *TINY_FT]  # fmt: skip
+    assert cli_main(command) == 0
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["train_truncated"] == 8 and summary["validation_truncated"] == 8
     run_config = json.loads((run_dir / "checkpoints" / "step_00000002" / "run_config.json").read_text())
     assert run_config["labels"] == [0, 7] and run_config["init_source"].startswith("Hugging Face model")
     assert set(json.loads((run_dir / "eval_results.json").read_text())) >= {"accuracy", "macro_f1"}
+    results = (run_dir / "eval_results.json").read_bytes()
+    capsys.readouterr()
+    assert cli_main(command) == 0
+    again = capsys.readouterr().out
+    assert f"the run in {run_dir} is already complete: step 2 of 2 is saved (step_00000002)" in again
+    assert "fine-tuning (" not in again and (run_dir / "eval_results.json").read_bytes() == results

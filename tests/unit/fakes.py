@@ -125,7 +125,7 @@ def pretraining_trainer(cfg: RunConfig, device: str = "cpu") -> Trainer:
     resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
     model = Transformer(cfg.model).to(device)
-    optimizer = make_optimizer(model, cfg, {}, on_gpu=False)
+    optimizer = make_optimizer(model, cfg.optim, {}, on_gpu=False)
     engine = FakeEngine(model, optimizer, checked.plan.grad_accum, cfg.train.grad_clip)
     return build_trainer(
         cfg, ONE_PROCESS, engine, engine.optimizer, checked.plan, checked.data_dir, resume, zero=0
@@ -142,6 +142,6 @@ def finetuning_trainer(cfg: FinetuneConfig) -> Trainer:
     torch.manual_seed(cfg.run.seed)
     model = inputs.model()
     engine = FakeEngine(
-        model, make_optimizer(model, cfg, {}, on_gpu=False), plan.grad_accum, cfg.train.grad_clip
+        model, make_optimizer(model, cfg.optim, {}, on_gpu=False), plan.grad_accum, cfg.train.grad_clip
     )
     return finetuning.build_trainer(cfg, ONE_PROCESS, engine, engine.optimizer, plan, inputs, resume, zero=0)

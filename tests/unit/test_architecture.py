@@ -150,6 +150,7 @@ NEVER = {
     "pretrain.evaluation": ("pretrain.train",),
     "pretrain.checkpoint": ("pretrain.train",),
     "pretrain.train": ("pretrain.pretraining", "pretrain.finetune"),  # the loop, not what builds it
+    "pretrain.run_builder": ("pretrain.pretraining", "pretrain.finetune"),  # the lifecycle, not a task
     "pretrain.train.hooks": ("pretrain.train.loop",),  # the hooks are testable without the loop
     "pretrain.train.monitor_hook": ("pretrain.train.loop",),
 }

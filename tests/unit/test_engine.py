@@ -29,7 +29,7 @@ def test_batch_plan_and_mismatch():
 def test_shipped_deepspeed_configs_are_completed(name):
     cfg = load_config(TINY, [f"engine.deepspeed_config=configs/deepspeed/{name}.json", "train.grad_clip=0.5"])
     plan = plan_batches(cfg.train, cfg.data.seq_len, world_size=4)
-    ds = deepspeed_config(cfg, plan)
+    ds = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
     assert ds["train_micro_batch_size_per_gpu"] == cfg.train.micro_batch_size
     assert ds["train_batch_size"] == cfg.train.micro_batch_size * cfg.train.grad_accum * 4
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] is True
@@ -42,7 +42,7 @@ def test_deepspeed_json_that_disagrees_is_refused(tmp_path):
         path.write_text(json.dumps(content) if not isinstance(content, str) else content)
         cfg = load_config(TINY, [f"engine.deepspeed_config={path}"])
         with pytest.raises(ConfigError) as info:
-            deepspeed_config(cfg, plan_batches(cfg.train, 512, 2))
+            deepspeed_config(cfg.engine, cfg.train.grad_clip, plan_batches(cfg.train, 512, 2))
         return info.value
 
     assert "train_batch_size=64 disagrees" in str(
@@ -53,7 +53,7 @@ def test_deepspeed_json_that_disagrees_is_refused(tmp_path):
     assert "not valid JSON" in str(with_json("{oops"))
     cfg = load_config(TINY, ["engine.deepspeed_config=configs/deepspeed/nope.json"])
     with pytest.raises(ConfigError, match="no such file"):
-        deepspeed_config(cfg, plan_batches(cfg.train, 512, 1))
+        deepspeed_config(cfg.engine, cfg.train.grad_clip, plan_batches(cfg.train, 512, 1))
 
 
 def test_weight_decay_spares_norms_and_embeddings():
