@@ -83,6 +83,17 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     # 4, 5 and 6 (killed at 5, resumed from 3), then 7 (hung at 8, resumed from 6), ran twice.
     step_events = [e["step"] for e in events(tmp_path) if e["type"] == "step"]
     assert step_events == [1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10]
+    # The mixture's window order survives the restarts: each step trained again after a restart
+    # (4 after the kill, 7 after the hang: their attempts' data traces) got the very windows, on
+    # every rank, that its first attempt got.
+    for rank in (0, 1):
+        lines = (tmp_path / "data_trace" / f"rank_{rank:05d}.jsonl").read_text().splitlines()
+        attempts: dict[int, list] = {}
+        for record in map(json.loads, lines):
+            attempts.setdefault(record["step"], []).append(record["windows"])
+        again = {step: tries for step, tries in attempts.items() if len(tries) > 1}
+        assert sorted(again) == [4, 7] and sorted(attempts) == list(range(1, 11)), (rank, sorted(attempts))
+        assert all(tries[0] == tries[1] for tries in again.values()), (rank, again)
     # DeepSpeed's CPU shared-memory buffers (66 MB per rank, named after the job's rendezvous port)
     # are not left behind, not even by the killed attempts: every rank unlinks its name once the
     # group has started.
