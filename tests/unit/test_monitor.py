@@ -237,3 +237,23 @@ def test_the_default_policy_on_recorded_clean_runs():
         for fault in ("loss x3", "loss x5", "loss x50", "grad x50", "nan"):
             assert injected[fault]["rollback"] == injected[fault]["trials"] > 20, (name, fault)
         assert injected["grad x3"]["rollback"] == 0, name
+
+
+def test_a_slow_divergence_reaches_a_rollback_through_the_services_policy(tmp_path):
+    """`divergence`: no single step stands out of its band, but the loss's moving average rises
+    `divergence_steps` steps in a row; the service's state (what POST /v1/metrics runs) decides a
+    rollback to the newest checkpoint before it, with the finding named, and records it."""
+    from monitoring.protocol import read_events
+    from monitoring.service import MonitorState
+
+    service = MonitorState(tmp_path, MonitorConfig(warmup=4, window=64, divergence_steps=6))
+    fake_checkpoint(tmp_path, 4)
+    answers = [service.handle_metrics(metrics(step, loss=3.0 + 0.001 * (step % 2))) for step in range(1, 9)]
+    rising = [service.handle_metrics(metrics(step, loss=3.0 + 0.004 * (step - 8))) for step in range(9, 16)]
+    assert all(a["action"] == "continue" for a in answers + rising[:5])
+    decided = next(a for a in rising if a["action"] == "rollback")
+    assert decided["tag"] == "step_00000004" and [f["kind"] for f in decided["verdict"]["findings"]] == [
+        "divergence"
+    ]
+    (event,) = [e for e in read_events(tmp_path) if e["type"] == "rollback"]
+    assert event["finding"] == "divergence" and event["target"] == "step_00000004"
