@@ -257,3 +257,26 @@ def test_a_slow_divergence_reaches_a_rollback_through_the_services_policy(tmp_pa
     ]
     (event,) = [e for e in read_events(tmp_path) if e["type"] == "rollback"]
     assert event["finding"] == "divergence" and event["target"] == "step_00000004"
+
+
+def test_a_restart_while_a_rollback_is_pending_cancels_it_and_judging_goes_on(tmp_path):
+    """The service decided a rollback; before the trainer applied it, the job was restarted from a
+    checkpoint (its reports begin again at an earlier step). The decision is cancelled, with the
+    reason, never counted as a rollback, and the resumed steps are judged as usual."""
+    from monitoring.protocol import read_events
+    from monitoring.service import MonitorState
+
+    service = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16))
+    fake_checkpoint(tmp_path, 4)
+    for step in range(1, 8):
+        service.handle_metrics(metrics(step, grad=1.0 + 0.01 * (step % 3)))
+    decided = service.handle_metrics(metrics(8, grad=90.0))
+    assert decided["action"] == "rollback" and service.status()["rollback_pending"] is not None
+    resumed = service.handle_metrics(metrics(5, grad=1.01))  # the restarted job, from step_00000004
+    assert resumed["action"] == "continue" and service.status()["rollback_pending"] is None
+    status = service.status()
+    assert status["rollbacks"] == [] and len(status["rollbacks_cancelled"]) == 1
+    assert "restarted" in status["rollbacks_cancelled"][0]["reason"]
+    cancelled = [e for e in read_events(tmp_path) if e["type"] == "rollback_cancelled"]
+    assert len(cancelled) == 1 and cancelled[0]["decision"] == status["rollbacks_cancelled"][0]["decision"]
+    assert service.handle_metrics(metrics(6, grad=1.02))["verdict"]["level"] == "ok"
