@@ -121,6 +121,31 @@ class MonitorState:
         self.total_steps: int | None = _total_steps(run_dir)  # until the trainer says
         self.started = time.time()
 
+    # ------------------------------------------------------------- what the supervisor asks
+
+    def supervise(self, watch) -> None:
+        """The job runs under a supervisor (`pretrain launch`), whose HangWatch each reported step
+        feeds."""
+        with self.lock:
+            self.watch = watch
+
+    def job_started(self, attempt: int) -> None:
+        """The supervisor started the job (again): the hang watch starts over, /status shows it."""
+        with self.lock:
+            if self.watch is not None:
+                self.watch.start(time.monotonic())
+            self.job = {"attempt": attempt, "state": "running"}
+
+    def overdue(self) -> str | None:
+        """Why the job looks hung (no step for too long), or None."""
+        with self.lock:
+            return self.watch.overdue(time.monotonic()) if self.watch is not None else None
+
+    def last_step(self) -> int | None:
+        """The newest step reported to this process."""
+        with self.lock:
+            return self.policy.last.step if self.policy.last else None
+
     def record_restart(self, event: dict) -> None:
         """A restart of the job; with no step reported to this process yet (the supervisor's step
         is None), it is placed at the last step judged before it, from the run's history."""

@@ -312,7 +312,7 @@ class Supervisor:
         self.server = self.state = None
         if leader:
             self.server, self.state = serve(run_dir, config, base_seed)
-            self.state.watch = HangWatch.from_config(config)
+            self.state.supervise(HangWatch.from_config(config))
 
     # --------------------------------------------------------------------------- the loop
 
@@ -379,9 +379,7 @@ class Supervisor:
     def _start(self, restarts: int) -> Job:
         command = self.make_command() + (["checkpoint.resume=auto"] if restarts else [])
         if self.state is not None:
-            with self.state.lock:
-                self.state.watch.start(time.monotonic())
-                self.state.job = {"attempt": restarts, "state": "running"}
+            self.state.job_started(restarts)
         # The job inherits the run directory's lock (held until its last process is gone) and is
         # told who supervises it: its ranks stop if this process dies (pretrain/lifeline.py).
         env = os.environ | self.job_env | {OWNER_ENV: owner_tag(os.getpid())}
@@ -427,8 +425,7 @@ class Supervisor:
             elif interrupt.count > 1:
                 return "interrupted", job.stop(grace=0)
             if self.state is not None and not interrupt.count:
-                with self.state.lock:
-                    hung = self.state.watch.overdue(time.monotonic())
+                hung = self.state.overdue()
                 if hung and self._completed_since(job.started_at):
                     # The last step is trained and saved; only the processes' exit is slow (a final
                     # evaluation's teardown, a slow process-group shutdown): done, not hung.
@@ -478,8 +475,7 @@ class Supervisor:
         resume = checkpoint.newest_complete(self.run_dir, verify_hashes=False)
         step = None
         if self.state is not None:
-            with self.state.lock:
-                step = self.state.policy.last.step if self.state.policy.last else None
+            step = self.state.last_step()
         event = {"type": "restart", "step": step, "reason": reason, "restart": restarts,
                  "max_restarts": self.config.max_restarts, "resume_from": resume}  # fmt: skip
         self.log(

@@ -185,3 +185,26 @@ def test_the_training_loop_reads_on_one_screen():
     tree = ast.parse((ROOT / "pretrain" / "train" / "loop.py").read_text())
     (train,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train"]
     assert train.end_lineno - train.lineno + 1 <= 60
+
+
+def test_the_supervisor_uses_the_services_public_methods_only():
+    """The supervisor asks the monitoring service's state through its methods (`supervise`,
+    `job_started`, `overdue`, `last_step`, `record_restart`, ...), never by taking its lock or
+    reading and setting its fields: the service keeps its own invariants."""
+    import inspect
+
+    from monitoring.service import MonitorState
+
+    public = {name for name, member in inspect.getmembers(MonitorState, callable) if not name.startswith("_")}
+    used = []
+    for node in ast.walk(ast.parse((ROOT / "monitoring" / "supervisor.py").read_text())):
+        value = getattr(node, "value", None)
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(value, ast.Attribute)
+            and value.attr == "state"
+            and isinstance(value.value, ast.Name)
+            and value.value.id == "self"
+        ):
+            used.append(node.attr)
+    assert used and set(used) <= public, sorted(set(used) - public)
