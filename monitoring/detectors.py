@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from pretrain.config import FINDINGS
+from monitoring.config import FINDINGS
 
 NORMAL_MAD = 1.4826  # MAD × this estimates σ for normally distributed noise
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import collections
 from dataclasses import asdict, dataclass, field
 
+from monitoring.config import RESPONSES, MonitorConfig
 from monitoring.detectors import Detector, Finding
 from monitoring.protocol import CONTINUE, Action, Outcome, StepMetrics
 from pretrain import checkpoint
-from pretrain.config import RESPONSES, MonitorConfig
 
 
 @dataclass

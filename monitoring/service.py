@@ -41,6 +41,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from monitoring.config import MonitorConfig
 from monitoring.page import render_page
 from monitoring.policy import Policy
 from monitoring.protocol import (
@@ -58,7 +59,6 @@ from monitoring.protocol import (
     strict_json,
 )
 from pretrain import atomic
-from pretrain.config import MonitorConfig
 
 
 def ensure_token(run_dir: str | Path) -> str:

@@ -47,10 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from monitoring.config import MonitorConfig
 from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, append_event, monitor_dir
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
-from pretrain.config import MonitorConfig
 from pretrain.errors import ExitCode
 from pretrain.lifeline import clear_rank_records, describe_failure, owner_tag, wait_for_ranks
 from pretrain.run_dir import OWNER_ENV, RunLock

@@ -11,6 +11,7 @@ This module must stay light: no torch, no deepspeed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -23,7 +24,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from monitoring.config import FINDINGS, RESPONSES, MonitorConfig, SettingError, check_choice, check_positive
 from pretrain.errors import ConfigError
+
+__all__ = ["FINDINGS", "RESPONSES", "MonitorConfig"]  # (re-exported: the run config's monitor section)
 
 # Windows shorter than this are allowed only in unit tests of the model itself.
 MIN_PRETRAIN_SEQ_LEN = 512
@@ -31,17 +35,9 @@ MIN_PRETRAIN_SEQ_LEN = 512
 REPO_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}: pick one of those")
-
-
-def _positive(key: str, value: float | int, *, allow_zero: bool = False) -> None:
-    if not math.isfinite(value):
-        raise ConfigError(f"{key}={value} must be a finite number")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}={value} must be {bound}")
+# The range checks every section uses (monitoring's sections raise their own SettingError with them).
+_choice = functools.partial(check_choice, error=ConfigError)
+_positive = functools.partial(check_positive, error=ConfigError)
 
 
 @dataclass
@@ -312,67 +308,6 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _positive("logging.every", self.every)
         _positive("logging.layer_grad_norms_every", self.layer_grad_norms_every, allow_zero=True)
-
-
-FINDINGS = ("nonfinite", "loss_spike", "grad_norm_surge", "divergence", "grad_norm_spike")
-RESPONSES = ("ignore", "warn", "rollback", "stop")  # what a finding may do, least to most drastic
-
-
-@dataclass
-class MonitorConfig:
-    """The monitoring service (`pretrain monitor`) and the trainer's connection to it."""
-
-    enabled: bool = False  # post metrics to the monitoring service and act on its answers
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: the service picks a free port and writes it to RUN_DIR/monitor/endpoint.json
-    timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
-    window: int = 128  # healthy values the spike band is computed over
-    warmup: int = 32  # values seen before spikes are judged
-    grad_norm_sigma: float = 6.0  # band: threshold = median + sigma × 1.4826·MAD of the window
-    loss_sigma: float = 6.0  # the same for the loss
-    min_rel_std: float = (
-        0.02  # floor for the spread, relative to the median (a flat series is not all alarms)
-    )
-    grad_norm_surge_ratio: float = 8.0  # above its threshold and this many times its median: a surge
-    loss_spike_ratio: float = 2.0  # a loss this many times its median is a spike, however wide the band
-    divergence_steps: int = 100  # loss moving average rising this many steps in a row; 0 disables
-    # What each finding does (docs/monitoring.md): ignore | warn | rollback | stop
-    on_nonfinite: str = "rollback"  # a NaN or Inf loss or gradient norm
-    on_loss_spike: str = "rollback"  # the loss above its threshold
-    on_grad_norm_surge: str = "rollback"  # the gradient norm above its threshold and surge_ratio × its median
-    on_divergence: str = "rollback"  # the loss's moving average rising divergence_steps steps in a row
-    on_grad_norm_spike: str = "warn"  # the gradient norm above its threshold, below surge_ratio × its median
-    rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
-    lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
-    max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
-    # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
-    quarantine: bool = False
-    # The supervisor (`pretrain launch`): restart a crashed or hung job from its newest checkpoint.
-    max_restarts: int = 3  # restarts of the job over the whole run; then `pretrain launch` gives up
-    hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps
-    hang_min_seconds: float = 300.0  # ... and never sooner than this (covers a first checkpoint save)
-    startup_seconds: float = 1800.0  # hung: no first step this long after (re)starting the job
-    stop_grace_seconds: float = 30.0  # SIGTERM, then this long before SIGKILL, when stopping a job
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"monitor.port={self.port} must be in [0, 65535]")
-        _positive("monitor.timeout", self.timeout)
-        if self.warmup < 2 or self.window < self.warmup:
-            raise ConfigError(
-                f"monitor.warmup={self.warmup}, monitor.window={self.window}: need 2 <= warmup <= window"
-            )
-        for key in ("grad_norm_sigma", "loss_sigma", "lr_scale", "grad_norm_surge_ratio", "loss_spike_ratio"):
-            _positive(f"monitor.{key}", getattr(self, key))
-        for finding in FINDINGS:
-            _choice(f"monitor.on_{finding}", getattr(self, f"on_{finding}"), RESPONSES)
-        _positive("monitor.min_rel_std", self.min_rel_std, allow_zero=True)
-        _positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
-        _positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
-        _positive("monitor.max_rollbacks", self.max_rollbacks)
-        _positive("monitor.max_restarts", self.max_restarts, allow_zero=True)
-        for key in ("hang_factor", "hang_min_seconds", "startup_seconds", "stop_grace_seconds"):
-            _positive(f"monitor.{key}", getattr(self, key))
 
 
 @dataclass
@@ -685,10 +620,14 @@ def _known_keys(cls: type, section: str | None) -> list[str]:
 def _to_object(merged: DictConfig) -> Any:
     try:
         return OmegaConf.to_object(merged)
+    except SettingError as exc:  # monitoring's own sections say it in the same words
+        raise ConfigError(str(exc)) from None
     except OmegaConfBaseException as exc:
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, ConfigError):
             raise cause from None
+        if isinstance(cause, SettingError):
+            raise ConfigError(str(cause)) from None
         key = getattr(exc, "full_key", None) or "?"
         raise ConfigError(f"{key}: {_first_line(exc)}") from None
 

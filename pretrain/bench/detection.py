@@ -24,9 +24,9 @@ import math
 import tempfile
 from pathlib import Path
 
+from monitoring.config import MonitorConfig
 from monitoring.policy import Policy
 from monitoring.protocol import StepMetrics, read_events
-from pretrain.config import MonitorConfig
 from pretrain.errors import UserError
 
 FACTORS = (1.5, 2.0, 3.0, 5.0, 50.0)

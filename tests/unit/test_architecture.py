@@ -111,11 +111,12 @@ def test_the_library_never_imports_the_command_layer():
     assert violations(allowed) == []
 
 
-def test_the_library_speaks_to_monitoring_through_the_protocol_only():
+def test_the_library_speaks_to_monitoring_through_the_protocol_and_its_settings_only():
     def allowed(importer, imported):
         library = within(importer, ("pretrain",)) and not within(importer, COMMAND_LAYER)
-        if library and within(imported, ("monitoring",)) and not within(imported, ("monitoring.protocol",)):
-            return "the library imports only monitoring.protocol from monitoring"
+        shared = ("monitoring.protocol", "monitoring.config")
+        if library and within(imported, ("monitoring",)) and not within(imported, shared):
+            return "the library imports only monitoring.protocol and monitoring.config from monitoring"
         return None
 
     assert violations(allowed) == []
@@ -127,8 +128,10 @@ def test_monitoring_never_imports_the_loop_or_the_command_layer():
     def allowed(importer, imported):
         if within(importer, ("monitoring",)) and within(imported, forbidden):
             return "monitoring sees metrics in and actions out, never the trainer or the CLI"
-        if importer == "monitoring.protocol" and within(imported, ("pretrain", "monitoring")):
-            return "the protocol is what both sides share: it depends on neither"
+        if importer in ("monitoring.protocol", "monitoring.config") and within(
+            imported, ("pretrain", "monitoring", "torch", "deepspeed")
+        ):
+            return "the protocol and the monitor's settings are what both sides share: they depend on neither"
         return None
 
     assert violations(allowed) == []

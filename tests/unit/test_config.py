@@ -178,3 +178,22 @@ def test_model_config_direct_construction_derives_values():
     assert ModelConfig(d_model=64, n_heads=4, activation="relu").d_ff == 256
     with pytest.raises(ConfigError, match="rotary embeddings need an even head_dim"):
         ModelConfig(d_model=60, n_heads=4)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "monitor.on_loss_spike=explode",
+            "monitor.on_loss_spike='explode' is not one of ignore, warn, rollback, stop",
+        ),
+        ("monitor.warmup=1", "monitor.warmup=1, monitor.window=128: need 2 <= warmup <= window"),
+        ("monitor.max_restarts=-1", "monitor.max_restarts=-1 must be >= 0"),
+    ],
+)
+def test_a_bad_monitor_setting_is_the_loaders_one_line_config_error(override, message):
+    """The `monitor:` section is monitoring's own (monitoring/config.py, no pretrain imports); its
+    range checks reach the user as every other section's do: a ConfigError, one line, exit 2."""
+    with pytest.raises(ConfigError) as error:
+        load_config("tiny", [override])
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)

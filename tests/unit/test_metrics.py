@@ -6,9 +6,10 @@ import json
 import time
 from types import SimpleNamespace
 
+from monitoring.config import MonitorConfig
 from monitoring.protocol import StepMetrics, append_event
 from monitoring.service import MonitorState
-from pretrain.config import MonitorConfig, load_config
+from pretrain.config import load_config
 from pretrain.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
 from pretrain.train.loop import run_history

@@ -3,10 +3,10 @@ driven with reports, outcomes and restarts as the trainer and the supervisor sen
 
 import re
 
+from monitoring.config import MonitorConfig
 from monitoring.page import render_page
 from monitoring.protocol import Outcome, append_event
 from monitoring.service import MonitorState
-from pretrain.config import MonitorConfig
 from tests.unit.test_monitor import fake_checkpoint, metrics
 
 CONFIG = MonitorConfig(warmup=8, window=32)
