@@ -1,7 +1,7 @@
 """The monitor's and the supervisor's settings (the `monitor:` section of a run config) and their
 vocabulary: what the detectors find (`FINDINGS`) and what a finding may do (`RESPONSES`). Owned by
 `monitoring/`, used by the service, the policy, the detectors and the supervisor, and read into the
-run config by `pretrain/config.py`. Importable without torch, and without `pretrain`.
+run config by `pretrain/config/`. Importable without torch, and without `pretrain`.
 """
 
 from __future__ import annotations
