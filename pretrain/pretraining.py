@@ -46,7 +46,7 @@ from pretrain.wandb_sink import check_available
 
 
 @dataclass(frozen=True)
-class Checked:
+class PreflightResult:
     """What `preflight` found: the batch plan, the DeepSpeed JSON, the data and the run's identity."""
 
     plan: BatchPlan
@@ -55,7 +55,7 @@ class Checked:
     identity: dict  # what defines the run (RUN_DIR/run.json): architecture, tokenizer, data, seq_len
 
 
-def preflight(cfg: RunConfig, world_size: int) -> Checked:
+def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
     fault ranks, the checkpoint `checkpoint.resume` names, the W&B package when W&B is on."""
     check_available(cfg.logging.wandb)  # every rank, before any process group
@@ -74,7 +74,7 @@ def preflight(cfg: RunConfig, world_size: int) -> Checked:
         "data.fingerprint": data_fingerprint(cfg, manifests),
         "data.seq_len": cfg.data.seq_len,
     }
-    return Checked(plan, ds_config, Path(cfg.data.sources()[0][1]), identity)
+    return PreflightResult(plan, ds_config, Path(cfg.data.sources()[0][1]), identity)
 
 
 def data_fingerprint(cfg: RunConfig, manifests: list[dict]) -> str:

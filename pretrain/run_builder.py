@@ -30,7 +30,7 @@ from pretrain.config import CheckpointConfig, EngineConfig, OptimConfig, RunSect
 from pretrain.distributed import DistEnv, barrier
 from pretrain.engine import build, set_determinism_and_connect, zero_stage
 from pretrain.lifeline import watch_supervisor
-from pretrain.run_dir import owned
+from pretrain.run_dir import owning_run_dir
 from pretrain.train.loop import Trainer
 
 # (env, engine, optimizer, resume or None, ZeRO stage) → the trainer around the engine
@@ -58,7 +58,9 @@ def run(run_dir: str | Path, check: Callable[[DistEnv], RunPlan]) -> dict:
     watch_supervisor(run_dir)
     env = DistEnv.from_environ()
     plan = check(env)
-    with owned(plan.run.dir, env.is_main, plan.identity, plan.run_config, plan.checkpoint.resume) as setting:
+    with owning_run_dir(
+        plan.run.dir, env.is_main, plan.identity, plan.run_config, plan.checkpoint.resume
+    ) as setting:
         set_determinism_and_connect(plan.run, env)
         resume = choose_resume(plan.run.dir, setting, env)
         if resume is not None and resume.state.step >= plan.steps:

@@ -117,7 +117,9 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def owned(run_dir: str | Path, is_main: bool, identity: dict, config: dict, resume: str, *, log=print):
+def owning_run_dir(
+    run_dir: str | Path, is_main: bool, identity: dict, config: dict, resume: str, *, log=print
+):
     """Rank 0 of a job: hold the run directory's lock (or join the job's supervisor, which holds
     it) and claim the run for the job's life; yields the resume setting to use. Other ranks only
     yield `resume` (rank 0 decides what it means)."""

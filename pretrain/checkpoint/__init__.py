@@ -12,7 +12,7 @@ The names of layout.py, retention.py and integrity.py are importable from here w
 service reads checkpoints this way); the checkpointer is imported from its module.
 """
 
-from pretrain.checkpoint.integrity import find_checkpoint, newest_intact, set_aside, verify
+from pretrain.checkpoint.integrity import find_checkpoint, move_corrupt_aside, newest_intact, verify
 from pretrain.checkpoint.layout import (
     COMPLETE,
     LATEST,
@@ -55,6 +55,7 @@ __all__ = [
     "find_checkpoint",
     "mark_complete",
     "move_aside",
+    "move_corrupt_aside",
     "newest_complete",
     "newest_intact",
     "pin",
@@ -62,7 +63,6 @@ __all__ = [
     "pins_dir",
     "read_latest",
     "resolve_resume",
-    "set_aside",
     "set_latest",
     "step_of",
     "tag_for",

@@ -40,7 +40,7 @@ def verify(directory: Path) -> str | None:
     return check_complete(directory, verify_hashes=True)
 
 
-def set_aside(run_dir: str | Path, tag: str, reason: str, *, log=None) -> Path:
+def move_corrupt_aside(run_dir: str | Path, tag: str, reason: str, *, log=None) -> Path:
     """Rank 0: move a corrupt checkpoint to checkpoints/corrupt/, say so in one line and as an
     event, and keep `latest` pointing at a complete checkpoint (or at none)."""
     root = checkpoints_dir(run_dir)
@@ -79,7 +79,7 @@ def newest_intact(
         if read_only:
             say(f"checkpoint {root / tag} is corrupt ({reason}): skipping it")
         else:
-            set_aside(run_dir, tag, reason, log=log)
+            move_corrupt_aside(run_dir, tag, reason, log=log)
     return None
 
 

@@ -18,7 +18,7 @@ from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.finetune.data import Examples, load_examples, padding_id
-from pretrain.finetune.initial import Initial, find_initial
+from pretrain.finetune.initial import InitialModel, find_initial
 from pretrain.finetune.tasks import SFT, Classification
 from pretrain.metrics import MetricsWriter
 from pretrain.run_builder import RunPlan, run
@@ -31,10 +31,10 @@ from pretrain.wandb_sink import check_available
 
 
 @dataclass
-class Inputs:
+class FinetuneInputs:
     """What a fine-tuning run starts from, checked before any process group starts."""
 
-    initial: Initial
+    initial: InitialModel
     examples: Examples
     max_length: int
     steps: int
@@ -45,7 +45,7 @@ class Inputs:
         return model if labels is None else SequenceClassifier(model, len(labels))
 
 
-def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> Inputs:
+def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> FinetuneInputs:
     check_available(cfg.logging.wandb)  # every rank, before any process group
     initial = find_initial(cfg.finetune.init)
     max_length = cfg.finetune.max_length or initial.model_cfg.max_seq_len
@@ -57,10 +57,10 @@ def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> Inputs:
     steps = cfg.train.steps or max(
         1, math.ceil(cfg.finetune.epochs * len(examples.train.ids) / plan.global_batch_size)
     )
-    return Inputs(initial, examples, max_length, steps)
+    return FinetuneInputs(initial, examples, max_length, steps)
 
 
-def identity(cfg: FinetuneConfig, inputs: Inputs) -> dict:
+def identity(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
     """What defines a fine-tuning run (RUN_DIR/run.json): the architecture, the tokenizer, the
     task, its labels and example length, and the training data."""
     data = {}
@@ -98,7 +98,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
 
 def build_trainer(
-    cfg: FinetuneConfig, env: DistEnv, engine, optimizer, plan: BatchPlan, inputs: Inputs, resume: Resume | None,
+    cfg: FinetuneConfig, env: DistEnv, engine, optimizer, plan: BatchPlan, inputs: FinetuneInputs, resume: Resume | None,
     zero: int,
 ) -> Trainer:  # fmt: skip
     """Everything the loop needs around an engine: the task, checkpoints (restored when resuming), metrics."""

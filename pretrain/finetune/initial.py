@@ -15,7 +15,7 @@ from pretrain.tokenizer import MODEL_FILE, Tokenizer
 
 
 @dataclass
-class Initial:
+class InitialModel:
     """`finetune.init` before its weights are read: enough to check the data against it."""
 
     directory: Path
@@ -40,7 +40,7 @@ class Initial:
         return Transformer.from_state_dict(self.model_cfg, state)
 
 
-def find_initial(path: str) -> Initial:
+def find_initial(path: str) -> InitialModel:
     """A Hugging Face Llama directory (config.json), or a checkpoint of ours."""
     directory = Path(path)
     if (directory / "config.json").is_file():
@@ -52,7 +52,7 @@ def find_initial(path: str) -> Initial:
                 "tokenizer; copy it there (`pretrain export-hf` does)"
             )
         cfg = model_config_from_llama(json.loads((directory / "config.json").read_text()), str(directory))
-        initial = Initial(directory, "hf", cfg, Tokenizer.load(directory))
+        initial = InitialModel(directory, "hf", cfg, Tokenizer.load(directory))
     else:
         found = checkpoint.find_checkpoint(directory)
         run_config = json.loads((found / checkpoint.RUN_CONFIG).read_text())
@@ -61,7 +61,7 @@ def find_initial(path: str) -> Initial:
             raise UserError(
                 f"{found} is a classification fine-tune without a language-model head: start from its init"
             )
-        initial = Initial(found, "checkpoint", cfg, Tokenizer.load(found))
+        initial = InitialModel(found, "checkpoint", cfg, Tokenizer.load(found))
     if initial.tokenizer.vocab_size > cfg.vocab_size:
         raise UserError(
             f"tokenizer/vocabulary mismatch: {initial.tokenizer.path} has {initial.tokenizer.vocab_size} pieces "

@@ -62,7 +62,7 @@ class FinetuneTask:
     def load_state_dict(self, state: dict) -> None:
         self.examples = state["examples"]
 
-    def _mine(self) -> list[int]:
+    def _my_validation_examples(self) -> list[int]:
         """This rank's share of the validation examples: rank, rank + world, ..."""
         return list(range(self.env.rank, len(self.validation.ids), self.env.world_size))
 
@@ -90,7 +90,7 @@ class Classification(FinetuneTask):
         engine.eval()
         try:
             predictions = torch.full((len(self.validation.ids),), -1, dtype=torch.long, device=self.device)
-            mine = self._mine()
+            mine = self._my_validation_examples()
             for start in range(0, len(mine), self.micro_batch_size):
                 chunk = mine[start : start + self.micro_batch_size]
                 batch = collate(self.validation, chunk, self.pad_id, self.device)
@@ -110,7 +110,7 @@ class SFT(FinetuneTask):
         engine.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, target tokens
         try:
-            mine = self._mine()
+            mine = self._my_validation_examples()
             for start in range(0, len(mine), self.micro_batch_size):
                 batch = collate(
                     self.validation, mine[start : start + self.micro_batch_size], self.pad_id, self.device

@@ -99,7 +99,7 @@ class Monitored(StepHook):
         evidence = self.task.evidence([w for w, _ in windows]) if self.env.is_main else {}
         state = apply_rollback(action, step, self.engine, self.task, self.checkpointer, evidence)
         if state is not None and self.quarantine and windows:
-            self.set_aside(action, windows, evidence)
+            self.quarantine_windows(action, windows, evidence)
         if state is None:
             reason = f"no intact checkpoint at or before {action.tag}"
             self.writer.message(f"monitor: {reason}: rollback cancelled")
@@ -108,7 +108,7 @@ class Monitored(StepHook):
         self.link.resolved(action, step, tag_for(state.step))
         return Rewind(state)
 
-    def set_aside(self, action: Action, windows: list[tuple[int, int]], evidence: dict) -> None:
+    def quarantine_windows(self, action: Action, windows: list[tuple[int, int]], evidence: dict) -> None:
         """Quarantine the anomalous step's windows (and those of earlier rollbacks, which an older
         checkpoint's position does not hold yet); rank 0 lists them in RUN_DIR/quarantine.jsonl."""
         self.quarantined += [w for w in windows if w not in self.quarantined]
