@@ -54,6 +54,7 @@ from pretrain.config.schema import (
     ScheduleConfig,
     TrainConfig,
     WandbConfig,
+    check_mixture,
     default_ffn_dim,
 )
 
@@ -87,6 +88,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "available_presets",
+    "check_mixture",
     "config_dir",
     "config_hash",
     "default_ffn_dim",

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from monitoring.config import FINDINGS, RESPONSES, MonitorConfig, check_choice, check_positive
 from pretrain.errors import ConfigError
@@ -110,6 +111,30 @@ class MixtureSource:
     weight: float = 1.0
 
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # a corpus's name is a TensorBoard tag component
+
+
+def check_mixture(sources: list[tuple[str, Any, float]], error: type[Exception] = ConfigError) -> None:
+    """The one check of a mixture's corpora (`data.mixture`, and any `MixtureStream`): at least
+    one, names unique and tag-safe, weights positive and finite; one line naming the problem."""
+    if not sources:
+        raise error("the mixture names no source: give data.dir, or data.mixture with at least one entry")
+    seen = set()
+    for name, _, weight in sources:
+        if not isinstance(name, str) or not SOURCE_NAME.match(name):
+            raise error(f"mixture source name {name!r}: use letters, digits, '_', '.' or '-'")
+        if name in seen:
+            raise error(f"mixture source name {name!r} appears twice: give each source its own name")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise error(f"mixture source {name!r} has weight {weight!r}: use a positive number")
+        seen.add(name)
+
+
 @dataclass
 class DataConfig:
     dir: str | None = None  # prepared shards (`pretrain data prepare --out`); or data.mixture
@@ -132,8 +157,8 @@ class DataConfig:
                 raise ConfigError(
                     f"data.mixture[{i}] needs a name and a dir: {{name: web, dir: DIR, weight: 0.7}}"
                 )
-            if not math.isfinite(source.weight) or source.weight <= 0:
-                raise ConfigError(f"data.mixture[{i}].weight={source.weight} must be a positive number")
+        if self.mixture:
+            check_mixture(self.sources())
 
     def sources(self) -> list[tuple[str, str, float]]:
         """(name, dir, weight) of each corpus: `data.dir` alone is a mixture of one named "data"."""

@@ -31,19 +31,16 @@ state they had before mixtures existed.
 from __future__ import annotations
 
 import hashlib
-import math
 import operator
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pretrain.config.schema import check_mixture
 from pretrain.data.stream import WindowStream
 from pretrain.errors import UserError
-
-NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # a source name is a TensorBoard tag component
 
 
 def source_seed(seed: int, name: str, sources: int) -> int:
@@ -55,25 +52,10 @@ def source_seed(seed: int, name: str, sources: int) -> int:
 
 
 def check_sources(sources: list[tuple[str, str | Path, float]]) -> list[tuple[str, Path, float]]:
-    """Names unique and tag-safe, weights positive and finite: one line naming the problem."""
-    if not sources:
-        raise UserError("the mixture names no source: give data.dir, or data.mixture with at least one entry")
-    checked, seen = [], set()
-    for name, directory, weight in sources:
-        if not isinstance(name, str) or not NAME.match(name):
-            raise UserError(f"mixture source name {name!r}: use letters, digits, '_', '.' or '-'")
-        if name in seen:
-            raise UserError(f"mixture source name {name!r} appears twice: give each source its own name")
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, int | float)
-            or not math.isfinite(weight)
-            or weight <= 0
-        ):
-            raise UserError(f"mixture source {name!r} has weight {weight!r}: use a positive number")
-        seen.add(name)
-        checked.append((name, Path(directory), float(weight)))
-    return checked
+    """The sources as the stream keeps them, once `pretrain.config.check_mixture` (the run config's
+    own check of `data.mixture`) finds nothing wrong with them."""
+    check_mixture(sources, error=UserError)
+    return [(name, Path(directory), float(weight)) for name, directory, weight in sources]
 
 
 class MixtureStream:

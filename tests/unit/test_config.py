@@ -197,3 +197,18 @@ def test_a_bad_monitor_setting_is_the_loaders_one_line_config_error(override, me
     with pytest.raises(ConfigError) as error:
         load_config("tiny", [override])
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_a_mixtures_corpora_are_checked_where_the_config_is_read():
+    """data.mixture's names and weights are refused by the loader, in one line, before any data
+    is opened: the same rule (pretrain.config.check_mixture) a MixtureStream applies."""
+    base = [
+        "data.dir=null",
+        "data.mixture=[{name: web, dir: a, weight: 0.7}, {name: web, dir: b, weight: 0.3}]",
+    ]
+    with pytest.raises(ConfigError, match="mixture source name 'web' appears twice"):
+        load_config("tiny", base)
+    with pytest.raises(ConfigError, match="mixture source name 'a b': use letters"):
+        load_config("tiny", ["data.dir=null", "data.mixture=[{name: 'a b', dir: a}]"])
+    with pytest.raises(ConfigError, match="mixture source 'web' has weight 0.0: use a positive number"):
+        load_config("tiny", ["data.dir=null", "data.mixture=[{name: web, dir: a, weight: 0}]"])
