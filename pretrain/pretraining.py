@@ -24,8 +24,7 @@ from pretrain.config import RunConfig, config_hash, to_yaml
 from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
-from pretrain.data.shards import check_tokenizer, fingerprint
-from pretrain.data.stream import split_windows
+from pretrain.data.shards import check_tokenizer, fingerprint, split_windows
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError

@@ -40,7 +40,6 @@ from typing import NamedTuple
 import numpy as np
 
 from pretrain import __version__, atomic
-from pretrain.config import DataConfig, TrainConfig
 from pretrain.data.progress import Progress, count_documents
 from pretrain.data.shards import (
     FORMAT,
@@ -52,10 +51,10 @@ from pretrain.data.shards import (
     ShardWriter,
     fingerprint,
     our_manifest,
+    split_windows,
     token_dtype,
 )
 from pretrain.data.sources import Source
-from pretrain.data.stream import split_windows
 from pretrain.errors import UserError
 from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
 
@@ -196,6 +195,8 @@ def validation_report(manifest: dict) -> tuple[str, str | None]:
     has fewer windows at the default data.seq_len than one micro-batch at the default
     train.micro_batch_size (8 at 2048): a run at the defaults could not evaluate, even on one rank
     (each rank evaluates whole micro-batches of its share), and is refused before it starts."""
+    from pretrain.config import DataConfig, TrainConfig  # (here: the tokenizing workers import this module)
+
     counts = {seq_len: split_windows(manifest, "validation", seq_len) for seq_len in REPORT_SEQ_LENS}
     line = "validation windows by data.seq_len: " + ", ".join(f"{n}: {c:,}" for n, c in counts.items())
     seq_len, micro = DataConfig.seq_len, TrainConfig.micro_batch_size

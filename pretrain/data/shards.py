@@ -319,3 +319,16 @@ def verify_dataset(data_dir: str | Path) -> dict:
         "seconds": seconds,
         "problems": problems,
     }
+
+
+def windows_per_shard(tokens, seq_len: int) -> np.ndarray:
+    """How many windows of `seq_len` + 1 tokens each shard of `tokens` tokens gives (each shard on
+    its own: a window never spans two)."""
+    return np.maximum((np.asarray(tokens, dtype=np.int64) - 1) // seq_len, 0)
+
+
+def split_windows(manifest: dict, split: str, seq_len: int) -> int:
+    """The windows a prepared split holds, from its manifest alone, so the checks before a run
+    need not open a shard."""
+    shards = manifest["splits"].get(split, {}).get("shards", [])
+    return int(windows_per_shard([shard["tokens"] for shard in shards], seq_len).sum())

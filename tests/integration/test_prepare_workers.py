@@ -1,5 +1,8 @@
 """`data prepare` with several tokenizer worker processes: the same bytes as one worker."""
 
+import subprocess
+import sys
+
 import pretrain.data.prepare as prepare_module
 from pretrain.data import prepare_dataset, resolve_source
 from pretrain.tokenizer import Tokenizer
@@ -96,3 +99,14 @@ def test_a_worker_that_dies_ends_the_prepare_in_one_line_instead_of_a_hang(tmp_p
         stderr
     )
     assert not (out / "manifest.json").exists()
+
+
+def test_the_tokenizing_workers_do_not_import_torch():
+    """Each spawned worker imports pretrain.data.prepare to run its tasks: importing torch there
+    (it once came in through the window-count helpers the prepare report uses) cost every worker
+    seconds of start-up and took `data prepare`'s 2-worker speed-up from 1.75x to 1.2x on a
+    6.5M-token corpus (`pretrain bench data`)."""
+    probe = "import sys, pretrain.data.prepare; print(sorted(m for m in ('torch', 'omegaconf', 'deepspeed') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -11,7 +11,8 @@ from pretrain.config import load_config
 from pretrain.data import read_manifest
 from pretrain.data.prepare import validation_report
 from pretrain.data.provenance import injected_at
-from pretrain.data.stream import WindowStream, split_windows
+from pretrain.data.shards import split_windows
+from pretrain.data.stream import WindowStream
 from pretrain.errors import UserError
 from pretrain.evaluation import RunEvaluation
 from pretrain.pretraining import preflight
