@@ -1,10 +1,11 @@
 """Pretraining: a run config from its checks to the last step.
 
 `preflight` finds what can be wrong with the input before any process group starts (`pretrain
-launch` runs it too, before it starts the service or any process); `pretrain` takes the run
-directory (its lock, its identity: `pretrain/run_dir.py`), starts the process group, picks the
-checkpoint to resume from (verified), builds the model, the DeepSpeed engine and the
-`LanguageModeling` task, restores the checkpoint, and hands them to the loop (`pretrain/train.py`).
+launch` runs it too, before it starts the service or any process); `pretrain` gives the run's
+lifecycle (`pretrain/run_builder.py`: the run directory, the process group, the checkpoint to
+resume from, the engine) what is pretraining's own: its identity, the model, and `build_trainer`,
+which makes the `LanguageModeling` task and the step hooks, restores the checkpoint, and hands
+them to the loop (`pretrain/train/loop.py`).
 """
 
 from __future__ import annotations

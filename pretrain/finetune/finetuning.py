@@ -1,6 +1,7 @@
-"""`finetune(cfg)`: check the starting point and the data, start the process group, build the model
-(with a classification head when the task needs one) and the engine, restore a checkpoint, and
-run the loop (`pretrain/train.py`) with a fine-tuning task."""
+"""`finetune(cfg)`: check the starting point and the data, then the run's lifecycle
+(`pretrain/run_builder.py`: the run directory, the process group, the checkpoint to resume from,
+the engine) with what is fine-tuning's own: the model (with a classification head when the task
+needs one) and the loop (`pretrain/train/loop.py`) with a fine-tuning task."""
 
 from __future__ import annotations
 
