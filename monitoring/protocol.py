@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 1
 MAX_INT = 2**53  # integers beyond this are not exact in JSON readers (and are no real step or count)
@@ -228,6 +228,50 @@ class Action:
 
 
 CONTINUE = Action()
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What an answer to a step's metrics says besides its `Action` (the rest of the same JSON
+    object): the values the service judged, its verdict's `level` (warmup, ok, warn, rollback,
+    stop, superseded) and findings, and each series' band (None while it warms up). The trainer
+    charts it (TensorBoard's `monitor/*`)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    level: str
+    findings: list[dict] = field(default_factory=list)
+    bands: dict[str, dict | None] = field(default_factory=dict)  # series → {level, spread, threshold}
+    note: str | None = None
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("judged", "verdict", "bands")  # its keys in an answer
+
+    def to_json(self) -> dict[str, Any]:
+        verdict = {"level": self.level, "findings": self.findings} | (
+            {"note": self.note} if self.note else {}
+        )
+        judged = {"step": self.step, "loss": _nonfinite_to_json(self.loss),
+                  "grad_norm": _nonfinite_to_json(self.grad_norm)}  # fmt: skip
+        return {"judged": judged, "verdict": verdict, "bands": self.bands}
+
+    @classmethod
+    def from_answer(cls, answer: dict[str, Any]) -> Judgement:
+        try:
+            judged, verdict = answer["judged"], answer["verdict"]
+            return cls(int(judged["step"]), float(_json_to_float(judged["loss"])),
+                       float(_json_to_float(judged["grad_norm"])), str(verdict["level"]),
+                       list(verdict.get("findings") or []), dict(answer.get("bands") or {}), verdict.get("note"))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"an answer's judgement is malformed: {exc!r}") from None
+
+
+def split_answer(answer: dict[str, Any]) -> tuple[Action, Judgement]:
+    """An answer to a step's metrics: the action to take and what the step was judged to be."""
+    if not isinstance(answer, dict):
+        raise ProtocolError("an answer must be a JSON object")
+    action = Action.from_json({k: v for k, v in answer.items() if k not in Judgement.FIELDS})
+    return action, Judgement.from_answer(answer)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from monitoring.protocol import (
     ENDPOINT_FILE,
     EVENTS_FILE,
     TOKEN_FILE,
+    Judgement,
     Outcome,
     ProtocolError,
     StepMetrics,
@@ -191,10 +192,10 @@ class MonitorState:
             if self.watch is not None:
                 self.watch.step(time.monotonic())
             self._record(metrics, verdict)
-            answer = verdict.action.to_json() | {
-                "judged": {"step": metrics.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm},
-                "verdict": verdict.to_json(), "bands": self.bands(),
-            }  # fmt: skip
+            judged = verdict.to_json()
+            judgement = Judgement(metrics.step, metrics.loss, metrics.grad_norm, judged["level"],
+                                  judged["findings"], self.bands(), judged.get("note"))  # fmt: skip
+            answer = verdict.action.to_json() | judgement.to_json()
             if session is not None:
                 self.last_answer = answer
             return answer

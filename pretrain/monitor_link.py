@@ -36,11 +36,13 @@ from monitoring.protocol import (
     ENDPOINT_FILE,
     TOKEN_FILE,
     Action,
+    Judgement,
     Outcome,
     ProtocolError,
     StepMetrics,
     append_event,
     monitor_dir,
+    split_answer,
 )
 from pretrain.checkpoint import abandon_after, step_of, tag_for, trim_abandoned
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
@@ -106,7 +108,7 @@ class Reporter:
         self.session = secrets.token_hex(8)
         self._seq = 0
         self._outbox: collections.deque[tuple[str, dict, int | None]] = collections.deque()
-        self._answers: list[dict] = []  # answered reports, for TensorBoard
+        self._answers: list[Judgement] = []  # what answered reports say of their steps, for TensorBoard
         self._action: Action | None = None  # the newest rollback or stop not yet taken
         self._resolved = 0  # the newest rollback decision acted on here
         self._cond = threading.Condition()
@@ -136,8 +138,8 @@ class Reporter:
             action, self._action = self._action, None
             return action
 
-    def answered(self) -> list[dict]:
-        """Answers received since the last call (each with the `step` it judged)."""
+    def answered(self) -> list[Judgement]:
+        """What the answers received since the last call say of their steps."""
         with self._cond:
             answers, self._answers = self._answers, []
             return answers
@@ -211,13 +213,11 @@ class Reporter:
 
     def _take_answer(self, answer: dict) -> None:
         try:
-            action = Action.from_json(
-                {k: v for k, v in answer.items() if k not in ("bands", "verdict", "judged")}
-            )
+            action, judgement = split_answer(answer)
         except (ProtocolError, TypeError) as exc:
             print(f"warning: the monitor answered {answer!r:.200}: {exc}", file=sys.stderr, flush=True)
             return
-        self._answers.append(answer)
+        self._answers.append(judgement)
         if action.kind == "stop":
             self._action = action
         elif (
@@ -310,8 +310,8 @@ class MonitorLink:
         outcome = Outcome(action.decision, action.step or 0, tag is not None, applied_at, tag, reason)
         self.reporter.outcome(outcome)
 
-    def judged(self) -> list[dict]:
-        """Rank 0: the service's answers since the last call, each naming the `step` it judged."""
+    def judged(self) -> list[Judgement]:
+        """Rank 0: what the service's answers since the last call say of the steps they judged."""
         return self.reporter.answered() if self.reporter is not None else []
 
     def close(self) -> None:

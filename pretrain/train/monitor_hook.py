@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from monitoring.protocol import Action
+from monitoring.protocol import Action, Judgement
 from pretrain.checkpoint import tag_for
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.distributed import DistEnv
@@ -124,27 +124,26 @@ class Monitored(StepHook):
     def chart_verdicts(self) -> None:
         """Rank 0: what the monitor judged (every step, at the step it judged): the series with
         its band, and warnings and rollbacks as marks (1 at their step, 0 elsewhere)."""
-        for answer in self.link.judged():
-            step, scalars = answer["judged"]["step"], monitor_scalars(answer)
+        for judgement in self.link.judged():
+            step, scalars = judgement.step, monitor_scalars(judgement)
             if step <= self.charted_to:  # a step run again after a rollback: keep the marks it had
                 scalars = {k: v for k, v in scalars.items() if k not in MARK_TAGS or v}
             self.charted_to = max(self.charted_to, step)
             self.writer.scalars(step, scalars)
 
 
-def monitor_scalars(answer: dict) -> dict[str, float]:
-    """TensorBoard's `monitor/*` scalars for one judged step, from the service's answer."""
-    judged, bands, verdict = answer["judged"], answer.get("bands") or {}, answer.get("verdict") or {}
-    level = verdict.get("level")
+def monitor_scalars(judgement: Judgement) -> dict[str, float]:
+    """TensorBoard's `monitor/*` scalars for one judged step."""
     rollback, warning = MARK_TAGS
+    judged = {"loss": judgement.loss, "grad_norm": judgement.grad_norm}
     out = _finite({
-        "monitor/loss": judged.get("loss"),
-        "monitor/grad_norm": judged.get("grad_norm"),
-        warning: float(level == "warn"),
-        rollback: float(level == "rollback"),
+        "monitor/loss": judgement.loss,
+        "monitor/grad_norm": judgement.grad_norm,
+        warning: float(judgement.level == "warn"),
+        rollback: float(judgement.level == "rollback"),
     })  # fmt: skip
-    for series in ("loss", "grad_norm"):
-        out |= in_band(series, judged.get(series), bands.get(series) or {})
+    for series, value in judged.items():
+        out |= in_band(series, value, judgement.bands.get(series) or {})
     return out
 
 

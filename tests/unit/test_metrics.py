@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 from monitoring.config import MonitorConfig
-from monitoring.protocol import StepMetrics, append_event
+from monitoring.protocol import Judgement, StepMetrics, append_event
 from monitoring.service import MonitorState
 from pretrain.config import load_config
 from pretrain.metrics import MetricsWriter, tensorboard_dir
@@ -60,7 +60,7 @@ def test_every_margin_chart_has_its_value_and_band_at_the_same_steps(tmp_path):
     for losses in boundaries:
         for step, loss in losses.items():
             metrics = StepMetrics(step, loss, 1.0 + 0.01 * step, 1e-3, 0.1, 100 * step)
-            monitor.answers.append(service.handle_metrics(metrics))
+            monitor.answers.append(Judgement.from_answer(service.handle_metrics(metrics)))
         hook.chart_verdicts()
     writer.close()
     events = board(tmp_path)

@@ -72,8 +72,8 @@ def test_the_reporter_posts_in_the_background_and_keeps_the_answers(service, tmp
             reporter.report(StepMetrics(step, 3.0, 1.0 + 0.01 * step, 1e-3, 0.1, step * 100, total_steps=50))
         assert reporter.drain(10)
         answers = reporter.answered()
-        assert [a["judged"]["step"] for a in answers] == [1, 2, 3, 4, 5]
-        assert answers[-1]["bands"]["grad_norm"]["threshold"] > 1.0 and not reporter.pending()
+        assert [a.step for a in answers] == [1, 2, 3, 4, 5]
+        assert answers[-1].bands["grad_norm"]["threshold"] > 1.0 and not reporter.pending()
         assert [e["step"] for e in read_events(tmp_path) if e["type"] == "step"] == [1, 2, 3, 4, 5]
         assert service.status()["total_steps"] == 50
     finally:

@@ -66,3 +66,23 @@ def test_the_kind_of_an_action_is_the_field_action_on_the_wire():
     assert rollback.kind == "rollback"
     assert rollback.to_json() == {"action": "rollback", "tag": "step_00000020", "seed": 7, "lr_scale": 1.0}
     assert Action.from_json({"action": "stop", "reason": "r"}).kind == "stop"
+
+
+def test_an_answer_is_an_action_and_a_judgement_each_a_type_both_sides_use():
+    """The service writes an answer as Action.to_json() | Judgement.to_json(); the trainer reads it
+    back with split_answer. A NaN loss survives the JSON round trip; a malformed judgement is a
+    ProtocolError, never a KeyError deep in the trainer's charting."""
+    from monitoring.protocol import Judgement, split_answer
+
+    judgement = Judgement(7, float("nan"), 2.5, "rollback", [{"kind": "nonfinite", "reason": "NaN loss"}],
+                          {"loss": None, "grad_norm": {"level": 1.0, "spread": 0.1, "threshold": 1.6}})  # fmt: skip
+    action = Action("rollback", tag="step_00000005", seed=3, decision=1, step=7)
+    wire = json.loads(json.dumps(action.to_json() | judgement.to_json(), allow_nan=False))
+    got_action, got = split_answer(wire)
+    assert got_action == action
+    assert (got.step, got.grad_norm, got.level, got.findings, got.bands) == (
+        7, 2.5, "rollback", judgement.findings, judgement.bands)  # fmt: skip
+    assert math.isnan(got.loss)
+    for broken in ({k: v for k, v in wire.items() if k != "judged"}, wire | {"verdict": "rollback"}):
+        with pytest.raises(ProtocolError):
+            split_answer(broken)
