@@ -312,6 +312,9 @@ def build_trainer(
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
         + (f" (resumed from {resume.tag})" if resume else "")
     )
+    # In this order: a Rewind or Stop skips the hooks after the one that gave it, and the faults'
+    # record of what fired (InjectedFaults.after_step) must never be skipped, or a loss fault would
+    # fire again after every rollback of its step.
     hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))

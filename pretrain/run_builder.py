@@ -3,7 +3,8 @@
     1. check the inputs: every bad input is found here, before any process group exists
     2. own the run directory (one job at a time; the run's identity in run.json)
     3. determinism settings, then the process group
-    4. choose where to resume from, or say the run is already complete and stop there
+    4. choose where to resume from, or say the run is already complete (its last step saved and
+       its summary written) and stop there
     5. build the model in its engine, then the trainer around it
     6. train
 
@@ -63,11 +64,22 @@ def run(run_dir: str | Path, check: Callable[[DistEnv], RunPlan]) -> dict:
     ) as setting:
         set_determinism_and_connect(plan.run, env)
         resume = choose_resume(plan.run.dir, setting, env)
-        if resume is not None and resume.state.step >= plan.steps:
+        if resume is not None and resume.state.step >= plan.steps and summary_complete(Path(plan.run.dir)):
             return already_complete(Path(plan.run.dir), plan.steps, env, resume)
+        # (the last step saved but the run not finished, e.g. killed before its last evaluation or
+        # results were written: the trainer does what is left, training nothing)
         ds_config = resume.deepspeed_config(plan.ds_config) if resume else plan.ds_config
         engine, optimizer = build(plan.run, plan.engine, plan.optim, plan.make_model, ds_config)
         return plan.make_trainer(env, engine, optimizer, resume, zero_stage(ds_config)).train()
+
+
+def summary_complete(run_dir: Path) -> bool:
+    """Whether the run's summary says it finished: its last step trained and saved, its last
+    evaluation and its results written (the loop's last act)."""
+    try:
+        return json.loads((run_dir / SUMMARY_FILE).read_text()).get("completed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def already_complete(run_dir: Path, steps: int, env: DistEnv, resume: Resume) -> dict:

@@ -24,7 +24,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from monitoring.config import MonitorConfig
+from monitoring.config import MonitorConfig, SettingError
 from monitoring.policy import Policy
 from monitoring.protocol import StepMetrics, read_events
 from pretrain.errors import UserError
@@ -41,8 +41,11 @@ def _run_config(run_dir: Path) -> dict:
 
 def _monitor_config(flat: dict) -> MonitorConfig:
     known = MonitorConfig.__dataclass_fields__
-    return MonitorConfig(**{k.removeprefix("monitor."): v for k, v in flat.items()
-                            if k.startswith("monitor.") and k.removeprefix("monitor.") in known})  # fmt: skip
+    try:
+        return MonitorConfig(**{k.removeprefix("monitor."): v for k, v in flat.items()
+                                if k.startswith("monitor.") and k.removeprefix("monitor.") in known})  # fmt: skip
+    except SettingError as exc:
+        raise UserError(f"a run's run.json: {exc}") from None
 
 
 def _has_faults(flat: dict) -> bool:

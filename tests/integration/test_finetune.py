@@ -162,3 +162,11 @@ def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncatio
     again = capsys.readouterr().out
     assert f"the run in {run_dir} is already complete: step 2 of 2 is saved (step_00000002)" in again
     assert "fine-tuning (" not in again and (run_dir / "eval_results.json").read_bytes() == results
+    # Killed after its last checkpoint, before its results were written: the same command trains
+    # nothing and writes them (the summary says the run was not finished).
+    (run_dir / "eval_results.json").unlink()
+    (run_dir / "train_summary.json").unlink()
+    assert cli_main(command) == 0
+    assert "is already complete" not in capsys.readouterr().out
+    assert (run_dir / "eval_results.json").read_bytes() == results
+    assert json.loads((run_dir / "train_summary.json").read_text())["completed"]
