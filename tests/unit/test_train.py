@@ -236,3 +236,33 @@ def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_un
                     ("after", 3, 2.5, True), ("after", 4, 2.5, True), ("checkpoint", 4)]  # fmt: skip
     assert not summary["completed"] and summary["step"] == 4 and summary["stopped_by_monitor"] == "enough"
     assert newest_complete(tmp_path) == "step_00000002"  # step 4 was refused: never saved
+
+
+def test_a_rewind_ends_the_boundary_and_the_loop_goes_on_from_its_state(tmp_path, train_data):
+    """Hooks are asked in order; the first answer other than CONTINUE ends that boundary (the hooks
+    after it are not asked), and a Rewind puts the loop back at its state: the step after it runs
+    again."""
+    from pretrain.checkpoint.checkpointer import TrainState
+    from pretrain.train.hooks import CONTINUE, Rewind, StepHook
+
+    asked = {"first": [], "second": []}
+
+    class First(StepHook):
+        def after_step(self, step, metrics, served, vote):
+            asked["first"].append(step)
+            if asked["first"] == [1, 2, 3]:  # once, at step 3: back to the state after step 2
+                return Rewind(TrainState(step=2, tokens=int(metrics["train/tokens"]) // 3 * 2))
+            return CONTINUE
+
+    class Second(StepHook):
+        def after_step(self, step, metrics, served, vote):
+            asked["second"].append(step)
+            return CONTINUE
+
+    trainer = pretraining_trainer(
+        config(tmp_path, train_data, "train.steps=4", "checkpoint.every=4", "eval.every=0")
+    )
+    trainer.hooks += [First(), Second()]
+    summary = trainer.train()
+    assert asked == {"first": [1, 2, 3, 3, 4], "second": [1, 2, 3, 4]}
+    assert summary["completed"] and summary["step"] == 4
