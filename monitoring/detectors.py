@@ -117,8 +117,17 @@ class Detector:
     """Judges one step at a time; `findings` lists every rule the step breaks, most severe first.
     `severe(findings)` (from the policy) says whether the values stay out of the windows."""
 
-    def __init__(self, window=128, warmup=32, grad_norm_sigma=6.0, loss_sigma=6.0, min_rel_std=0.02,
-                 surge_ratio=8.0, divergence_steps=100, loss_spike_ratio=2.0):  # fmt: skip
+    def __init__(
+        self,
+        window=128,
+        warmup=32,
+        grad_norm_sigma=6.0,
+        loss_sigma=6.0,
+        min_rel_std=0.02,
+        surge_ratio=8.0,
+        divergence_steps=100,
+        loss_spike_ratio=2.0,
+    ):
         self.loss = Series(window, warmup, loss_sigma, min_rel_std, cap_ratio=loss_spike_ratio)
         self.grad_norm = Series(window, warmup, grad_norm_sigma, min_rel_std)
         self.divergence = Divergence(divergence_steps)
@@ -127,8 +136,16 @@ class Detector:
     @classmethod
     def of(cls, config) -> Detector:
         c = config
-        return cls(c.window, c.warmup, c.grad_norm_sigma, c.loss_sigma, c.min_rel_std, c.grad_norm_surge_ratio,
-                   c.divergence_steps, c.loss_spike_ratio)  # fmt: skip
+        return cls(
+            c.window,
+            c.warmup,
+            c.grad_norm_sigma,
+            c.loss_sigma,
+            c.min_rel_std,
+            c.grad_norm_surge_ratio,
+            c.divergence_steps,
+            c.loss_spike_ratio,
+        )
 
     def bands(self) -> dict[str, Band | None]:
         return {"loss": self.loss.band(), "grad_norm": self.grad_norm.band()}
@@ -152,8 +169,15 @@ class Detector:
             found.append(Finding("loss_spike", "loss", loss, loss_band.threshold, loss_band.level))
         if grad_band is not None and math.isfinite(grad_norm) and grad_norm > grad_band.threshold:
             surge = grad_norm >= self.surge_ratio * grad_band.level
-            found.append(Finding("grad_norm_surge" if surge else "grad_norm_spike", "grad_norm", grad_norm,
-                                 grad_band.threshold, grad_band.level))  # fmt: skip
+            found.append(
+                Finding(
+                    "grad_norm_surge" if surge else "grad_norm_spike",
+                    "grad_norm",
+                    grad_norm,
+                    grad_band.threshold,
+                    grad_band.level,
+                )
+            )
         if self.divergence.update(loss):
             found.append(Finding("divergence", "loss", self.divergence.ema, None, None))
         return sorted(found, key=lambda f: FINDINGS.index(f.kind))

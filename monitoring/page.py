@@ -52,9 +52,11 @@ def _rolled_back(point: dict, name: str, x, y, lo: float, hi: float) -> str:
         mark, ty = f'<path d="M{px:.1f},{HEIGHT - PAD / 2 + 10} l-5,-9 h10 z"/>', HEIGHT - PAD / 2 + 9
     else:  # above the axis, or not a number (NaN, Inf)
         mark, ty = f'<path d="M{px:.1f},3 l-5,9 h10 z"/>', 12
-    return (f'<g class="rolled-back"><title>step {point["step"]}: {html.escape(name)} {html.escape(text)} judged, '
-            f'rolled back</title>{mark}<text x="{px + dx:.1f}" y="{ty:.0f}" text-anchor="{anchor}">'
-            f"{html.escape(text)} (rolled back)</text></g>")  # fmt: skip
+    return (
+        f'<g class="rolled-back"><title>step {point["step"]}: {html.escape(name)} {html.escape(text)} judged, '
+        f'rolled back</title>{mark}<text x="{px + dx:.1f}" y="{ty:.0f}" text-anchor="{anchor}">'
+        f"{html.escape(text)} (rolled back)</text></g>"
+    )
 
 
 def chart(
@@ -98,8 +100,10 @@ def chart(
     marks = [(r["step"], "warn") for r in series if r.get("level") == "warn"]
     marks += [(step, "rollback") for step in rollbacks]
     for step, cls in marks:
-        parts.append(f'<line class="{cls}" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{PAD / 2}" '
-                     f'y2="{HEIGHT - PAD / 2}"><title>step {step}: {cls}</title></line>')  # fmt: skip
+        parts.append(
+            f'<line class="{cls}" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{PAD / 2}" '
+            f'y2="{HEIGHT - PAD / 2}"><title>step {step}: {cls}</title></line>'
+        )
     parts += [_rolled_back(point, name, x, y, lo, hi) for point in rolled_back]
     parts.append(
         f'<text x="2" y="{y(hi) + 4:.0f}">{hi:.4g}</text><text x="2" y="{y(lo):.0f}">{lo:.4g}</text>'
@@ -115,8 +119,10 @@ WARNINGS_LISTED = 50  # the newest; every rollback and restart is listed
 def _events(status: dict) -> list[tuple[int, str, str]]:
     """The table's rows, newest step first: every rollback (decided, applied, cancelled) and
     restart of the run, and the newest warnings (a run may warn often; it rolls back rarely)."""
-    warnings = sorted(((w.get("step") or 0, "warning", w.get("reason") or "")
-                       for w in status.get("warnings_recent") or []), reverse=True)  # fmt: skip
+    warnings = sorted(
+        ((w.get("step") or 0, "warning", w.get("reason") or "") for w in status.get("warnings_recent") or []),
+        reverse=True,
+    )
     rows = warnings[:WARNINGS_LISTED]
     for d in status.get("rollbacks_decided") or []:
         rows.append(

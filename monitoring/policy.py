@@ -44,13 +44,29 @@ class Decision:
     lr_scale: float
 
     def action(self) -> Action:
-        return Action("rollback", tag=self.target, seed=self.seed, lr_scale=self.lr_scale, reason=self.reason,
-                      decision=self.id, step=self.step)  # fmt: skip
+        return Action(
+            "rollback",
+            tag=self.target,
+            seed=self.seed,
+            lr_scale=self.lr_scale,
+            reason=self.reason,
+            decision=self.id,
+            step=self.step,
+        )
 
     def event(self) -> dict:
-        return {"type": "rollback", "decision": self.id, "step": self.step, "reason": self.reason,
-                "finding": self.finding, "value": self.value, "threshold": self.threshold, "target": self.target,
-                "seed": self.seed, "lr_scale": self.lr_scale}  # fmt: skip
+        return {
+            "type": "rollback",
+            "decision": self.id,
+            "step": self.step,
+            "reason": self.reason,
+            "finding": self.finding,
+            "value": self.value,
+            "threshold": self.threshold,
+            "target": self.target,
+            "seed": self.seed,
+            "lr_scale": self.lr_scale,
+        }
 
 
 @dataclass
@@ -162,26 +178,43 @@ class Policy:
             return Verdict(Action("stop", reason=why), "stop", findings)
         n = len(self.decisions) + 1
         decision = Decision(
-            id=(self.decisions[-1].id if self.decisions else 0) + 1, step=step, reason=reason, finding=finding.kind,
-            value=finding.value if finding.kind != "operator" else None, threshold=finding.threshold, target=target,
-            seed=self.base_seed + 1_000_003 * n, lr_scale=self.config.lr_scale ** n,
-        )  # fmt: skip
+            id=(self.decisions[-1].id if self.decisions else 0) + 1,
+            step=step,
+            reason=reason,
+            finding=finding.kind,
+            value=finding.value if finding.kind != "operator" else None,
+            threshold=finding.threshold,
+            target=target,
+            seed=self.base_seed + 1_000_003 * n,
+            lr_scale=self.config.lr_scale**n,
+        )
         self.decisions.append(decision)
         self.pending = decision
         return Verdict(decision.action(), "rollback", findings, decision)
 
     def _remember(self, metrics: StepMetrics, verdict: Verdict) -> Verdict:
-        self.recent.append({"step": metrics.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm,
-                            "level": verdict.level, "reason": "; ".join(f.reason for f in verdict.findings
-                                                                        if f.kind != "operator") or None})  # fmt: skip
+        self.recent.append(
+            {
+                "step": metrics.step,
+                "loss": metrics.loss,
+                "grad_norm": metrics.grad_norm,
+                "level": verdict.level,
+                "reason": "; ".join(f.reason for f in verdict.findings if f.kind != "operator") or None,
+            }
+        )
         return verdict
 
     # ------------------------------------------------------------------------ decisions' lives
 
     def resolve(self, outcome: Outcome) -> bool:
         """The trainer's report of what became of a decision; whether it was the pending one."""
-        record = {"decision": outcome.decision, "step": outcome.decided_at, "applied_at": outcome.applied_at,
-                  "tag": outcome.tag, "reason": outcome.reason}  # fmt: skip
+        record = {
+            "decision": outcome.decision,
+            "step": outcome.decided_at,
+            "applied_at": outcome.applied_at,
+            "tag": outcome.tag,
+            "reason": outcome.reason,
+        }
         known = self.pending is not None and self.pending.id == outcome.decision
         if known:
             record |= {"target": self.pending.target, "why": self.pending.reason}
@@ -249,8 +282,12 @@ class Policy:
         if self.decisions:
             last = self.decisions[-1]
             root = checkpoint.checkpoints_dir(self.run_dir)
-            past = [t for t in checkpoint.tags_on_disk(self.run_dir) if checkpoint.step_of(t) > last.step
-                    and checkpoint.check_complete(root / t, verify_hashes=False) is None]  # fmt: skip
+            past = [
+                t
+                for t in checkpoint.tags_on_disk(self.run_dir)
+                if checkpoint.step_of(t) > last.step
+                and checkpoint.check_complete(root / t, verify_hashes=False) is None
+            ]
             if not past:
                 keep.add(last.target)
         current = checkpoint.pinned(self.run_dir)
@@ -276,8 +313,11 @@ class Policy:
         judged = []
         for e in events:
             if e.get("type") == "step":
-                judged.append(self.detector.chart_point(e.get("step"), e.get("loss"), e.get("grad_norm"),
-                                                        e.get("level", "ok")))  # fmt: skip
+                judged.append(
+                    self.detector.chart_point(
+                        e.get("step"), e.get("loss"), e.get("grad_norm"), e.get("level", "ok")
+                    )
+                )
             if e.get("type") == "step" and e.get("level", "ok") in ("ok", "warmup", "warn"):
                 loss, grad_norm = (
                     float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm")
@@ -287,13 +327,28 @@ class Policy:
                 self.warnings += 1
                 self.warned.append({"step": e.get("step"), "reason": e.get("reason")})
             elif e.get("type") == "rollback" and isinstance(e.get("decision"), int):
-                decision = Decision(e["decision"], e["step"], e.get("reason", ""), e.get("finding", ""),
-                                    e.get("value"), e.get("threshold"), e["target"], e["seed"], e["lr_scale"])  # fmt: skip
+                decision = Decision(
+                    e["decision"],
+                    e["step"],
+                    e.get("reason", ""),
+                    e.get("finding", ""),
+                    e.get("value"),
+                    e.get("threshold"),
+                    e["target"],
+                    e["seed"],
+                    e["lr_scale"],
+                )
                 self.decisions.append(decision)
                 self.pending = None if decision.id in resolved else decision
             elif e.get("type") == "rollback_applied":
-                self.applied.append({"decision": e.get("decision"), "step": e.get("decided_at"),
-                                     "applied_at": e.get("applied_at"), "tag": e.get("tag")})  # fmt: skip
+                self.applied.append(
+                    {
+                        "decision": e.get("decision"),
+                        "step": e.get("decided_at"),
+                        "applied_at": e.get("applied_at"),
+                        "tag": e.get("tag"),
+                    }
+                )
             elif e.get("type") == "rollback_cancelled":
                 self.cancelled.append({k: e.get(k) for k in ("decision", "step", "reason")})
         return judged

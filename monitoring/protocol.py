@@ -251,17 +251,26 @@ class Judgement:
         verdict = {"level": self.level, "findings": self.findings} | (
             {"note": self.note} if self.note else {}
         )
-        judged = {"step": self.step, "loss": _nonfinite_to_json(self.loss),
-                  "grad_norm": _nonfinite_to_json(self.grad_norm)}  # fmt: skip
+        judged = {
+            "step": self.step,
+            "loss": _nonfinite_to_json(self.loss),
+            "grad_norm": _nonfinite_to_json(self.grad_norm),
+        }
         return {"judged": judged, "verdict": verdict, "bands": self.bands}
 
     @classmethod
     def from_answer(cls, answer: dict[str, Any]) -> Judgement:
         try:
             judged, verdict = answer["judged"], answer["verdict"]
-            return cls(int(judged["step"]), float(_json_to_float(judged["loss"])),
-                       float(_json_to_float(judged["grad_norm"])), str(verdict["level"]),
-                       list(verdict.get("findings") or []), dict(answer.get("bands") or {}), verdict.get("note"))  # fmt: skip
+            return cls(
+                int(judged["step"]),
+                float(_json_to_float(judged["loss"])),
+                float(_json_to_float(judged["grad_norm"])),
+                str(verdict["level"]),
+                list(verdict.get("findings") or []),
+                dict(answer.get("bands") or {}),
+                verdict.get("note"),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"an answer's judgement is malformed: {exc!r}") from None
 

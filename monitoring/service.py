@@ -193,8 +193,15 @@ class MonitorState:
                 self.watch.step(time.monotonic())
             self._record(metrics, verdict)
             judged = verdict.to_json()
-            judgement = Judgement(metrics.step, metrics.loss, metrics.grad_norm, judged["level"],
-                                  judged["findings"], self.bands(), judged.get("note"))  # fmt: skip
+            judgement = Judgement(
+                metrics.step,
+                metrics.loss,
+                metrics.grad_norm,
+                judged["level"],
+                judged["findings"],
+                self.bands(),
+                judged.get("note"),
+            )
             answer = verdict.action.to_json() | judgement.to_json()
             if session is not None:
                 self.last_answer = answer
@@ -205,21 +212,42 @@ class MonitorState:
         if verdict.cancelled is not None:
             self.c_cancelled.inc()
             self._append({"type": "rollback_cancelled", **verdict.cancelled})
-        self._append({"type": "step", "step": metrics.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm,
-                      "action": verdict.action.kind, "level": verdict.level}, sync=False)  # fmt: skip
+        self._append(
+            {
+                "type": "step",
+                "step": metrics.step,
+                "loss": metrics.loss,
+                "grad_norm": metrics.grad_norm,
+                "action": verdict.action.kind,
+                "level": verdict.level,
+            },
+            sync=False,
+        )
         for finding in verdict.findings:
             self.c_findings.labels(finding.series, finding.kind).inc()
         if verdict.level == "warn":
             self.c_warnings.inc()
-            self._append({"type": "warning", "step": metrics.step,
-                          "reason": "; ".join(f.reason for f in verdict.findings),
-                          "findings": [f.kind for f in verdict.findings]}, sync=False)  # fmt: skip
+            self._append(
+                {
+                    "type": "warning",
+                    "step": metrics.step,
+                    "reason": "; ".join(f.reason for f in verdict.findings),
+                    "findings": [f.kind for f in verdict.findings],
+                },
+                sync=False,
+            )
         elif verdict.decision is not None:
             self.c_decided.inc()
             self._append(verdict.decision.event())
         elif verdict.level == "rollback":  # no checkpoint to go back to
-            self._append({"type": "anomaly", "step": metrics.step, "note": verdict.note,
-                          "reason": "; ".join(f.reason for f in verdict.findings)})  # fmt: skip
+            self._append(
+                {
+                    "type": "anomaly",
+                    "step": metrics.step,
+                    "note": verdict.note,
+                    "reason": "; ".join(f.reason for f in verdict.findings),
+                }
+            )
         elif verdict.level == "stop" and verdict.findings:
             self._append({"type": "circuit_breaker", "step": metrics.step, "reason": verdict.action.reason})
         self.g_step.set(metrics.step)
@@ -397,8 +425,11 @@ class MonitorHandler(BaseHTTPRequestHandler):
             return self._refuse(411, "send the body with a Content-Length, not chunked", close=True)
         length = self.headers.get("Content-Length")
         if length is None or not length.strip().isdigit():
-            return self._refuse(411 if length is None else 400,
-                                "a POST needs a Content-Length: a non-negative integer", close=True)  # fmt: skip
+            return self._refuse(
+                411 if length is None else 400,
+                "a POST needs a Content-Length: a non-negative integer",
+                close=True,
+            )
         if int(length) > MAX_BODY:
             return self._refuse(
                 413, f"the body is {int(length)} bytes; at most {MAX_BODY} are accepted", close=True

@@ -319,8 +319,12 @@ class Supervisor:
     def run(self) -> int:
         if self.server is not None:
             # poll_interval: how long shutdown() waits for the serving loop when the run ends
-            threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name="monitor-http",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self.server.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name="monitor-http",
+                daemon=True,
+            ).start()
             host, port = self.server.server_address[:2]
             self.log(f"launch: monitor on http://{host}:{port} (status: /status, Prometheus: /metrics)")
         interrupt = Interrupt()
@@ -348,8 +352,10 @@ class Supervisor:
                     if stopped_early:
                         self._tell_how_to_resume("the job saved and stopped before the last step")
                     elif detail != ExitCode.DONE:
-                        self.log(f"launch: the job exited with status {detail} "
-                                 f"({NOT_RESTARTED.get(detail, 'failed')}): {self._why_failed(job, detail)}")  # fmt: skip
+                        self.log(
+                            f"launch: the job exited with status {detail} "
+                            f"({NOT_RESTARTED.get(detail, 'failed')}): {self._why_failed(job, detail)}"
+                        )
                     return detail
                 reason = self._why_failed(job, detail) if outcome == "exit" else detail
                 if restarts >= self.config.max_restarts:
@@ -396,8 +402,10 @@ class Supervisor:
     def _watch(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
         outcome = self._watch_until_done(job, interrupt)
         if job.over_ssh and not wait_for_ranks(self.run_dir, self._ranks_exit_seconds):
-            self.log(f"launch: ranks of the job are still running on {', '.join(self.ssh_nodes)} "
-                     f"{self._ranks_exit_seconds:.0f} s after it ended; going on without them")  # fmt: skip
+            self.log(
+                f"launch: ranks of the job are still running on {', '.join(self.ssh_nodes)} "
+                f"{self._ranks_exit_seconds:.0f} s after it ended; going on without them"
+            )
         return outcome
 
     def _watch_until_done(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
@@ -412,8 +420,10 @@ class Supervisor:
                 failed = job.node_exits[0]
                 node = self.ssh_nodes.index(failed.host) if failed.host in self.ssh_nodes else "?"
                 why = f": {failed.last_line}" if failed.last_line else ""
-                self.log(f"launch: node {node} ({failed.host}) failed: its launcher exited with status "
-                         f"{failed.code}{why}; stopping the job on every node")  # fmt: skip
+                self.log(
+                    f"launch: node {node} ({failed.host}) failed: its launcher exited with status "
+                    f"{failed.code}{why}; stopping the job on every node"
+                )
                 job.stop(self.config.stop_grace_seconds)
                 return "exit", failed.code
             if interrupt.count and not asked_to_stop:
@@ -429,8 +439,10 @@ class Supervisor:
                 if hung and self._completed_since(job.started_at):
                     # The last step is trained and saved; only the processes' exit is slow (a final
                     # evaluation's teardown, a slow process-group shutdown): done, not hung.
-                    self.log(f"launch: the run is complete but its processes have not exited ({hung}); "
-                             "stopping them")  # fmt: skip
+                    self.log(
+                        f"launch: the run is complete but its processes have not exited ({hung}); "
+                        "stopping them"
+                    )
                     job.stop(self.config.stop_grace_seconds)
                     return "exit", ExitCode.DONE
                 if hung:
@@ -446,8 +458,13 @@ class Supervisor:
         resume = self.resume(signum) if self.resume else "the same command again"
         self.log(f"launch: {why}; newest checkpoint: {saved or 'none yet'}; to resume: {resume}")
         if self.leader:
-            event = {"type": "job_stopped", "step": checkpoint.step_of(saved) if saved else None, "saved": saved,
-                     "why": why, "resume": resume}  # fmt: skip
+            event = {
+                "type": "job_stopped",
+                "step": checkpoint.step_of(saved) if saved else None,
+                "saved": saved,
+                "why": why,
+                "resume": resume,
+            }
             with contextlib.suppress(OSError):
                 append_event(self.run_dir, event)
 
@@ -476,8 +493,14 @@ class Supervisor:
         step = None
         if self.state is not None:
             step = self.state.last_step()
-        event = {"type": "restart", "step": step, "reason": reason, "restart": restarts,
-                 "max_restarts": self.config.max_restarts, "resume_from": resume}  # fmt: skip
+        event = {
+            "type": "restart",
+            "step": step,
+            "reason": reason,
+            "restart": restarts,
+            "max_restarts": self.config.max_restarts,
+            "resume_from": resume,
+        }
         self.log(
             f"launch: restart {restarts}/{self.config.max_restarts} after {reason}, "
             f"from {resume or 'the beginning (no complete checkpoint yet)'}"
@@ -499,8 +522,10 @@ class Supervisor:
         except OSError as exc:
             if not self._state_write_failed:
                 free = shutil.disk_usage(self.run_dir).free if self.run_dir.exists() else 0
-                self.log(f"launch: cannot write {monitor_dir(self.run_dir) / SUPERVISOR_FILE}: {exc.strerror} "
-                         f"({free // 2**20} MB free); still supervising the job")  # fmt: skip
+                self.log(
+                    f"launch: cannot write {monitor_dir(self.run_dir) / SUPERVISOR_FILE}: {exc.strerror} "
+                    f"({free // 2**20} MB free); still supervising the job"
+                )
             self._state_write_failed = True
 
     def _leader_running(self) -> bool:

@@ -162,9 +162,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 # What the collective libraries say when another rank of the job is gone (killed, crashed, exited):
 # gloo's transport, NCCL's remote errors and aborted communicators, torch's store timeouts.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
-              "ncclRemoteError", "NCCL communicator was aborted", "collective operation timeout",
-              "Socket Timeout", "connection refused")  # fmt: skip
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+    "collective operation timeout",
+    "Socket Timeout",
+    "connection refused",
+)
 
 
 def lost_peer(exc: BaseException) -> str | None:
@@ -215,8 +223,12 @@ class StopRequest:
         did not ask."""
         if not self.requested:
             return None
-        return {"rank": int(os.environ.get("RANK", "0")), "node": int(os.environ.get("CROSS_RANK", "0")),
-                "host": socket.gethostname(), "why": self.why}  # fmt: skip
+        return {
+            "rank": int(os.environ.get("RANK", "0")),
+            "node": int(os.environ.get("CROSS_RANK", "0")),
+            "host": socket.gethostname(),
+            "why": self.why,
+        }
 
 
 def ignore_late_stop_requests() -> None:

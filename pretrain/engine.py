@@ -172,8 +172,12 @@ def set_determinism_and_connect(run: RunSection, env: DistEnv) -> None:
 
 
 def build(
-    run: RunSection, engine: EngineConfig, optim: OptimConfig, make_model: Callable[[], nn.Module], ds: dict[str, Any]
-):  # fmt: skip
+    run: RunSection,
+    engine: EngineConfig,
+    optim: OptimConfig,
+    make_model: Callable[[], nn.Module],
+    ds: dict[str, Any],
+):
     """Every rank: the model (built after seeding with `run.seed`, so every rank builds the same
     one) in its engine; returns (engine, optimizer)."""
     torch.manual_seed(run.seed)

@@ -73,8 +73,17 @@ def validation_loss(
     the validation split; with `eos_id`, attention kept inside each document (document masking)."""
     engine.eval()
     try:
-        totals = rank_totals(engine, data_dir, seq_len, micro_batch_size, batches, env.rank,
-                             env.world_size, engine.device, eos_id)  # fmt: skip
+        totals = rank_totals(
+            engine,
+            data_dir,
+            seq_len,
+            micro_batch_size,
+            batches,
+            env.rank,
+            env.world_size,
+            engine.device,
+            eos_id,
+        )
     finally:
         engine.train()
     all_reduce_sum(totals)
@@ -113,9 +122,15 @@ class RunEvaluation:
             if "sources" in data
             else {"data": data["fingerprint"]}
         )
-        return cls(state["step"], run_config["data"]["seq_len"], run_config["train"]["micro_batch_size"],
-                   run_config["eval"]["batches"], state["world_size"],
-                   bool(run_config["data"].get("document_masking")), fingerprints)  # fmt: skip
+        return cls(
+            state["step"],
+            run_config["data"]["seq_len"],
+            run_config["train"]["micro_batch_size"],
+            run_config["eval"]["batches"],
+            state["world_size"],
+            bool(run_config["data"].get("document_masking")),
+            fingerprints,
+        )
 
     def windows(self, num_windows: int) -> int:
         """Of a validation split of `num_windows` windows, how many the run's evaluation reads."""
@@ -166,8 +181,17 @@ def run_validation_loss(model, data_dir: Path, run: RunEvaluation, eos_id: int |
     device = next(model.parameters()).device
     totals = torch.zeros(2, device=device)
     for rank in range(run.world_size):
-        totals += rank_totals(model, data_dir, run.seq_len, run.micro_batch_size, run.batches, rank,
-                              run.world_size, device, eos_id)  # fmt: skip
+        totals += rank_totals(
+            model,
+            data_dir,
+            run.seq_len,
+            run.micro_batch_size,
+            run.batches,
+            rank,
+            run.world_size,
+            device,
+            eos_id,
+        )
     if totals[1].item() == 0:
         raise UserError(
             f"the validation split of {data_dir} has fewer than train.micro_batch_size={run.micro_batch_size} "
@@ -175,8 +199,12 @@ def run_validation_loss(model, data_dir: Path, run: RunEvaluation, eos_id: int |
         )
     loss = (totals[0] / totals[1]).item()
     windows = int(totals[1].item()) * run.micro_batch_size
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "windows": windows,
-            "tokens": windows * run.seq_len}  # fmt: skip
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "windows": windows,
+        "tokens": windows * run.seq_len,
+    }
 
 
 def attention_probe(

@@ -58,8 +58,12 @@ class FaultInjector:
                 continue
             self.fired.add(f"{kind}:{step}")
             if self.rank == 0:  # (rank 0 speaks: after its console line of the step before)
-                print(f"faults: {'killing' if kind == 'kill' else 'hanging'} rank {rank} as step {step} begins "
-                      f"(faults.{kind}_step)", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"faults: {'killing' if kind == 'kill' else 'hanging'} rank {rank} as step {step} begins "
+                    f"(faults.{kind}_step)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if self.rank != rank:
                 continue
             atomic.write_json(self.path, sorted(self.fired))
@@ -78,8 +82,11 @@ class FaultInjector:
             None
         ]
         if target is None:
-            print(f"faults: {tag} holds no optimizer file of rank 0 to corrupt (faults.corrupt_checkpoint_step)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"faults: {tag} holds no optimizer file of rank 0 to corrupt (faults.corrupt_checkpoint_step)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         data = bytearray(target.read_bytes())
         middle = len(data) // 2

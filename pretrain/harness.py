@@ -333,8 +333,14 @@ def evaluate_checkpoint(
     model = PretrainLM(trained, batch_size)
     with contextlib.redirect_stdout(sys.stderr), quiet_harness():  # (what the harness prints: stderr)
         try:
-            results = simple_evaluate(model=model, tasks=names, task_manager=manager, limit=limit,
-                                      batch_size=batch_size, log_samples=False)  # fmt: skip
+            results = simple_evaluate(
+                model=model,
+                tasks=names,
+                task_manager=manager,
+                limit=limit,
+                batch_size=batch_size,
+                log_samples=False,
+            )
         except (FileNotFoundError, ConnectionError) as exc:  # a task's data files, or the Hub, out of reach
             raise UserError(f"a task's data could not be loaded: {exc}".replace("\n", " ")) from None
     write_results(results, path)

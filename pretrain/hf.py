@@ -215,16 +215,31 @@ def fast_tokenizer_json(tokenizer: Tokenizer) -> dict:
     add_prefix_space=False, so both it and AutoTokenizer use this pipeline."""
     proto = _proto(tokenizer)
     specials = [
-        {"id": i, "content": p.piece, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
-        for i, p in enumerate(proto.pieces) if p.type in (PIECE.CONTROL, PIECE.UNKNOWN)
-    ]  # fmt: skip
-    decoders = [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
-                {"type": "ByteFallback"}, {"type": "Fuse"}]  # fmt: skip
+        {
+            "id": i,
+            "content": p.piece,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, p in enumerate(proto.pieces)
+        if p.type in (PIECE.CONTROL, PIECE.UNKNOWN)
+    ]
+    decoders = [
+        {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
     if tokenizer.adds_dummy_prefix:
-        normalizer = {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": SPACE},
-            {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}  # fmt: skip
+        normalizer = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": SPACE},
+                {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
+            ],
+        }
         pre_tokenizer = None
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     else:
@@ -293,8 +308,14 @@ def tokenizer_config_dict(tokenizer: Tokenizer, model_max_length: int) -> dict:
 
 def generation_config_dict(tokenizer: Tokenizer) -> dict:
     """generation_config.json: the special ids, and `pretrain generate`'s sampling defaults."""
-    return {**hf_token_ids(tokenizer), "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95,
-            "max_new_tokens": 100}  # fmt: skip
+    return {
+        **hf_token_ids(tokenizer),
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_k": 50,
+        "top_p": 0.95,
+        "max_new_tokens": 100,
+    }
 
 
 def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int) -> Path:

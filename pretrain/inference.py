@@ -170,8 +170,9 @@ def sample_text(
 ) -> str:
     """The text a loaded model writes after `prompt`, which starts a new document."""
     generator = torch.Generator().manual_seed(seed)
-    return continuation(trained.model, trained.tokenizer, prompt, max_new_tokens, temperature, top_k, top_p,
-                        generator)  # fmt: skip
+    return continuation(
+        trained.model, trained.tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, generator
+    )
 
 
 def continuation(
@@ -185,8 +186,16 @@ def continuation(
     generator: torch.Generator,
 ) -> str:
     """What `model` writes after `prompt` (a new document), until EOS or `max_new_tokens`."""
-    ids = generate(model, tokenizer.encode_document(prompt), max_new_tokens, temperature, top_k, top_p,
-                   tokenizer.eos_id, generator)  # fmt: skip
+    ids = generate(
+        model,
+        tokenizer.encode_document(prompt),
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        tokenizer.eos_id,
+        generator,
+    )
     return tokenizer.decode(ids)
 
 

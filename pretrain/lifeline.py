@@ -122,8 +122,12 @@ def _hold_ranks_lock(run_dir: Path) -> None:
 
 def _keep_record(run_dir: Path) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    record = {"rank": rank, "node": int(os.environ.get("CROSS_RANK", "0")), "host": socket.gethostname(),
-              "pid": os.getpid()}  # fmt: skip
+    record = {
+        "rank": rank,
+        "node": int(os.environ.get("CROSS_RANK", "0")),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
     path = run_dir / RANK_RECORDS / f"rank-{rank}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

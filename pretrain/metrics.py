@@ -83,13 +83,21 @@ class MetricsWriter:
         their steps: `_in_band`, not the every-step value, which the warm-up has no band for), and
         its marks at every judged step (a Multiline chart, whose tags are regular expressions: anchored)."""
         if self.writer is not None:
-            self.writer.add_custom_scalars({
-                "monitor": {
-                    "gradient norm in its band (level .. threshold)": ["Margin", list(band_tags("grad_norm"))],
-                    "loss in its band (level .. threshold)": ["Margin", list(band_tags("loss"))],
-                    "rollbacks and warnings (1 at the step judged)": ["Multiline", [f"^{t}$" for t in MARK_TAGS]],
+            self.writer.add_custom_scalars(
+                {
+                    "monitor": {
+                        "gradient norm in its band (level .. threshold)": [
+                            "Margin",
+                            list(band_tags("grad_norm")),
+                        ],
+                        "loss in its band (level .. threshold)": ["Margin", list(band_tags("loss"))],
+                        "rollbacks and warnings (1 at the step judged)": [
+                            "Multiline",
+                            [f"^{t}$" for t in MARK_TAGS],
+                        ],
+                    }
                 }
-            })  # fmt: skip
+            )
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:

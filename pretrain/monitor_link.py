@@ -170,8 +170,12 @@ class Reporter:
             self._seq += 1
             if len(self._outbox) >= MAX_WAITING:
                 dropped = self._outbox.popleft()
-                print(f"warning: the monitor has been away for {MAX_WAITING} reports; the oldest "
-                      f"({dropped[2]}) will not be judged", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"warning: the monitor has been away for {MAX_WAITING} reports; the oldest "
+                    f"({dropped[2]}) will not be judged",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._outbox.append((path, payload | {"session": self.session, "seq": self._seq}, step))
             self._cond.notify_all()
 
@@ -207,8 +211,11 @@ class Reporter:
                     self._take_answer(answer)
                 self._cond.notify_all()
             if self.unreachable_since is not None and waiting == 0:
-                print(f"monitor reachable again: every step since {self.unreachable_since} judged",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"monitor reachable again: every step since {self.unreachable_since} judged",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.unreachable_since = None
 
     def _take_answer(self, answer: dict) -> None:
@@ -230,8 +237,12 @@ class Reporter:
     def _unreachable(self, step: int | None, exc: Exception) -> None:
         if self.unreachable_since is None:
             self.unreachable_since = step if step is not None else -1
-            print(f"warning: monitor unreachable at step {step} ({exc}); training goes on and its steps "
-                  "will be judged when it is back", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"warning: monitor unreachable at step {step} ({exc}); training goes on and its steps "
+                "will be judged when it is back",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def broadcast_action(action: Action | None, device) -> Action:
@@ -241,16 +252,30 @@ def broadcast_action(action: Action | None, device) -> Action:
     if action is not None:
         target = step_of(action.tag) if action.tag else 0
         packed = torch.tensor(
-            [ACTIONS.index(action.kind), target, action.seed or 0, action.lr_scale, action.decision or 0,
-             action.step or 0], dtype=torch.float64, device=device,
-        )  # fmt: skip
+            [
+                ACTIONS.index(action.kind),
+                target,
+                action.seed or 0,
+                action.lr_scale,
+                action.decision or 0,
+                action.step or 0,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
     broadcast(packed, src=0)
     kind, target, seed, lr_scale, decision, step = packed.tolist()
     kind = ACTIONS[int(kind)]
     if kind == "rollback":
-        return Action("rollback", tag=tag_for(int(target)), seed=int(seed), lr_scale=lr_scale,
-                      reason=action.reason if action else None, decision=int(decision) or None,
-                      step=int(step) or None)  # fmt: skip
+        return Action(
+            "rollback",
+            tag=tag_for(int(target)),
+            seed=int(seed),
+            lr_scale=lr_scale,
+            reason=action.reason if action else None,
+            decision=int(decision) or None,
+            step=int(step) or None,
+        )
     if kind == "stop":
         return Action("stop", reason=(action.reason if action else None) or "stopped by the monitor")
     return CONTINUE
@@ -278,9 +303,18 @@ class MonitorLink:
             for k, v in metrics.items()
             if k.startswith("train/grad_norm/")
         }
-        self.reporter.report(StepMetrics(step, metrics["train/loss"], grad_norm if grad_norm is not None else float("nan"),
-                                         metrics["train/lr"], metrics["train/step_time"], tokens, layers,
-                                         self.total_steps))  # fmt: skip
+        self.reporter.report(
+            StepMetrics(
+                step,
+                metrics["train/loss"],
+                grad_norm if grad_norm is not None else float("nan"),
+                metrics["train/lr"],
+                metrics["train/step_time"],
+                tokens,
+                layers,
+                self.total_steps,
+            )
+        )
 
     def pending(self) -> float:
         """1.0 on rank 0 when an action waits (summed into the step's all-reduce), else 0.0."""
@@ -297,8 +331,12 @@ class MonitorLink:
         if any (a collective). So a checkpoint holds only judged steps, unless the service is away."""
         patience = (10 if last else 1) * self.timeout
         if self.reporter is not None and wait and not self.reporter.drain(patience):
-            print(f"warning: the monitor has not judged the last {self.reporter.waiting()} step(s) in "
-                  f"{patience:g} s; saving the checkpoint all the same", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"warning: the monitor has not judged the last {self.reporter.waiting()} step(s) in "
+                f"{patience:g} s; saving the checkpoint all the same",
+                file=sys.stderr,
+                flush=True,
+            )
         flag = torch.tensor([self.pending()], dtype=torch.float64, device=self.device)
         broadcast(flag, src=0)
         return self.take() if flag.item() > 0 else CONTINUE
@@ -349,17 +387,35 @@ def apply_rollback(
     )
     if loaded is None:
         if checkpointer.env.is_main:
-            append_event(run_dir, {"type": "rollback_cancelled", "step": step_of(action.tag), "tag": action.tag,
-                                   **decided, "reason": f"no intact checkpoint at or before {action.tag}"})  # fmt: skip
+            append_event(
+                run_dir,
+                {
+                    "type": "rollback_cancelled",
+                    "step": step_of(action.tag),
+                    "tag": action.tag,
+                    **decided,
+                    "reason": f"no intact checkpoint at or before {action.tag}",
+                },
+            )
         return None
     saved, matches = loaded
     barrier()  # every rank has read the target before newer checkpoints move away
     if checkpointer.env.is_main:
         abandoned = abandon_after(run_dir, saved["step"])
         trim_abandoned(run_dir)
-        append_event(run_dir, {"type": "rollback_applied", "step": saved["step"], "tag": tag_for(saved["step"]),
-                               "requested": action.tag, "seed": action.seed, **decided,
-                               "matches_checkpoint": matches, "abandoned": abandoned})  # fmt: skip
+        append_event(
+            run_dir,
+            {
+                "type": "rollback_applied",
+                "step": saved["step"],
+                "tag": tag_for(saved["step"]),
+                "requested": action.tag,
+                "seed": action.seed,
+                **decided,
+                "matches_checkpoint": matches,
+                "abandoned": abandoned,
+            },
+        )
     task.load_state_dict(saved["data"])
     task.reshuffle(action.seed)
     return TrainState(step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale)

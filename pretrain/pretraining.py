@@ -109,8 +109,14 @@ def check_data(cfg: RunConfig, world_size: int) -> list[dict]:
             )
         check_tokenizer(data_dir, manifest)
         if cfg.eval.every > 0:  # each corpus is evaluated on its own
-            check_windows(cfg, "validation", data_dir, split_windows(manifest, "validation", cfg.data.seq_len),
-                          world_size, manifest.get("val_fraction"))  # fmt: skip
+            check_windows(
+                cfg,
+                "validation",
+                data_dir,
+                split_windows(manifest, "validation", cfg.data.seq_len),
+                world_size,
+                manifest.get("val_fraction"),
+            )
             WindowStream(data_dir, cfg.data.seq_len, 0, world_size, split="validation")  # shard sizes
         manifests.append(manifest)
     MixtureStream(sources, cfg.data.seq_len)  # one tokenizer for all, names and weights
@@ -142,8 +148,10 @@ def check_windows(
         if data_dir is not None
         else f"the mixture's {split} splits give"
     )
-    has = (f"{where} {per_rank} window(s) of {seq_len + 1} tokens per rank at data.seq_len={seq_len} "
-           f"({windows} over {world_size} rank(s))")  # fmt: skip
+    has = (
+        f"{where} {per_rank} window(s) of {seq_len + 1} tokens per rank at data.seq_len={seq_len} "
+        f"({windows} over {world_size} rank(s))"
+    )
     if split == "train":
         raise UserError(
             f"{has}, fewer than one micro-batch (train.micro_batch_size={micro}): "
@@ -210,10 +218,17 @@ class LanguageModeling:
     def evaluate(self, engine) -> dict[str, float]:
         """The held-out loss; for a mixture, per corpus (`loss/NAME`) and their weighted mean."""
         losses = {
-            name: validation_loss(engine, Path(directory), self.seq_len, self.micro_batch_size,
-                                  self.eval_batches, self.env, self.eos_id)["loss"]
+            name: validation_loss(
+                engine,
+                Path(directory),
+                self.seq_len,
+                self.micro_batch_size,
+                self.eval_batches,
+                self.env,
+                self.eos_id,
+            )["loss"]
             for name, directory, _ in self.sources
-        }  # fmt: skip
+        }
         total = sum(weight for _, _, weight in self.sources)
         loss = sum(losses[name] * weight / total for name, _, weight in self.sources)
         results = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
@@ -232,8 +247,14 @@ class LanguageModeling:
         prompts = self.sampling.sample_prompts
         if not prompts:
             return []
-        texts = continuations(engine, self._tokenizer, prompts, self.sampling.sample_tokens,
-                              self.sampling.sample_temperature, step)  # fmt: skip
+        texts = continuations(
+            engine,
+            self._tokenizer,
+            prompts,
+            self.sampling.sample_tokens,
+            self.sampling.sample_temperature,
+            step,
+        )
         return list(zip(prompts, texts, strict=True))
 
     @functools.cached_property
@@ -271,8 +292,18 @@ def pretrain(cfg: RunConfig) -> dict:
         def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
             return build_trainer(cfg, env, engine, optimizer, checked.plan, checked.data_dir, resume, zero)
 
-        return RunPlan(cfg.run, cfg.checkpoint, cfg.engine, cfg.optim, cfg.train.steps, checked.identity,
-                       asdict(cfg), checked.ds_config, lambda: Transformer(cfg.model), make_trainer)  # fmt: skip
+        return RunPlan(
+            cfg.run,
+            cfg.checkpoint,
+            cfg.engine,
+            cfg.optim,
+            cfg.train.steps,
+            checked.identity,
+            asdict(cfg),
+            checked.ds_config,
+            lambda: Transformer(cfg.model),
+            make_trainer,
+        )
 
     return run(cfg.run.dir, check)
 
@@ -291,14 +322,27 @@ def build_trainer(
     metrics, faults and the monitor link."""
     run_dir = Path(cfg.run.dir)
     task = LanguageModeling(cfg, data_dir, plan, env, engine.device)
-    checkpointer = Checkpointer(run_dir, env, cfg.checkpoint.keep, asdict(cfg), data_dir / MODEL_FILE,
-                                config_hash(cfg), cfg.checkpoint.save_retries)  # fmt: skip
+    checkpointer = Checkpointer(
+        run_dir,
+        env,
+        cfg.checkpoint.keep,
+        asdict(cfg),
+        data_dir / MODEL_FILE,
+        config_hash(cfg),
+        cfg.checkpoint.save_retries,
+    )
     state = TrainState()
     if resume is not None:
         state = checkpointer.restore(engine, resume)
         task.load_state_dict(resume.data)
-    writer = MetricsWriter(run_dir, cfg.train.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
-                           wandb=cfg.logging.wandb, run_config=asdict(cfg))  # fmt: skip
+    writer = MetricsWriter(
+        run_dir,
+        cfg.train.steps,
+        enabled=env.is_main,
+        tensorboard=cfg.logging.tensorboard,
+        wandb=cfg.logging.wandb,
+        run_config=asdict(cfg),
+    )
     monitor = (
         MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
         if cfg.monitor.enabled

@@ -94,7 +94,10 @@ def already_complete(run_dir: Path, steps: int, env: DistEnv, resume: Resume) ->
     summary |= {"step": state.step, "tokens": summary.get("tokens", state.tokens), "completed": True}
     if env.is_main:
         atomic.write_json(summary_path, summary)
-        print(f"the run in {run_dir} is already complete: step {state.step} of {steps} is saved "
-              f"({resume.tag}); nothing to train (raise train.steps to train further)", flush=True)  # fmt: skip
+        print(
+            f"the run in {run_dir} is already complete: step {state.step} of {steps} is saved "
+            f"({resume.tag}); nothing to train (raise train.steps to train further)",
+            flush=True,
+        )
     barrier()
     return summary

@@ -53,8 +53,10 @@ class WandbSink:
         if cfg.mode == "online":
             say(f"W&B: {self._run.url}")
         elif cfg.mode == "offline":
-            say(f"W&B: offline run {self._run.id} in {self._run.settings.sync_dir} "
-                f"(upload with `wandb sync {run_dir / 'wandb'}`)")  # fmt: skip
+            say(
+                f"W&B: offline run {self._run.id} in {self._run.settings.sync_dir} "
+                f"(upload with `wandb sync {run_dir / 'wandb'}`)"
+            )
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         row = {tag: value for tag, value in values.items() if value is not None}
@@ -92,8 +94,11 @@ class WandbSink:
 
     def _give_up(self, what: str, exc: Exception) -> None:
         self._run = None
-        print(f"W&B: {what} failed ({type(exc).__name__}: {exc}); training goes on without W&B",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"W&B: {what} failed ({type(exc).__name__}: {exc}); training goes on without W&B",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def start_run(cfg, run_dir: Path, run_config: dict | None):

@@ -68,23 +68,49 @@ class Mode:
 GPU = Mode(
     name="gpu",
     budget=530.0,
-    budgets={"versions": 30, "fused_adam": 150, "pytest": 200, "launch": 300, "bench gpt3-125m": 120,
-             "bench gpt3-1.3b": 150, "profile": 150, "bench gpt3-350m": 120},
-    order=("versions", "fused_adam", "pytest", "launch", "bench gpt3-125m", "bench gpt3-1.3b", "profile",
-           "bench gpt3-350m"),
+    budgets={
+        "versions": 30,
+        "fused_adam": 150,
+        "pytest": 200,
+        "launch": 300,
+        "bench gpt3-125m": 120,
+        "bench gpt3-1.3b": 150,
+        "profile": 150,
+        "bench gpt3-350m": 120,
+    },
+    order=(
+        "versions",
+        "fused_adam",
+        "pytest",
+        "launch",
+        "bench gpt3-125m",
+        "bench gpt3-1.3b",
+        "profile",
+        "bench gpt3-350m",
+    ),
     pytest="",
-    bench={model: f"--seq-len 2048 --micro-batch-size {batch} --zero-stage 1 --compile --steps 10 --warmup 3"
-           for model, batch in (("gpt3-125m", 16), ("gpt3-350m", 8), ("gpt3-1.3b", 4))},
-    profile={model: f"--seq-len 2048 --micro-batch-size {batch} --compile --steps 3 --warmup 3"
-             for model, batch in (("gpt3-125m", 16), ("gpt3-1.3b", 4))},
+    bench={
+        model: f"--seq-len 2048 --micro-batch-size {batch} --zero-stage 1 --compile --steps 10 --warmup 3"
+        for model, batch in (("gpt3-125m", 16), ("gpt3-350m", 8), ("gpt3-1.3b", 4))
+    },
+    profile={
+        model: f"--seq-len 2048 --micro-batch-size {batch} --compile --steps 3 --warmup 3"
+        for model, batch in (("gpt3-125m", 16), ("gpt3-1.3b", 4))
+    },
     drill=Drill(
         config="gpt3-125m",
         overrides="train.micro_batch_size=16 schedule.warmup_steps=10 eval.every=50 eval.batches=1 "
-                  "eval.attention_probe=null logging.every=10 logging.layer_grad_norms_every=10 "
-                  "monitor.warmup=20 monitor.window=64",
-        steps=100, checkpoint_every=20, spike_step=50, kill_step=75, more_steps=20, vocab_size=8192, workers=8,
+        "eval.attention_probe=null logging.every=10 logging.layer_grad_norms_every=10 "
+        "monitor.warmup=20 monitor.window=64",
+        steps=100,
+        checkpoint_every=20,
+        spike_step=50,
+        kill_step=75,
+        more_steps=20,
+        vocab_size=8192,
+        workers=8,
     ),
-)  # fmt: skip
+)
 
 CPU = Mode(
     name="cpu",
@@ -97,11 +123,17 @@ CPU = Mode(
     drill=Drill(
         config="tiny",
         overrides="model.n_layers=2 model.d_model=64 train.micro_batch_size=2 optim.lr=3e-3 "
-                  "schedule.warmup_steps=2 eval.every=12 eval.batches=1 eval.attention_probe=null "
-                  "logging.every=1 monitor.warmup=4 monitor.window=16",
-        steps=12, checkpoint_every=4, spike_step=9, kill_step=11, more_steps=2, vocab_size=512, workers=2,
+        "schedule.warmup_steps=2 eval.every=12 eval.batches=1 eval.attention_probe=null "
+        "logging.every=1 monitor.warmup=4 monitor.window=16",
+        steps=12,
+        checkpoint_every=4,
+        spike_step=9,
+        kill_step=11,
+        more_steps=2,
+        vocab_size=512,
+        workers=2,
     ),
-)  # fmt: skip
+)
 
 
 @dataclass
@@ -142,8 +174,15 @@ class Check:
         self.log(f"$ {' '.join(command)}")
         started = time.time()
         env = {k: v for k, v in (env or os.environ).items() if k not in RENDEZVOUS}  # each part its own
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log_file, text=True,
-                                   start_new_session=True, env=env, cwd=repo_path())  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=self.log_file,
+            text=True,
+            start_new_session=True,
+            env=env,
+            cwd=repo_path(),
+        )
         try:
             stdout, _ = process.communicate(timeout=max(budget, 1.0))
             returncode = process.returncode
@@ -210,8 +249,9 @@ def versions(check: Check, budget: float) -> dict:
     found = json.loads(finished.stdout.strip().splitlines()[-1])
     found["driver"] = None
     if check.mode.name == "gpu":
-        smi = check.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                         "--format=csv,noheader"], 15)  # fmt: skip
+        smi = check.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], 15
+        )
         if smi.returncode == 0 and smi.stdout.strip():
             name, driver, memory = (s.strip() for s in smi.stdout.strip().splitlines()[0].split(",")[:3])
             found |= {"driver": driver, "gpu_memory": memory, "gpu": name}
@@ -233,8 +273,21 @@ def fused_adam(check: Check, budget: float) -> dict:
 
 def pytest(check: Check, budget: float) -> dict:
     junit = check.work / "pytest.xml"
-    command = [PYTHON, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-v", "-rs",
-               "--basetemp", str(check.work / "pytest"), f"--junitxml={junit}", *check.mode.pytest.split()]  # fmt: skip
+    command = [
+        PYTHON,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "-v",
+        "-rs",
+        "--basetemp",
+        str(check.work / "pytest"),
+        f"--junitxml={junit}",
+        *check.mode.pytest.split(),
+    ]
     finished = check.run(command, budget)
     if not junit.exists():
         raise failed_command(finished, "pytest")
@@ -268,17 +321,27 @@ def bench(model: str, arguments: str) -> Callable[[Check, float], dict]:
         check.write_json(f"bench-{model}.json", result)
         nominal, measured = result.get("ours_mfu"), result["ours_mfu_of_measured_matmul"]
         peak = result.get("ours_step_peak_memory_bytes")
-        line = (f"ours {result['ours_tokens_per_sec']:,.0f} tok/s, MFU "
-                + (f"{100 * nominal:.1f}% of nominal, " if nominal else "")
-                + f"{100 * measured:.1f}% of the measured matmul, {result['ratio']:.2f}x transformers"
-                + (f", step peak {peak / 2**30:.1f} GiB" if peak else ""))  # fmt: skip
+        line = (
+            f"ours {result['ours_tokens_per_sec']:,.0f} tok/s, MFU "
+            + (f"{100 * nominal:.1f}% of nominal, " if nominal else "")
+            + f"{100 * measured:.1f}% of the measured matmul, {result['ratio']:.2f}x transformers"
+            + (f", step peak {peak / 2**30:.1f} GiB" if peak else "")
+        )
         return {"line": line, "figures": {k: result.get(k) for k in FIGURES}}
 
     return part
 
 
-FIGURES = ("ours_tokens_per_sec", "hf_tokens_per_sec", "ratio", "ours_mfu", "ours_mfu_of_measured_matmul",
-           "ours_step_peak_memory_bytes", "measured_matmul_flops", "first_loss_difference")  # fmt: skip
+FIGURES = (
+    "ours_tokens_per_sec",
+    "hf_tokens_per_sec",
+    "ratio",
+    "ours_mfu",
+    "ours_mfu_of_measured_matmul",
+    "ours_step_peak_memory_bytes",
+    "measured_matmul_flops",
+    "first_loss_difference",
+)
 
 
 def profile(check: Check, budget: float) -> dict:
@@ -310,19 +373,54 @@ def launch(check: Check, budget: float) -> dict:
     data, run_dir = check.work / "drill" / "data", check.work / "drill" / "run"
     deadline = time.time() + budget
     steps = [
-        [*PRETRAIN, "tokenizer", "train", "--source", "builtin:pydoc", "--vocab-size", str(drill.vocab_size),
-         "--out", str(data.parent / "tokenizer")],
-        [*PRETRAIN, "data", "prepare", "--source", "builtin:pydoc", "--tokenizer", str(data.parent / "tokenizer"),
-         "--out", str(data), "--workers", str(drill.workers), "--val-fraction", "0.1"],
-    ]  # fmt: skip
+        [
+            *PRETRAIN,
+            "tokenizer",
+            "train",
+            "--source",
+            "builtin:pydoc",
+            "--vocab-size",
+            str(drill.vocab_size),
+            "--out",
+            str(data.parent / "tokenizer"),
+        ],
+        [
+            *PRETRAIN,
+            "data",
+            "prepare",
+            "--source",
+            "builtin:pydoc",
+            "--tokenizer",
+            str(data.parent / "tokenizer"),
+            "--out",
+            str(data),
+            "--workers",
+            str(drill.workers),
+            "--val-fraction",
+            "0.1",
+        ],
+    ]
     for command in steps:
         finished = check.run(command, deadline - time.time())
         if finished.returncode != 0:
             raise failed_command(finished, " ".join(command[3:5]))
-    common = [*PRETRAIN, "launch", "--nproc", "1", "--config", drill.config, f"data.dir={data}",
-              f"run.dir={run_dir}", f"model.vocab_size={drill.vocab_size}", *drill.overrides.split(),
-              f"checkpoint.every={drill.checkpoint_every}", "checkpoint.keep=3",
-              f"faults.spike_steps=[{drill.spike_step}]", f"faults.kill_step={drill.kill_step}", "faults.kill_rank=0"]  # fmt: skip
+    common = [
+        *PRETRAIN,
+        "launch",
+        "--nproc",
+        "1",
+        "--config",
+        drill.config,
+        f"data.dir={data}",
+        f"run.dir={run_dir}",
+        f"model.vocab_size={drill.vocab_size}",
+        *drill.overrides.split(),
+        f"checkpoint.every={drill.checkpoint_every}",
+        "checkpoint.keep=3",
+        f"faults.spike_steps=[{drill.spike_step}]",
+        f"faults.kill_step={drill.kill_step}",
+        "faults.kill_rank=0",
+    ]
     first = check.run([*common, f"train.steps={drill.steps}"], deadline - time.time())
     if first.returncode != 0:
         raise failed_command(first, "the first launch")
@@ -361,9 +459,10 @@ def drill_report(run_dir: Path, drill: Drill, first: Finished, second: Finished)
         "no_other_rollback": all(e["step"] == drill.spike_step for e in rollbacks),
         "kill_restarted": len(restarts) == 1,
         "first_launch_completed": "done:" in first.stdout,
-        "resumed_at_the_last_checkpoint": resumed is not None and resumed.group(1) == f"step_{drill.steps:08d}",
+        "resumed_at_the_last_checkpoint": resumed is not None
+        and resumed.group(1) == f"step_{drill.steps:08d}",
         "completed": bool(summary.get("completed")) and summary.get("step") == total,
-    }  # fmt: skip
+    }
     tokens = [r["train/tokens_per_sec"] for r in records if r.get("train/tokens_per_sec")]
     mfus = [r["train/mfu"] for r in records if r.get("train/mfu")]
     figures = {
@@ -392,10 +491,13 @@ def drill_line(result: dict) -> str:
     r, f = result, result["figures"]
     spike = r["rollbacks"][0] if r["rollbacks"] else {}
     restart = r["restarts"][0] if r["restarts"] else {}
-    return (f"spike at {spike.get('step')} rolled back to {spike.get('target')}; "
-            f"restart from {restart.get('resume_from')}; resumed from {r['resumed_from']}; "
-            f"{f['step_time_median_s'] or 0:.3f} s/step, checkpoints saved in "
-            + ", ".join(f"{s:.1f}" for s in f["checkpoint_save_seconds"]) + " s")  # fmt: skip
+    return (
+        f"spike at {spike.get('step')} rolled back to {spike.get('target')}; "
+        f"restart from {restart.get('resume_from')}; resumed from {r['resumed_from']}; "
+        f"{f['step_time_median_s'] or 0:.3f} s/step, checkpoints saved in "
+        + ", ".join(f"{s:.1f}" for s in f["checkpoint_save_seconds"])
+        + " s"
+    )
 
 
 # --------------------------------------------------------------------------- the check
@@ -495,8 +597,10 @@ def release_build_locks() -> None:
 
 
 def table(summary: dict) -> str:
-    rows = [f"gpu_check ({summary['mode']}): {len(summary['parts'])} parts in {summary['seconds']:.0f} s "
-            f"of {summary['budget_s']:.0f}"]  # fmt: skip
+    rows = [
+        f"gpu_check ({summary['mode']}): {len(summary['parts'])} parts in {summary['seconds']:.0f} s "
+        f"of {summary['budget_s']:.0f}"
+    ]
     rows += [
         f"  {p['name']:<17}{p['status']:<9}{p['seconds']:>5.0f} s  {p.get('line', '')}"
         for p in summary["parts"]

@@ -89,9 +89,19 @@ def corpora(args) -> None:
 def _launch(out: Path, name: str, config: str, kind: str, overrides: list[str]) -> int:
     path, vocab = CONFIGS[config]
     run_dir = out / "runs" / name
-    command = [sys.executable, "-m", "pretrain", "launch", "--config", str(REPO / path),
-               f"run.dir={run_dir}", f"data.dir={out / 'corpora' / f'{kind}-{vocab}' / 'data'}",
-               f"model.vocab_size={vocab}", "checkpoint.resume=fresh", *overrides]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pretrain",
+        "launch",
+        "--config",
+        str(REPO / path),
+        f"run.dir={run_dir}",
+        f"data.dir={out / 'corpora' / f'{kind}-{vocab}' / 'data'}",
+        f"model.vocab_size={vocab}",
+        "checkpoint.resume=fresh",
+        *overrides,
+    ]
     print(" ".join(command), flush=True)
     with open(out / "runs" / f"{name}.log", "w") as log:
         return subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -115,8 +125,10 @@ def faults(args) -> None:
     steps = [60, 90, 120][: max(1, (args.steps - 30) // 30)]
     at = "[" + ",".join(map(str, steps)) + "]"
     cases = [(f"loss-x{f:g}", [f"faults.spike_steps={at}", f"faults.spike_factor={f}"]) for f in args.factors]
-    cases += [(f"grad-x{f:g}", [f"faults.grad_spike_steps={at}", f"faults.grad_spike_factor={f}"])
-              for f in args.factors]  # fmt: skip
+    cases += [
+        (f"grad-x{f:g}", [f"faults.grad_spike_steps={at}", f"faults.grad_spike_factor={f}"])
+        for f in args.factors
+    ]
     cases.append(("nan", [f"faults.nan_steps={at}"]))
     for label, overrides in cases:
         name = f"fault-{args.config}-{args.kind}-{label}"
@@ -154,8 +166,15 @@ def overhead(args) -> None:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     path, vocab = CONFIGS[args.config]
     data = out / "corpora" / f"{args.kind}-{vocab}" / "data"
-    common = [f"data.dir={data}", f"model.vocab_size={vocab}", "checkpoint.resume=fresh", f"train.steps={args.steps}",
-              "eval.every=0", f"checkpoint.every={args.steps}", "logging.every=1"]  # fmt: skip
+    common = [
+        f"data.dir={data}",
+        f"model.vocab_size={vocab}",
+        "checkpoint.resume=fresh",
+        f"train.steps={args.steps}",
+        "eval.every=0",
+        f"checkpoint.every={args.steps}",
+        "logging.every=1",
+    ]
     medians = {"with": [], "without": []}
     for pair in range(args.pairs):
         for kind in ("with", "without") if pair % 2 == 0 else ("without", "with"):
@@ -163,21 +182,38 @@ def overhead(args) -> None:
             if kind == "with":
                 command = [sys.executable, "-m", "pretrain", "launch", "--config", str(REPO / path)]
             else:
-                command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                           str(free_port()), "--module", "pretrain.train", "--config", str(REPO / path),
-                           "monitor.enabled=false"]  # fmt: skip
+                command = [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.launcher.runner",
+                    "--num_gpus",
+                    "2",
+                    "--master_port",
+                    str(free_port()),
+                    "--module",
+                    "pretrain.train",
+                    "--config",
+                    str(REPO / path),
+                    "monitor.enabled=false",
+                ]
             with open(f"{run_dir}.log", "w") as log:
-                subprocess.check_call([*command, f"run.dir={run_dir}", *common], stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=REPO)  # fmt: skip
+                subprocess.check_call(
+                    [*command, f"run.dir={run_dir}", *common], stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+                )
             medians[kind].append(statistics.median(_step_times(run_dir)))
             print(
                 f"{kind} the monitor, pair {pair}: median step {1e3 * medians[kind][-1]:.1f} ms", flush=True
             )
     ratios = [w / wo for w, wo in zip(medians["with"], medians["without"], strict=True)]
-    result = {"config": args.config, "steps": args.steps, "pairs": args.pairs,
-              "median_step_ms_with": [1e3 * m for m in medians["with"]],
-              "median_step_ms_without": [1e3 * m for m in medians["without"]],
-              "ratio_with_to_without": ratios, "ratio_median": statistics.median(ratios)}  # fmt: skip
+    result = {
+        "config": args.config,
+        "steps": args.steps,
+        "pairs": args.pairs,
+        "median_step_ms_with": [1e3 * m for m in medians["with"]],
+        "median_step_ms_without": [1e3 * m for m in medians["without"]],
+        "ratio_with_to_without": ratios,
+        "ratio_median": statistics.median(ratios),
+    }
     print(json.dumps(result))
 
 

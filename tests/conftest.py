@@ -17,10 +17,19 @@ from pretrain.config import ModelConfig
 # Roughly how long each integration file's tests take here (seconds, both workers busy), for the
 # order below only: a wrong figure costs time, never a result.
 INTEGRATION_SECONDS = {
-    "test_readme.py": 280, "test_pretraining.py": 190, "test_ownership.py": 155, "test_gpu_check.py": 96,
-    "test_launch.py": 93, "test_slurm_launch.py": 92, "test_bench.py": 85, "test_finetune.py": 65,
-    "test_monitoring.py": 60, "test_commands.py": 54, "test_ssh_launch.py": 50, "test_nonfinite_engine.py": 42,
-}  # fmt: skip
+    "test_readme.py": 280,
+    "test_pretraining.py": 190,
+    "test_ownership.py": 155,
+    "test_gpu_check.py": 96,
+    "test_launch.py": 93,
+    "test_slurm_launch.py": 92,
+    "test_bench.py": 85,
+    "test_finetune.py": 65,
+    "test_monitoring.py": 60,
+    "test_commands.py": 54,
+    "test_ssh_launch.py": 50,
+    "test_nonfinite_engine.py": 42,
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -215,8 +224,18 @@ def code_data(tmp_path_factory, tokenizer_dir):
     from pretrain.data import prepare_dataset, resolve_source
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    modules = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "colorsys.py", "bisect.py", "heapq.py",
-               "keyword.py", "numbers.py", "glob.py"]  # fmt: skip
+    modules = [
+        "textwrap.py",
+        "string.py",
+        "shlex.py",
+        "fnmatch.py",
+        "colorsys.py",
+        "bisect.py",
+        "heapq.py",
+        "keyword.py",
+        "numbers.py",
+        "glob.py",
+    ]
 
     def build(directory):
         corpus = directory / "code.jsonl"

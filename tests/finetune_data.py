@@ -10,8 +10,13 @@ CLASSIFICATION = str(REPO_CONFIG_DIR / "finetune" / "classification.yaml")
 SFT = str(REPO_CONFIG_DIR / "finetune" / "sft.yaml")
 FILLER = "the list of values returns a new object from each class method and string in the module".split()  # noqa: SIM905
 POSITIVE, NEGATIVE = ["excellent", "wonderful", "delightful"], ["terrible", "dreadful", "awful"]
-TINY_FT = ["train.micro_batch_size=8", "optim.lr=2e-3", "schedule.warmup_steps=5", "logging.every=5",
-           "run.deterministic=true"]  # fmt: skip
+TINY_FT = [
+    "train.micro_batch_size=8",
+    "optim.lr=2e-3",
+    "schedule.warmup_steps=5",
+    "logging.every=5",
+    "run.deterministic=true",
+]
 
 
 def sentiment_rows(count: int, seed: int) -> list[dict]:

@@ -5,11 +5,20 @@ from pretrain.config import REPO_CONFIG_DIR
 TINY = str(REPO_CONFIG_DIR / "train" / "tiny.yaml")
 # configs/train/tiny.yaml shrunk to a 2-layer, d_model 64 model on the session's 512-piece corpus.
 FAST = [
-    "model.vocab_size=512", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-    "train.micro_batch_size=2", "optim.lr=3e-3", "schedule.warmup_steps=2", "eval.batches=2",
-    "logging.every=1", "logging.layer_grad_norms_every=2", "run.deterministic=true",
+    "model.vocab_size=512",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.micro_batch_size=2",
+    "optim.lr=3e-3",
+    "schedule.warmup_steps=2",
+    "eval.batches=2",
+    "logging.every=1",
+    "logging.layer_grad_norms_every=2",
+    "run.deterministic=true",
     "eval.attention_probe=null",  # drawing it takes ~0.8 s per evaluation; the golden run draws it
-]  # fmt: skip
+]
 
 
 def assert_one_line_error(result, *fragments: str) -> None:

@@ -132,8 +132,10 @@ def run(as_json: bool = False, quick: bool = False) -> dict:
     for seq_len in (512, 2048, 8192):
         print(f"  seq_len {seq_len:>5}: {result[f'stream_tokens_per_sec_seq{seq_len}'] / 1e6:8.1f}M tokens/s")
     print(f"  BatchLoader, 8 x 2048: {result['loader_tokens_per_sec_seq2048_batch8'] / 1e6:8.1f}M tokens/s")
-    print(f"  mixture of 2, seq 2048: {result['mixture_tokens_per_sec_seq2048_world1'] / 1e6:7.1f}M tokens/s "
-          f"(rank 0 of 64: {result['mixture_tokens_per_sec_seq2048_world64'] / 1e6:.1f}M)")  # fmt: skip
+    print(
+        f"  mixture of 2, seq 2048: {result['mixture_tokens_per_sec_seq2048_world1'] / 1e6:7.1f}M tokens/s "
+        f"(rank 0 of 64: {result['mixture_tokens_per_sec_seq2048_world64'] / 1e6:.1f}M)"
+    )
     print(f"prepare ({result['prepare_corpus_tokens'] / 1e6:.1f}M tokens of Python docs as JSON lines):")
     print(f"  1 worker : {result['prepare_tokens_per_sec_1_worker'] / 1e6:6.2f}M tokens/s")
     print(

@@ -42,8 +42,13 @@ def _run_config(run_dir: Path) -> dict:
 def _monitor_config(flat: dict) -> MonitorConfig:
     known = MonitorConfig.__dataclass_fields__
     try:
-        return MonitorConfig(**{k.removeprefix("monitor."): v for k, v in flat.items()
-                                if k.startswith("monitor.") and k.removeprefix("monitor.") in known})  # fmt: skip
+        return MonitorConfig(
+            **{
+                k.removeprefix("monitor."): v
+                for k, v in flat.items()
+                if k.startswith("monitor.") and k.removeprefix("monitor.") in known
+            }
+        )
     except SettingError as exc:
         raise UserError(f"a run's run.json: {exc}") from None
 
@@ -54,8 +59,10 @@ def _has_faults(flat: dict) -> bool:
 
 def _series(run_dir: Path) -> list[tuple[float, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(float(r["train/loss"]), float(r["train/grad_norm"] if r["train/grad_norm"] is not None else "nan"))
-            for r in rows]  # fmt: skip
+    return [
+        (float(r["train/loss"]), float(r["train/grad_norm"] if r["train/grad_norm"] is not None else "nan"))
+        for r in rows
+    ]
 
 
 def _judge(policy: Policy, step: int, loss: float, grad_norm: float) -> str:
@@ -95,9 +102,12 @@ def _observed(run_dir: Path) -> dict:
     steps = sum(e["type"] == "step" for e in events)
     warned = {e["step"] for e in events if e["type"] == "warning"}
     decided = {e["step"] for e in events if e["type"] == "rollback"}
-    out = {"steps_judged": steps, "warnings": sum(e["type"] == "warning" for e in events),
-           "rollbacks": sum(e["type"] == "rollback" for e in events),
-           "rollbacks_applied": sum(e["type"] == "rollback_applied" for e in events)}  # fmt: skip
+    out = {
+        "steps_judged": steps,
+        "warnings": sum(e["type"] == "warning" for e in events),
+        "rollbacks": sum(e["type"] == "rollback" for e in events),
+        "rollbacks_applied": sum(e["type"] == "rollback_applied" for e in events),
+    }
     fired_path = run_dir / "faults_fired.json"
     if fired_path.is_file():
         out["faults"] = {}
@@ -121,8 +131,10 @@ def run(run_dirs: list[str], every: int = 5, as_json: bool = False, defaults: bo
         observed = _observed(run_dir)
         observed["clean"] = not _has_faults(flat)
         if not observed["clean"]:
-            observed["fault_factors"] = {"spike": flat.get("faults.spike_factor"),
-                                         "grad_spike": flat.get("faults.grad_spike_factor")}  # fmt: skip
+            observed["fault_factors"] = {
+                "spike": flat.get("faults.spike_factor"),
+                "grad_spike": flat.get("faults.grad_spike_factor"),
+            }
         result["runs"][run_dir.name] = observed
         if observed["clean"]:
             config = MonitorConfig() if defaults else _monitor_config(flat)
@@ -153,8 +165,10 @@ def summarize(result: dict) -> dict:
             for key, value in counts.items():
                 total[key] += value
     summary["replay"] = injected
-    summary["replay_clean"] = {key: sum(rep["clean"][key] for rep in result["replay"].values())
-                               for key in ("warn", "rollback", "stop")}  # fmt: skip
+    summary["replay_clean"] = {
+        key: sum(rep["clean"][key] for rep in result["replay"].values())
+        for key in ("warn", "rollback", "stop")
+    }
     real: dict[str, dict[str, int]] = {}
     for run in result["runs"].values():
         for fault, outcome in (run.get("faults") or {}).items():
@@ -175,9 +189,11 @@ def print_table(result: dict) -> None:
     for name, r in result["runs"].items():
         print(f"  {name:<34} {r['steps_judged']:>6} {r['warnings']:>9} {r['rollbacks']:>10}")
     if s["clean_steps"]:
-        print(f"clean runs: {s['clean_runs']}, {s['clean_steps']} steps judged: "
-              f"{s['warnings_per_1000_clean_steps']:.2f} warnings and "
-              f"{s['rollbacks_per_1000_clean_steps']:.2f} rollbacks per 1,000 steps")  # fmt: skip
+        print(
+            f"clean runs: {s['clean_runs']}, {s['clean_steps']} steps judged: "
+            f"{s['warnings_per_1000_clean_steps']:.2f} warnings and "
+            f"{s['rollbacks_per_1000_clean_steps']:.2f} rollbacks per 1,000 steps"
+        )
     if s["real_faults"]:
         print("injected faults in real runs:")
         for label, b in sorted(s["real_faults"].items()):
@@ -194,5 +210,7 @@ def print_table(result: dict) -> None:
         print(f"  {'fault':<10} {'trials':>7} {'rollback':>9} {'warn':>7} {'none':>7}")
         for label, b in s["replay"].items():
             n = b["trials"]
-            print(f"  {label:<10} {n:>7} {100 * b['rollback'] / n:>8.1f}% {100 * b['warn'] / n:>6.1f}% "
-                  f"{100 * b['none'] / n:>6.1f}%")  # fmt: skip
+            print(
+                f"  {label:<10} {n:>7} {100 * b['rollback'] / n:>8.1f}% {100 * b['warn'] / n:>6.1f}% "
+                f"{100 * b['none'] / n:>6.1f}%"
+            )

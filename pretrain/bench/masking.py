@@ -92,8 +92,10 @@ def run(
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"{config} on {result['device']}, {dtype}, {micro_batch_size} x {seq_len} tokens, "
-              f"{documents:.1f} documents per window (median of {steps} steps each):")  # fmt: skip
+        print(
+            f"{config} on {result['device']}, {dtype}, {micro_batch_size} x {seq_len} tokens, "
+            f"{documents:.1f} documents per window (median of {steps} steps each):"
+        )
         print(f"  unmasked (causal):      {medians['unmasked'] * 1e3:8.1f} ms")
         print(f"  document masking:       {medians['masked'] * 1e3:8.1f} ms")
         print(f"  masked / unmasked:      {result['masked_over_unmasked']:8.3f}")

@@ -41,30 +41,124 @@ DEFAULTS = BenchSettings(steps=3, warmup=3)  # the command's: 3 steps before the
 # layer norm. A substring matches CUDA kernel names; ATen ops on CPU are matched by their exact
 # name (`aten::mm` but not `aten::mul`) unless a substring rule of an earlier category took them.
 _SUBSTRINGS = {
-    "communication": ("nccl", "gloo", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather",
-                      "reduce_scatter", "reducescatter", "alltoall", "all_to_all", "record_param_comms"),
+    "communication": (
+        "nccl",
+        "gloo",
+        "c10d::",
+        "allreduce",
+        "all_reduce",
+        "allgather",
+        "all_gather",
+        "reduce_scatter",
+        "reducescatter",
+        "alltoall",
+        "all_to_all",
+        "record_param_comms",
+    ),
     "attention": ("attention", "attn", "flash", "fmha", "sdpa", "scaled_dot_product"),
-    "optimizer": ("adam", "sgd", "multi_tensor", "_foreach", "optimizer", "l2norm", "normtwo",
-                  "vector_norm", "clip_grad"),
+    "optimizer": (
+        "adam",
+        "sgd",
+        "multi_tensor",
+        "_foreach",
+        "optimizer",
+        "l2norm",
+        "normtwo",
+        "vector_norm",
+        "clip_grad",
+    ),
     "matmul": ("gemm", "gemv", "cutlass", "wgmma", "xmma", "nvjet", "cublas", "splitkreduce", "matmul"),
     "norm": ("rms_norm", "rmsnorm", "layer_norm", "layernorm", "group_norm", "batch_norm", "rsqrt"),
-    "elementwise": ("elementwise", "reduce_kernel", "rotary", "silu", "gelu", "relu", "softmax",
-                    "logsumexp", "copy", "fill", "index", "gather", "scatter", "embedding", "memcpy",
-                    "memset", "at::native::", "compiledfxgraph"),
-}  # fmt: skip
+    "elementwise": (
+        "elementwise",
+        "reduce_kernel",
+        "rotary",
+        "silu",
+        "gelu",
+        "relu",
+        "softmax",
+        "logsumexp",
+        "copy",
+        "fill",
+        "index",
+        "gather",
+        "scatter",
+        "embedding",
+        "memcpy",
+        "memset",
+        "at::native::",
+        "compiledfxgraph",
+    ),
+}
 _ATEN_OPS = {
-    "matmul": {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
-               "vdot", "_addmm_activation", "_scaled_mm"},
-    "norm": {"rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward", "layer_norm", "native_layer_norm",
-             "native_layer_norm_backward", "group_norm", "native_group_norm", "batch_norm", "rsqrt"},
-}  # fmt: skip
+    "matmul": {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "_scaled_mm",
+    },
+    "norm": {
+        "rms_norm",
+        "_fused_rms_norm",
+        "_fused_rms_norm_backward",
+        "layer_norm",
+        "native_layer_norm",
+        "native_layer_norm_backward",
+        "group_norm",
+        "native_group_norm",
+        "batch_norm",
+        "rsqrt",
+    },
+}
 # ATen ops that only make views, allocate or dispatch (what is left of an op is elementwise).
 _ATEN_BOOKKEEPING = {
-    "empty", "empty_strided", "empty_like", "zeros", "ones", "view", "_unsafe_view", "reshape", "as_strided",
-    "slice", "select", "narrow", "transpose", "t", "permute", "expand", "unsqueeze", "squeeze", "split",
-    "split_with_sizes", "chunk", "unbind", "detach", "detach_", "alias", "to", "contiguous", "lift_fresh",
-    "resize_", "set_", "result_type", "item", "_local_scalar_dense", "is_nonzero", "numel", "size", "stride",
-}  # fmt: skip
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "zeros",
+    "ones",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "as_strided",
+    "slice",
+    "select",
+    "narrow",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "detach",
+    "detach_",
+    "alias",
+    "to",
+    "contiguous",
+    "lift_fresh",
+    "resize_",
+    "set_",
+    "result_type",
+    "item",
+    "_local_scalar_dense",
+    "is_nonzero",
+    "numel",
+    "size",
+    "stride",
+}
 
 
 def classify(name: str) -> str:
@@ -154,8 +248,15 @@ def device_gaps(
             if start > run_end:
                 busy += run_end - run_start
                 if start - run_end >= threshold_us:
-                    gaps.append({"ms": (start - run_end) / 1000, "step": index, "at_ms": (run_end - w_start) / 1000,
-                                 "after": last, "before": name})  # fmt: skip
+                    gaps.append(
+                        {
+                            "ms": (start - run_end) / 1000,
+                            "step": index,
+                            "at_ms": (run_end - w_start) / 1000,
+                            "after": last,
+                            "before": name,
+                        }
+                    )
                 run_start = start
             if end >= run_end:
                 run_end, last = end, name
@@ -325,10 +426,14 @@ def table(r: dict) -> str:
         f"top {what:<58}{'calls':>7}{'ms':>10}{'share':>8}  category",
     ]
     for k in r["top_kernels"]:
-        lines.append(f"{_short(k['name'], 62):<62}{k['calls']:>7}{k['total_ms']:>10,.2f}"
-                     f"{100 * k['share']:>7.1f}%  {k['category']}")  # fmt: skip
-    lines += ["", "categories: " + ", ".join(
-        f"{c} {100 * v['share']:.1f}%" for c, v in r["categories"].items())]  # fmt: skip
+        lines.append(
+            f"{_short(k['name'], 62):<62}{k['calls']:>7}{k['total_ms']:>10,.2f}"
+            f"{100 * k['share']:>7.1f}%  {k['category']}"
+        )
+    lines += [
+        "",
+        "categories: " + ", ".join(f"{c} {100 * v['share']:.1f}%" for c, v in r["categories"].items()),
+    ]
     gaps = r["host_gaps"]
     if gaps is None:
         lines.append(f"host gaps: — ({r['host_gaps_reason']})")
@@ -340,8 +445,10 @@ def table(r: dict) -> str:
             f"step edges {gaps['step_edges_ms_per_step']:,.2f} ms per step"
         )
         for g in gaps["largest"]:
-            lines.append(f"  {g['ms']:8.3f} ms in step {g['step']} at {g['at_ms']:,.2f} ms, "
-                         f"after {_short(g['after'], 40)}, before {_short(g['before'], 40)}")  # fmt: skip
+            lines.append(
+                f"  {g['ms']:8.3f} ms in step {g['step']} at {g['at_ms']:,.2f} ms, "
+                f"after {_short(g['after'], 40)}, before {_short(g['before'], 40)}"
+            )
     lines.append(f"versions: torch {r['versions']['torch']}, deepspeed {r['versions']['deepspeed']}")
     if r.get("trace"):
         lines.append(f"chrome trace: {r['trace']}")

@@ -258,8 +258,10 @@ class Checkpointer:
         free = _size(shutil.disk_usage(self.root if self.root.exists() else self.run_dir).free)
         line = f"checkpoint {directory.name} could not be saved in {self.root} ({free} free): {problem}"
         if last:
-            raise CheckpointSaveError(f"{line}; it was the run's last save: free space or fix permissions, "
-                                      "then run the same command again to resume")  # fmt: skip
+            raise CheckpointSaveError(
+                f"{line}; it was the run's last save: free space or fix permissions, "
+                "then run the same command again to resume"
+            )
         if self.failures > self.save_retries:
             raise CheckpointSaveError(
                 f"{line}; {self.failures} failed save(s) in a row (checkpoint.save_retries={self.save_retries}): "
@@ -320,8 +322,19 @@ class Checkpointer:
         if self.env.is_main and layout.check_complete(target, verify_hashes=False) is not None:
             shutil.rmtree(target, ignore_errors=True)
             target.parent.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
-                       "--output_folder", str(target), "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(source),
+                "--output_folder",
+                str(target),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+            ]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(

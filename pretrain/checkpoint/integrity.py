@@ -53,8 +53,16 @@ def move_corrupt_aside(run_dir: str | Path, tag: str, reason: str, *, log=None) 
         else:
             (root / LATEST).unlink(missing_ok=True)
     (log or _stderr)(f"checkpoint {root / tag} is corrupt ({reason}): moved to {moved}; using an older one")
-    append_event(run_dir, {"type": "checkpoint_corrupt", "step": step_of(tag), "tag": tag,
-                           "reason": reason, "moved_to": str(moved)})  # fmt: skip
+    append_event(
+        run_dir,
+        {
+            "type": "checkpoint_corrupt",
+            "step": step_of(tag),
+            "tag": tag,
+            "reason": reason,
+            "moved_to": str(moved),
+        },
+    )
     return moved
 
 

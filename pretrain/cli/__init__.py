@@ -26,8 +26,11 @@ from pretrain.errors import CommandParser, run_main
 def build_parser() -> CommandParser:
     parser = CommandParser(prog="pretrain", description="Llama-style pretraining with DeepSpeed ZeRO.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for bad input")
-    parser.add_argument("--verbose", action="store_true",
-                        help="DeepSpeed's and torch's INFO lines and notes too (hidden by default)")  # fmt: skip
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="DeepSpeed's and torch's INFO lines and notes too (hidden by default)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
     for group in (inspect, data, bench, training, checkpoints):
         group.register(sub)

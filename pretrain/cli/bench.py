@@ -18,8 +18,15 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
 def cmd_bench_masking(args: argparse.Namespace) -> int:
     from pretrain.bench.masking import run
 
-    run(args.config, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-        document_tokens=args.document_tokens, steps=args.steps, dtype=args.dtype, as_json=args.json)  # fmt: skip
+    run(
+        args.config,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        document_tokens=args.document_tokens,
+        steps=args.steps,
+        dtype=args.dtype,
+        as_json=args.json,
+    )
     return 0
 
 
@@ -40,9 +47,15 @@ def cmd_bench_detection(args: argparse.Namespace) -> int:
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from pretrain.bench.train import BenchSettings, run
 
-    settings = BenchSettings(dtype=args.dtype, zero_stage=args.zero_stage, seq_len=args.seq_len,
-                             micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup,
-                             compile=args.compile)  # fmt: skip
+    settings = BenchSettings(
+        dtype=args.dtype,
+        zero_stage=args.zero_stage,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        compile=args.compile,
+    )
     run(args.config, settings, as_json=args.json)
     return 0
 
@@ -51,9 +64,15 @@ def cmd_bench_profile(args: argparse.Namespace) -> int:
     from pretrain.bench.profile import run
     from pretrain.bench.train import BenchSettings
 
-    settings = BenchSettings(dtype=args.dtype, zero_stage=args.zero_stage, seq_len=args.seq_len,
-                             micro_batch_size=args.micro_batch_size, steps=args.steps, warmup=args.warmup,
-                             compile=args.compile)  # fmt: skip
+    settings = BenchSettings(
+        dtype=args.dtype,
+        zero_stage=args.zero_stage,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        compile=args.compile,
+    )
     run(args.config, settings, as_json=args.json, trace=args.trace)
     return 0
 
@@ -88,8 +107,12 @@ def register(sub) -> None:
     masking.add_argument("config", metavar="CONFIG", help="model preset (configs/model/*.yaml) or run config")
     masking.add_argument("--seq-len", type=int, help="tokens per window (default: the config's)")
     masking.add_argument("--micro-batch-size", type=int, help="windows per step (default: the config's)")
-    masking.add_argument("--document-tokens", type=float, default=512.0,
-                         help="mean document length packed into the windows (default 512)")  # fmt: skip
+    masking.add_argument(
+        "--document-tokens",
+        type=float,
+        default=512.0,
+        help="mean document length packed into the windows (default 512)",
+    )
     masking.add_argument("--steps", type=int, default=10, help="measured steps per arm (default 10)")
     masking.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     masking.add_argument("--json", action="store_true", help="print one JSON object")
@@ -100,8 +123,12 @@ def register(sub) -> None:
     )
     monitor.add_argument("--json", action="store_true", help="print one JSON object")
     monitor.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
-    monitor.add_argument("--batch-size", type=int, default=2,
-                         help="512-token sequences per step (default 2: ~100 ms steps here)")  # fmt: skip
+    monitor.add_argument(
+        "--batch-size",
+        type=int,
+        default=2,
+        help="512-token sequences per step (default 2: ~100 ms steps here)",
+    )
     monitor.set_defaults(handler=cmd_bench_monitor)
 
     detection = whats.add_parser(
@@ -114,8 +141,11 @@ def register(sub) -> None:
     detection.add_argument(
         "--every", type=int, default=5, help="replay: inject at every N-th step (default 5)"
     )
-    detection.add_argument("--defaults", action="store_true",
-                           help="replay with the default monitor settings instead of each run's")  # fmt: skip
+    detection.add_argument(
+        "--defaults",
+        action="store_true",
+        help="replay with the default monitor settings instead of each run's",
+    )
     detection.add_argument("--json", action="store_true", help="print one JSON object")
     detection.set_defaults(handler=cmd_bench_detection)
 
@@ -145,8 +175,11 @@ def register(sub) -> None:
     )
     ablation.add_argument("--source", default="builtin:pydoc", help="corpus (default builtin:pydoc)")
     ablation.add_argument("--out", default="runs/ablation", help="runs, curves and results go here")
-    ablation.add_argument("--lrs", default="1e-4,3e-4,1e-3,3e-3,1e-2",
-                          help="learning rates searched for each arm (comma-separated)")  # fmt: skip
+    ablation.add_argument(
+        "--lrs",
+        default="1e-4,3e-4,1e-3,3e-3,1e-2",
+        help="learning rates searched for each arm (comma-separated)",
+    )
     ablation.add_argument("--steps", type=int, help="training steps per run (default: the configs')")
     ablation.add_argument("--eval-every", type=int, help="steps between evaluations (default: the configs')")
     ablation.add_argument("--json", action="store_true", help="print one JSON object")
@@ -155,13 +188,26 @@ def register(sub) -> None:
 
 def add_step_arguments(parser) -> None:
     """What `bench train` and `bench profile` share: the config and the step they run."""
-    parser.add_argument("config", metavar="CONFIG",
-                        help="a packaged config's name (tiny, gpt3-125m, model/gpt3-1.3b), a run config or a model preset file")  # fmt: skip
+    parser.add_argument(
+        "config",
+        metavar="CONFIG",
+        help="a packaged config's name (tiny, gpt3-125m, model/gpt3-1.3b), a run config or a model preset file",
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
-    parser.add_argument("--seq-len", type=int,
-                        help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)")  # fmt: skip
-    parser.add_argument("--micro-batch-size", type=int,
-                        help="sequences per step per rank (default: the run config's; 8 for a preset)")  # fmt: skip
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the blocks (default: the run config's engine.compile; off for a preset)")  # fmt: skip
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sequence (default: the run config's; a preset's max_seq_len, ≤ 2048)",
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help="sequences per step per rank (default: the run config's; 8 for a preset)",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the blocks (default: the run config's engine.compile; off for a preset)",
+    )

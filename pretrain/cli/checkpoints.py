@@ -50,19 +50,26 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    how = f"as the run's evaluation read them ({run.describe()}, bf16)" if args.as_run else (
-        f"in batches of {args.batch_size}, fp32")  # fmt: skip
-    print(f"{result['checkpoint']}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-          f"over {result['windows']:,} of the {total:,} windows of {seq_len} tokens ({result['tokens']:,} tokens) "
-          f"of the validation split of {args.data}, {how}")  # fmt: skip
+    how = (
+        f"as the run's evaluation read them ({run.describe()}, bf16)"
+        if args.as_run
+        else (f"in batches of {args.batch_size}, fp32")
+    )
+    print(
+        f"{result['checkpoint']}: validation loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+        f"over {result['windows']:,} of the {total:,} windows of {seq_len} tokens ({result['tokens']:,} tokens) "
+        f"of the validation split of {args.data}, {how}"
+    )
     if args.as_run:
         if result["logged"] is not None:
             print(f"the run logged {result['logged_as']} {result['logged']:.4f} at step {run.step}")
         return 0
     metric = run.metric(fingerprint(read_manifest(args.data))) if run is not None else None
     if metric is not None:  # the run evaluated this corpus: say how its number differs
-        print(f"the run's own {metric} reads {run.windows(total):,} of these windows ({run.describe()}) "
-              "in bf16: --as-run evaluates exactly those")  # fmt: skip
+        print(
+            f"the run's own {metric} reads {run.windows(total):,} of these windows ({run.describe()}) "
+            "in bf16: --as-run evaluates exactly those"
+        )
     return 0
 
 
@@ -85,8 +92,12 @@ def _as_run(trained, run, data_dir: Path) -> dict:
     eos_id = manifest["tokenizer"]["eos_id"] if run.document_masking else None
     model = trained.model.to(torch.bfloat16)  # the engine's bf16 copy of the fp32 master weights
     result = run_validation_loss(model, data_dir, run, eos_id)
-    return result | {"checkpoint": str(trained.directory), "step": run.step, "logged_as": metric,
-                     "logged": run.logged(trained.directory, metric)}  # fmt: skip
+    return result | {
+        "checkpoint": str(trained.directory),
+        "step": run.step,
+        "logged_as": metric,
+        "logged": run.logged(trained.directory, metric),
+    }
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
@@ -117,8 +128,9 @@ def count_or_fraction(text: str) -> float | int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pretrain.inference import continue_text
 
-    text = continue_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
-                         args.top_k, args.top_p, args.seed)  # fmt: skip
+    text = continue_text(
+        args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
+    )
     print(args.prompt + text)
     return 0
 
@@ -127,8 +139,10 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from pretrain.inference import export_hf
 
     source, out = export_hf(args.checkpoint, args.out, args.dtype)
-    print(f"exported {source} to {out}: Llama weights and config, generation config, the tokenizer for "
-          "SentencePiece and for AutoTokenizer / LlamaTokenizerFast (see docs/huggingface.md)")  # fmt: skip
+    print(
+        f"exported {source} to {out}: Llama weights and config, generation config, the tokenizer for "
+        "SentencePiece and for AutoTokenizer / LlamaTokenizerFast (see docs/huggingface.md)"
+    )
     return 0
 
 
@@ -147,8 +161,10 @@ def cmd_attention(args: argparse.Namespace) -> int:
     from pretrain.attention import render
 
     result = render(args.checkpoint, args.text, args.out)
-    print(f"{result['layers']} layers x {result['heads']} heads over {result['tokens']} tokens: "
-          f"{result['png']} (grid), {result['html']} (interactive head view)")  # fmt: skip
+    print(
+        f"{result['layers']} layers x {result['heads']} heads over {result['tokens']} tokens: "
+        f"{result['png']} (grid), {result['html']} (interactive head view)"
+    )
     return 0
 
 
@@ -171,8 +187,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for directory in directories:
         reason, size, seconds = timed_verify(directory)
         bad += reason is not None
-        print(f"{directory}: {'intact' if reason is None else reason} "
-              f"({size / 1e6:,.1f} MB in {seconds:.2f} s, {size / max(seconds, 1e-9) / 1e9:.2f} GB/s)")  # fmt: skip
+        print(
+            f"{directory}: {'intact' if reason is None else reason} "
+            f"({size / 1e6:,.1f} MB in {seconds:.2f} s, {size / max(seconds, 1e-9) / 1e9:.2f} GB/s)"
+        )
     if bad:
         raise UserError(f"{bad} of {len(directories)} checkpoint(s) failed verification (above)")
     return 0

@@ -14,10 +14,15 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     from pretrain.tokenizer import train_tokenizer_on
 
     tokenizer = train_tokenizer_on(
-        args.input or args.source, args.out, args.vocab_size, model_type=args.model_type,
-        sample_sentences=args.sample_sentences, text_field=args.text_field, overwrite=args.overwrite,
+        args.input or args.source,
+        args.out,
+        args.vocab_size,
+        model_type=args.model_type,
+        sample_sentences=args.sample_sentences,
+        text_field=args.text_field,
+        overwrite=args.overwrite,
         announce=lambda line: print(line, file=sys.stderr),
-    )  # fmt: skip
+    )
     print(f"wrote {tokenizer.path} (vocab {tokenizer.vocab_size}, sha256 {tokenizer.sha256[:12]}...)")
     return 0
 
@@ -27,10 +32,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.sources import resolve_source
 
     manifest, written = prepare(
-        resolve_source(args.source, text_field=args.text_field), args.tokenizer, args.out,
-        val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
-        overwrite=args.overwrite, progress=not args.no_progress,
-    )  # fmt: skip
+        resolve_source(args.source, text_field=args.text_field),
+        args.tokenizer,
+        args.out,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
     if not written:
         return 0  # prepare said "... already holds this dataset; nothing to do"
     for name, split in manifest["splits"].items():
@@ -53,11 +63,15 @@ def cmd_data_verify(args: argparse.Namespace) -> int:
     for problem in result["problems"]:
         print(f"pretrain data verify: {problem}", file=sys.stderr)
     rate = result["bytes"] / max(result["seconds"], 1e-9) / 1e9
-    print(f"{args.dir}: {result['shards']} shard(s), {result['tokens']:,} tokens, {result['bytes'] / 1e6:,.1f} MB "
-          f"read in {result['seconds']:.2f} s ({rate:.2f} GB/s)")  # fmt: skip
+    print(
+        f"{args.dir}: {result['shards']} shard(s), {result['tokens']:,} tokens, {result['bytes'] / 1e6:,.1f} MB "
+        f"read in {result['seconds']:.2f} s ({rate:.2f} GB/s)"
+    )
     if result["problems"]:
-        raise UserError(f"{args.dir} failed verification ({len(result['problems'])} problem(s) above): "
-                        "prepare the dataset again")  # fmt: skip
+        raise UserError(
+            f"{args.dir} failed verification ({len(result['problems'])} problem(s) above): "
+            "prepare the dataset again"
+        )
     print("every shard matches its sha256 and every id is below the vocabulary size")
     return 0
 
@@ -82,10 +96,21 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
         raise UserError(
             f"step {args.step} is not in the data trace of {run_dir}: pick a step the run trained"
         )
-    report = {"run_dir": str(run_dir), "step": args.step, "attempts": [
-        {"attempt": a["attempt"], "windows": [{"rank": rank, **provenance.window(w)}
-                                              for rank, ids in sorted(a["windows"].items()) for w in ids]}
-        for a in attempts]}  # fmt: skip
+    report = {
+        "run_dir": str(run_dir),
+        "step": args.step,
+        "attempts": [
+            {
+                "attempt": a["attempt"],
+                "windows": [
+                    {"rank": rank, **provenance.window(w)}
+                    for rank, ids in sorted(a["windows"].items())
+                    for w in ids
+                ],
+            }
+            for a in attempts
+        ],
+    }
     report["injected"] = injected_at(run_dir, config, args.step, len(attempts))  # the data is not the cause
     if args.json:
         print(json.dumps(report, indent=2))
@@ -94,8 +119,10 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
         print(fault["line"])
     for attempt in report["attempts"]:
         again = " (trained again after a rollback or restart)" if attempt["attempt"] > 1 else ""
-        print(f"step {args.step}, attempt {attempt['attempt']} of {len(attempts)}{again}: "
-              f"{len(attempt['windows'])} windows")  # fmt: skip
+        print(
+            f"step {args.step}, attempt {attempt['attempt']} of {len(attempts)}{again}: "
+            f"{len(attempt['windows'])} windows"
+        )
         for w in attempt["windows"]:
             first, last = w["tokens"]
             print(f"  rank {w['rank']}  window {w['window']}  {w['source']}  tokens {first:,}..{last:,}")
@@ -136,8 +163,13 @@ def register(sub) -> None:
         dest="data_command", required=True, parser_class=CommandParser, metavar="ACTION"
     )
     prep = actions.add_parser("prepare", help="tokenize a corpus into shards + manifest.json")
-    prep.add_argument("--source", nargs="+", required=True, metavar="SRC",
-                      help="files/globs, a Hub dataset name, or builtin:pydoc")  # fmt: skip
+    prep.add_argument(
+        "--source",
+        nargs="+",
+        required=True,
+        metavar="SRC",
+        help="files/globs, a Hub dataset name, or builtin:pydoc",
+    )
     prep.add_argument("--tokenizer", required=True, help="tokenizer directory or tokenizer.model")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument(

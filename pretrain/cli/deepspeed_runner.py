@@ -58,8 +58,21 @@ def stop_command(hosts: str, port: int) -> list[str]:
     # The launcher's own command line only: not pdsh's, ssh's or the remote shell's, which quote it
     # (on the supervisor's host, which is often in the hostfile, those would be hit too).
     pattern = f"^[^ ]*python[^ ]* -u -m deepspeed[.]launcher[.]launch .*--master_port={port}( |$)"
-    return ["pdsh", "-S", "-f", "1024", "-w", hosts, "pkill", "-TERM", "-f", shlex.quote(pattern), ";", "echo",
-            f"{_FOUND}$?"]  # fmt: skip
+    return [
+        "pdsh",
+        "-S",
+        "-f",
+        "1024",
+        "-w",
+        hosts,
+        "pkill",
+        "-TERM",
+        "-f",
+        shlex.quote(pattern),
+        ";",
+        "echo",
+        f"{_FOUND}$?",
+    ]
 
 
 def hosts_without_launcher(pdsh_output: str) -> list[str]:
@@ -76,8 +89,15 @@ def hosts_without_launcher(pdsh_output: str) -> list[str]:
 def _ask_hosts_to_stop(hosts: str, port: int, env: dict) -> list[str]:
     """One stop over pdsh; the hosts where no launcher was found yet."""
     try:
-        done = subprocess.run(stop_command(hosts, port), env=env, timeout=60, check=False, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        done = subprocess.run(
+            stop_command(hosts, port),
+            env=env,
+            timeout=60,
+            check=False,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return hosts_without_launcher(done.stdout)
@@ -101,8 +121,12 @@ def _stop_every_host(signum, frame) -> None:
     print("launcher: asking every host's ranks to save and stop", file=sys.stderr, flush=True)
     pending = _ask_hosts_to_stop(_pdsh["hosts"], _pdsh["port"], _pdsh["env"])
     if pending:
-        threading.Thread(target=_ask_late_hosts_again, args=(pending, _pdsh["port"], _pdsh["env"]),
-                         name="stop-late-hosts", daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=_ask_late_hosts_again,
+            args=(pending, _pdsh["port"], _pdsh["env"]),
+            name="stop-late-hosts",
+            daemon=True,
+        ).start()
 
 
 class _SignalsKeptOurs:

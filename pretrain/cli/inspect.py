@@ -49,8 +49,14 @@ def cmd_flops(args: argparse.Namespace) -> int:
     seq_len = args.seq_len if args.seq_len is not None else seq_len
     report = flops_report(model_cfg, seq_len, args.tokens_per_sec, args.device, args.peak_flops)
     if args.scale is not None:
-        report["scaling"] = scaling_report(report, args.scale, args.single_gpu_mfu, args.global_batch_tokens,
-                                           args.zero_stage, args.inter_node_gbs)  # fmt: skip
+        report["scaling"] = scaling_report(
+            report,
+            args.scale,
+            args.single_gpu_mfu,
+            args.global_batch_tokens,
+            args.zero_stage,
+            args.inter_node_gbs,
+        )
     if args.json:
         print(json.dumps(report))
     else:
@@ -90,9 +96,17 @@ def register(sub) -> None:
     scaling.add_argument(
         "--single-gpu-mfu", type=float, help="one GPU's MFU (or measure it: --tokens-per-sec)"
     )
-    scaling.add_argument("--global-batch-tokens", type=int, default=2**20,
-                         help="tokens per optimizer step, all GPUs (default 2^20)")  # fmt: skip
+    scaling.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        default=2**20,
+        help="tokens per optimizer step, all GPUs (default 2^20)",
+    )
     scaling.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1)
-    scaling.add_argument("--inter-node-gbs", type=float, default=40.0,
-                         help="bus bandwidth per GPU across nodes, GB/s (default 40)")  # fmt: skip
+    scaling.add_argument(
+        "--inter-node-gbs",
+        type=float,
+        default=40.0,
+        help="bus bandwidth per GPU across nodes, GB/s (default 40)",
+    )
     flops.set_defaults(handler=cmd_flops)

@@ -173,23 +173,41 @@ def launch(
             module_args.append("checkpoint.resume=auto")  # started over above: not again at each restart
 
         def make_command() -> list[str]:
-            return launcher_command(module_args, nproc=per_node, hostfile=hostfile, master_addr=master_addr,
-                                    master_port=master_port, no_ssh=no_ssh, node_rank=node_rank)  # fmt: skip
+            return launcher_command(
+                module_args,
+                nproc=per_node,
+                hostfile=hostfile,
+                master_addr=master_addr,
+                master_port=master_port,
+                no_ssh=no_ssh,
+                node_rank=node_rank,
+            )
 
         run_dir.mkdir(parents=True, exist_ok=True)
         job_env = {}
         if over_ssh:  # the ranks on every host learn who supervises them
             job_env["DS_ENV_FILE"] = str(deepspeed_env_file(run_dir, {OWNER_ENV: owner}))
-        supervisor = Supervisor(make_command, run_dir, cfg.monitor, leader=node_rank == 0, base_seed=cfg.run.seed,
-                                log=log, lock=lock, ssh_nodes=list(hosts) if over_ssh else None,
-                                job_env=job_env, resume=resume_hint(no_ssh))  # fmt: skip
+        supervisor = Supervisor(
+            make_command,
+            run_dir,
+            cfg.monitor,
+            leader=node_rank == 0,
+            base_seed=cfg.run.seed,
+            log=log,
+            lock=lock,
+            ssh_nodes=list(hosts) if over_ssh else None,
+            job_env=job_env,
+            resume=resume_hint(no_ssh),
+        )
         where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
         log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
         code = supervisor.run()
         if code == ExitCode.DONE and node_rank == 0 and next_steps and run_completed(run_dir):
             lines = [f"tensorboard --logdir {run_dir / 'tensorboard'}"] if cfg.logging.tensorboard else []
-            lines += [f'pretrain generate --checkpoint {run_dir} --prompt "..."',
-                      f"pretrain export-hf --checkpoint {run_dir} --out {run_dir / 'hf'}"]  # fmt: skip
+            lines += [
+                f'pretrain generate --checkpoint {run_dir} --prompt "..."',
+                f"pretrain export-hf --checkpoint {run_dir} --out {run_dir / 'hf'}",
+            ]
             log("next: " + "\n      ".join(lines))
         return code
     finally:

@@ -57,10 +57,13 @@ def as_a_rank(run):
         lifeline.note_exit(why=f"lost another rank{at}", now=True)
         told = lifeline.peer_reason(wait=PEER_REASON_WAIT_S)
         if told is not None:
-            raise RankFailed(f"stopped{at}: rank {told['rank']} stopped: {told['why']}",
-                             told.get("status", ExitCode.FAILED)) from exc  # fmt: skip
-        raise RankFailed(f"stopped{at}: another rank left the job ({detail}); the supervisor's line "
-                         "names it") from exc  # fmt: skip
+            raise RankFailed(
+                f"stopped{at}: rank {told['rank']} stopped: {told['why']}",
+                told.get("status", ExitCode.FAILED),
+            ) from exc
+        raise RankFailed(
+            f"stopped{at}: another rank left the job ({detail}); the supervisor's line names it"
+        ) from exc
 
 
 PEER_REASON_WAIT_S = 3.0  # how long a rank that lost another waits for that rank's reason, if any
@@ -69,8 +72,16 @@ PEER_REASON_WAIT_S = 3.0  # how long a rank that lost another waits for that ran
 def cmd_launch(args: argparse.Namespace) -> int:
     from pretrain.cli.launch import launch
 
-    return launch(args.config, _with_fresh(args), nproc=args.nproc, hostfile=args.hostfile, master_addr=args.master_addr,
-                  master_port=args.master_port, no_ssh=args.no_ssh, node_rank=args.node_rank)  # fmt: skip
+    return launch(
+        args.config,
+        _with_fresh(args),
+        nproc=args.nproc,
+        hostfile=args.hostfile,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        no_ssh=args.no_ssh,
+        node_rank=args.node_rank,
+    )
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -129,8 +140,9 @@ def register(sub) -> None:
     launch.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('HOST slots=N' lines)")
     launch.add_argument("--master-addr", default=None, help="rendezvous host (default: the first host)")
     launch.add_argument("--master-port", type=int, default=None, help="rendezvous port")
-    launch.add_argument("--no-ssh", action="store_true",
-                        help="the launcher's no-ssh mode: run on every node with --node-rank")  # fmt: skip
+    launch.add_argument(
+        "--no-ssh", action="store_true", help="the launcher's no-ssh mode: run on every node with --node-rank"
+    )
     launch.add_argument("--node-rank", type=int, default=0, help="this node's rank in --no-ssh mode")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     launch.add_argument("--fresh", action="store_true", help=FRESH_HELP)
@@ -140,6 +152,7 @@ def register(sub) -> None:
         "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
     )
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    demo.add_argument("--steps", type=int, default=None,
-                      help="fewer steps than configs/train/demo.yaml, for a quick look")  # fmt: skip
+    demo.add_argument(
+        "--steps", type=int, default=None, help="fewer steps than configs/train/demo.yaml, for a quick look"
+    )
     demo.set_defaults(handler=cmd_demo)

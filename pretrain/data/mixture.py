@@ -84,7 +84,10 @@ class MixtureStream:
         ]
         tokenizers = {s.shards.manifest["tokenizer"]["sha256"] for s in self.streams}
         if len(tokenizers) > 1:
-            shas = ", ".join(f"{n}: {s.shards.manifest['tokenizer']['sha256'][:12]}…" for n, s in zip(self.names, self.streams, strict=True))  # fmt: skip
+            shas = ", ".join(
+                f"{n}: {s.shards.manifest['tokenizer']['sha256'][:12]}…"
+                for n, s in zip(self.names, self.streams, strict=True)
+            )
             raise UserError(
                 f"the mixture's sources were prepared with different tokenizers ({shas}): "
                 "prepare every source with the same tokenizer"
@@ -209,8 +212,12 @@ class MixtureStream:
     def _from_window_state(self, state: dict) -> dict:
         # (with a quarantine, windows passed over count as served: one corpus has no shares to keep)
         served = int(state["epoch"]) * self.streams[0].num_windows + int(state["consumed"])
-        return {"seed": state["seed"], "served": served, "quarantine": state.get("quarantine", []),
-                "sources": {self.names[0]: {"served": served, "stream": state}}}  # fmt: skip
+        return {
+            "seed": state["seed"],
+            "served": served,
+            "quarantine": state.get("quarantine", []),
+            "sources": {self.names[0]: {"served": served, "stream": state}},
+        }
 
     def reshuffle(self, seed: int) -> None:
         """Serve the rest of each source's current epoch in a new order keyed by `seed` (none lost,

@@ -114,9 +114,12 @@ class Batch(NamedTuple):
 
 
 def _batches(
-    records: Iterator[tuple[str, int, str]], val_fraction: float, stats: dict, piece_chars: int | None,
+    records: Iterator[tuple[str, int, str]],
+    val_fraction: float,
+    stats: dict,
+    piece_chars: int | None,
     origins: dict[str, int],
-) -> Iterator[Batch]:  # fmt: skip
+) -> Iterator[Batch]:
     """Batches of texts; the hold-out is decided per document. `origins` (origin → index) grows
     as new origins come up."""
     batch, chars, index = Batch([], [], [], []), 0, 0

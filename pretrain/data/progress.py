@@ -63,8 +63,14 @@ class Progress:
             from tqdm import tqdm
 
             large = total is None or total >= 10_000  # 12.3k docs; below that, exact counts
-            self.bar = tqdm(desc="tokenizing", total=total, unit="doc", unit_scale=large, file=self.stream,
-                            dynamic_ncols=True)  # fmt: skip
+            self.bar = tqdm(
+                desc="tokenizing",
+                total=total,
+                unit="doc",
+                unit_scale=large,
+                file=self.stream,
+                dynamic_ncols=True,
+            )
         elif enabled:
             size = f"{total:,} documents" if total is not None else "documents (count unknown)"
             self._line(f"tokenizing {size}")
@@ -101,8 +107,10 @@ class Progress:
             self._next_tenth = self.documents * 10 // self.total + 1
             rate = self.documents / max(now - self.started, 1e-9)
             left = (self.total - self.documents) / max(rate, 1e-9)
-            self._line(f"tokenizing: {100 * self.documents // self.total}% ({self.documents:,} of "
-                       f"{self.total:,} documents, {self.tokens:,} tokens, {_clock(left)} left)")  # fmt: skip
+            self._line(
+                f"tokenizing: {100 * self.documents // self.total}% ({self.documents:,} of "
+                f"{self.total:,} documents, {self.tokens:,} tokens, {_clock(left)} left)"
+            )
         elif now >= self._next_line_at:
             self._next_line_at = now + LINE_EVERY_SECONDS
             self._line(f"tokenizing: {self.documents:,} documents, {self.tokens:,} tokens")

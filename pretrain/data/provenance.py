@@ -31,8 +31,13 @@ TEXT_CHARS = 160  # of a window's text shown
 LOSS_FAULTS = {
     "nan": ("faults.nan_steps", None, "the NaN loss", None),
     "spike": ("faults.spike_steps", "faults.spike_factor", "the loss spike", "the loss"),
-    "grad_spike": ("faults.grad_spike_steps", "faults.grad_spike_factor", "the gradient spike", "the gradients"),
-}  # fmt: skip
+    "grad_spike": (
+        "faults.grad_spike_steps",
+        "faults.grad_spike_factor",
+        "the gradient spike",
+        "the gradients",
+    ),
+}
 
 
 class Provenance:

@@ -172,8 +172,13 @@ class DocumentIndex:
         out = []
         for i in range(first, last):
             doc_end = int(starts[i + 1]) if i + 1 < len(starts) else self.split_tokens
-            out.append({"origin": self.origins[int(self.rows[i, 1])], "record": int(self.rows[i, 2]),
-                        "tokens": [int(starts[i]), doc_end]})  # fmt: skip
+            out.append(
+                {
+                    "origin": self.origins[int(self.rows[i, 1])],
+                    "record": int(self.rows[i, 2]),
+                    "tokens": [int(starts[i]), doc_end],
+                }
+            )
         return out
 
 
@@ -293,8 +298,10 @@ def verify_dataset(data_dir: str | Path) -> dict:
                 digest.update(block)
                 ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
                 if len(ids) and int(ids.max()) >= vocab and largest < vocab:
-                    problems.append(f"{path} holds id {int(ids.max())} at token offset "
-                                    f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}")  # fmt: skip
+                    problems.append(
+                        f"{path} holds id {int(ids.max())} at token offset "
+                        f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}"
+                    )
                 largest = max(largest, int(ids.max()) if len(ids) else -1)
                 offset += len(ids)
                 total += len(block)

@@ -92,16 +92,32 @@ def finetune(cfg: FinetuneConfig) -> dict:
         def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
             return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero)
 
-        return RunPlan(cfg.run, cfg.checkpoint, cfg.engine, cfg.optim, inputs.steps, identity(cfg, inputs),
-                       asdict(cfg), ds_config, inputs.model, make_trainer)  # fmt: skip
+        return RunPlan(
+            cfg.run,
+            cfg.checkpoint,
+            cfg.engine,
+            cfg.optim,
+            inputs.steps,
+            identity(cfg, inputs),
+            asdict(cfg),
+            ds_config,
+            inputs.model,
+            make_trainer,
+        )
 
     return run(cfg.run.dir, check)
 
 
 def build_trainer(
-    cfg: FinetuneConfig, env: DistEnv, engine, optimizer, plan: BatchPlan, inputs: FinetuneInputs, resume: Resume | None,
+    cfg: FinetuneConfig,
+    env: DistEnv,
+    engine,
+    optimizer,
+    plan: BatchPlan,
+    inputs: FinetuneInputs,
+    resume: Resume | None,
     zero: int,
-) -> Trainer:  # fmt: skip
+) -> Trainer:
     """Everything the loop needs around an engine: the task, checkpoints (restored when resuming), metrics."""
     run_dir, initial, examples = Path(cfg.run.dir), inputs.initial, inputs.examples
     train_data, val_data, labels, tokenizer = (
@@ -110,23 +126,44 @@ def build_trainer(
         examples.labels,
         initial.tokenizer,
     )
-    common = dict(train=train_data, validation=val_data, micro_batch_size=plan.micro_batch_size,
-                  pad_id=padding_id(tokenizer), seed=cfg.run.seed, env=env, device=engine.device, run_dir=run_dir)  # fmt: skip
+    common = dict(
+        train=train_data,
+        validation=val_data,
+        micro_batch_size=plan.micro_batch_size,
+        pad_id=padding_id(tokenizer),
+        seed=cfg.run.seed,
+        env=env,
+        device=engine.device,
+        run_dir=run_dir,
+    )
     task = SFT(**common) if labels is None else Classification(**common, num_labels=len(labels))
     run_config = asdict(cfg) | {
         "model": asdict(initial.model_cfg),
         "labels": labels,
         "init_source": initial.source,
     }
-    checkpointer = Checkpointer(run_dir, env, cfg.checkpoint.keep, run_config, tokenizer.path, config_hash(cfg),
-                                cfg.checkpoint.save_retries)  # fmt: skip
+    checkpointer = Checkpointer(
+        run_dir,
+        env,
+        cfg.checkpoint.keep,
+        run_config,
+        tokenizer.path,
+        config_hash(cfg),
+        cfg.checkpoint.save_retries,
+    )
     state = TrainState()
     if resume is not None:
         state = checkpointer.restore(engine, resume)
         # (a checkpoint written before the data position was recorded: the old rule, from the step)
         task.load_state_dict(resume.data or {"examples": state.step * plan.global_batch_size})
-    writer = MetricsWriter(run_dir, inputs.steps, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
-                           wandb=cfg.logging.wandb, run_config=asdict(cfg))  # fmt: skip
+    writer = MetricsWriter(
+        run_dir,
+        inputs.steps,
+        enabled=env.is_main,
+        tensorboard=cfg.logging.tensorboard,
+        wandb=cfg.logging.wandb,
+        run_config=asdict(cfg),
+    )
     writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
     writer.message(
         f"fine-tuning ({cfg.finetune.task}) from {initial.source} on {env.world_size} process(es), "
@@ -136,10 +173,16 @@ def build_trainer(
         + f", global batch {plan.global_batch_size}, steps {state.step + 1}..{inputs.steps}"
         + (f" (resumed from {resume.tag})" if resume else "")
     )
-    summary = {"task": cfg.finetune.task, "world_size": env.world_size, "zero_stage": zero, "steps": inputs.steps,
-               "train_examples": len(train_data.ids), "train_truncated": train_data.truncated,
-               "validation_examples": len(val_data.ids) if val_data else 0,
-               "validation_truncated": val_data.truncated if val_data else 0}  # fmt: skip
+    summary = {
+        "task": cfg.finetune.task,
+        "world_size": env.world_size,
+        "zero_stage": zero,
+        "steps": inputs.steps,
+        "train_examples": len(train_data.ids),
+        "train_truncated": train_data.truncated,
+        "validation_examples": len(val_data.ids) if val_data else 0,
+        "validation_truncated": val_data.truncated if val_data else 0,
+    }
     cadence = Cadence.of(cfg, inputs.steps)
     schedule = schedule_for(cfg.optim.lr, inputs.steps, cfg.schedule, initial.model_cfg.d_model)
     return Trainer(

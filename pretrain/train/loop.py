@@ -79,8 +79,14 @@ class Cadence:
     @classmethod
     def of(cls, cfg, steps: int, stop_at_step: int | None = None) -> Cadence:
         """From a run's (or fine-tuning run's) logging, eval and checkpoint sections."""
-        return cls(steps, cfg.logging.every, cfg.eval.every, cfg.checkpoint.every,
-                   cfg.logging.layer_grad_norms_every, stop_at_step)  # fmt: skip
+        return cls(
+            steps,
+            cfg.logging.every,
+            cfg.eval.every,
+            cfg.checkpoint.every,
+            cfg.logging.layer_grad_norms_every,
+            stop_at_step,
+        )
 
 
 @dataclass
@@ -186,8 +192,10 @@ class Trainer:
             f"stop requested by {describe_requesters(requesters)}: saved {tag_for(step)} and exiting"
         )
         if self.env.is_main:
-            append_event(self.run_dir, {"type": "stop_requested", "step": step, "saved": tag_for(step),
-                                        "requested_by": requesters})  # fmt: skip
+            append_event(
+                self.run_dir,
+                {"type": "stop_requested", "step": step, "saved": tag_for(step), "requested_by": requesters},
+            )
 
     # --------------------------------------------------------------------------- step boundary
 

@@ -91,10 +91,16 @@ class Monitored(StepHook):
     def rollback(self, step: int, action: Action) -> Answer:
         """At the boundary after `step`: the monitor's rollback (decided at step `action.step`);
         `CONTINUE` when it is cancelled (no intact checkpoint to go back to)."""
-        self.writer.text("monitor/rollbacks", f"step {action.step}: {action.reason} -> {action.tag}, "
-                         f"seed {action.seed} (applied after step {step})", action.step or step)  # fmt: skip
-        self.writer.message(f"monitor: {action.reason} at step {action.step}: rolling back to {action.tag} "
-                            f"with data seed {action.seed}, lr scale {action.lr_scale:g}")  # fmt: skip
+        self.writer.text(
+            "monitor/rollbacks",
+            f"step {action.step}: {action.reason} -> {action.tag}, "
+            f"seed {action.seed} (applied after step {step})",
+            action.step or step,
+        )
+        self.writer.message(
+            f"monitor: {action.reason} at step {action.step}: rolling back to {action.tag} "
+            f"with data seed {action.seed}, lr scale {action.lr_scale:g}"
+        )
         windows = self.task.windows_of(self.data_at[action.step]) if action.step in self.data_at else []
         evidence = self.task.evidence([w for w, _ in windows]) if self.env.is_main else {}
         state = apply_rollback(action, step, self.engine, self.task, self.checkpointer, evidence)
@@ -136,12 +142,14 @@ def monitor_scalars(judgement: Judgement) -> dict[str, float]:
     """TensorBoard's `monitor/*` scalars for one judged step."""
     rollback, warning = MARK_TAGS
     judged = {"loss": judgement.loss, "grad_norm": judgement.grad_norm}
-    out = _finite({
-        "monitor/loss": judgement.loss,
-        "monitor/grad_norm": judgement.grad_norm,
-        warning: float(judgement.level == "warn"),
-        rollback: float(judgement.level == "rollback"),
-    })  # fmt: skip
+    out = _finite(
+        {
+            "monitor/loss": judgement.loss,
+            "monitor/grad_norm": judgement.grad_norm,
+            warning: float(judgement.level == "warn"),
+            rollback: float(judgement.level == "rollback"),
+        }
+    )
     for series, value in judged.items():
         out |= in_band(series, value, judgement.bands.get(series) or {})
     return out

@@ -30,8 +30,13 @@ from pathlib import Path
 from tests.integration.runs import launcher, metrics, train, train_state
 
 GOLDEN_FILE = Path(__file__).with_name("golden_zero2.json")
-OVERRIDES = ["train.steps=20", "checkpoint.every=10", "eval.every=10", "engine.peak_flops=1e12",
-             "eval.attention_probe=The quick brown fox jumps over the lazy dog."]  # fmt: skip
+OVERRIDES = [
+    "train.steps=20",
+    "checkpoint.every=10",
+    "eval.every=10",
+    "engine.peak_flops=1e12",
+    "eval.attention_probe=The quick brown fox jumps over the lazy dog.",
+]
 EXACT = ("train/loss", "train/grad_norm", "train/lr", "train/tokens", "train/skipped_steps")
 # Relative tolerances across platforms: twice the largest difference measured between the recorded
 # platforms (loss 2.6e-5, evaluation loss 1.3e-5, global gradient norm 0.86%, a layer group's 2.7%;
@@ -86,8 +91,10 @@ def differences(actual: dict, expected: dict, exact: bool) -> list[str]:
             if key not in ours or not close(key, ours[key], value):
                 found.append(f"step {step} {key}: {ours.get(key)} != {value}")
     if [e["step"] for e in actual["eval"]] != [e["step"] for e in expected["eval"]]:
-        found.append(f"evaluations at steps {[e['step'] for e in actual['eval']]} != "
-                     f"{[e['step'] for e in expected['eval']]}")  # fmt: skip
+        found.append(
+            f"evaluations at steps {[e['step'] for e in actual['eval']]} != "
+            f"{[e['step'] for e in expected['eval']]}"
+        )
     for ours, theirs in zip(actual["eval"], expected["eval"], strict=False):  # (their count: above)
         if ours["step"] == theirs["step"] and not close("eval", ours["loss"], theirs["loss"]):
             found.append(f"eval {ours} != {theirs}")

@@ -14,13 +14,31 @@ __all__ = ["FAST", "TINY", "events", "launcher", "metrics", "torchrun", "train",
 
 
 def launcher(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-            "--master_port", str(free_port()), "--module", "pretrain.train"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "pretrain.train",
+    ]
 
 
 def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port()), "-m", "pretrain.train"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "pretrain.train",
+    ]
 
 
 def train(command, run_dir, data_dir, *overrides, check=True) -> subprocess.CompletedProcess:

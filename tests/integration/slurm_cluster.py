@@ -53,9 +53,19 @@ CPUS = 16
 TIME_LIMIT_CHECK_S = 30
 # States a job does not leave (a requeued job passes through COMPLETING and PENDING, never these).
 FINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-     "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
-)  # fmt: skip
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "SPECIAL_EXIT",
+    }
+)
 _Completed = subprocess.CompletedProcess[str]
 _COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 
@@ -198,10 +208,18 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
         """Starts munged, slurmctld and slurmd and waits for the node to be idle; why not, or None."""
         self._write_config()
         munge = self.root / "munge"
-        self._spawn("munged", [
-            "munged", "--foreground", f"--socket={munge}/socket", f"--key-file={munge}/munge.key",
-            f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/seed", f"--log-file={munge}/munged.log",
-        ])  # fmt: skip
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={munge}/socket",
+                f"--key-file={munge}/munge.key",
+                f"--pid-file={munge}/munged.pid",
+                f"--seed-file={munge}/seed",
+                f"--log-file={munge}/munged.log",
+            ],
+        )
         deadline = time.monotonic() + timeout
         while self._problem() == "munged made no socket" and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -15,9 +15,19 @@ def test_bench_train_compares_the_same_work(small_preset):
     """Both models start from the same weights on the same batch, so the first losses agree (fp32:
     to 1e-4): the ratio compares implementations, not workloads. The JSON keys are the contract."""
     result = run(
-        "bench", "train", str(small_preset), "--dtype", "fp32", "--micro-batch-size", "2",
-        "--steps", "2", "--warmup", "0", "--json",
-    )  # fmt: skip
+        "bench",
+        "train",
+        str(small_preset),
+        "--dtype",
+        "fp32",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout)
     assert r["device"] == "cpu" and r["dtype"] == "fp32" and r["zero_stage"] == 1 and r["seq_len"] == 512
@@ -48,9 +58,19 @@ def test_bench_profile_summarises_the_training_step(tmp_path):
     host's ops. The JSON keys are the contract (the H100 runs read the same ones)."""
     trace = tmp_path / "trace.json"
     result = run(
-        "bench", "profile", "tiny", "--micro-batch-size", "2", "--warmup", "1", "--steps", "1",
-        "--trace", str(trace), "--json",
-    )  # fmt: skip
+        "bench",
+        "profile",
+        "tiny",
+        "--micro-batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--trace",
+        str(trace),
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout)  # stdout holds the result alone (DeepSpeed's chatter is on stderr)
     assert (

@@ -38,8 +38,10 @@ def test_eval_as_run_gives_the_loss_the_runs_own_evaluation_logged(golden_run, t
     assert whole.returncode == 0, whole.stderr
     first, second = whole.stdout.strip().splitlines()
     assert "over 11 of the 11 windows of 512 tokens (5,632 tokens) of the validation split" in first
-    assert second == ("the run's own eval/loss reads 8 of these windows (eval.batches=2 × train.micro_batch_size=2 "
-                      "× 2 ranks) in bf16: --as-run evaluates exactly those")  # fmt: skip
+    assert second == (
+        "the run's own eval/loss reads 8 of these windows (eval.batches=2 × train.micro_batch_size=2 "
+        "× 2 ranks) in bf16: --as-run evaluates exactly those"
+    )
 
 
 def test_bench_data_prints_the_figures():
@@ -78,8 +80,23 @@ def test_the_wheel_carries_every_config(tmp_path):
     for name in ("pyproject.toml", "README.md", "pretrain", "monitoring", "configs"):
         copy = shutil.copytree if (root / name).is_dir() else shutil.copy
         copy(root / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("pretrain-*.whl")
     shipped = {

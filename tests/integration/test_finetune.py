@@ -43,11 +43,31 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
     train_csv, val_csv = sentiment
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-         "--module", "pretrain.finetune", "--config", CLASSIFICATION, f"finetune.init={pretrained}",
-         f"data.train={train_csv}", f"data.validation={val_csv}", f"run.dir={run_dir}", "train.micro_batch_size=4",
-         "finetune.epochs=4", "eval.every=12", *TINY_FT[1:]],
-        capture_output=True, text=True, timeout=600)  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "pretrain.finetune",
+            "--config",
+            CLASSIFICATION,
+            f"finetune.init={pretrained}",
+            f"data.train={train_csv}",
+            f"data.validation={val_csv}",
+            f"run.dir={run_dir}",
+            "train.micro_batch_size=4",
+            "finetune.epochs=4",
+            "eval.every=12",
+            *TINY_FT[1:],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((run_dir / "eval_results.json").read_text())
     assert results["task"] == "classification" and results["examples"] == 64
@@ -67,8 +87,14 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
         == 0
     )
     predictions = [json.loads(line) for line in out.read_text().splitlines()]
-    assert predictions.pop() == {"text": "  ", "other": "a b", "label": "positive", "prediction": None, "probabilities": None,
-                                 "skipped": "empty text"}  # fmt: skip
+    assert predictions.pop() == {
+        "text": "  ",
+        "other": "a b",
+        "label": "positive",
+        "prediction": None,
+        "probabilities": None,
+        "skipped": "empty text",
+    }
     assert len(predictions) == 64 and not any("skipped" in p for p in predictions)
     agree = sum(p["prediction"] == p["label"] for p in predictions) / 64
     assert agree == pytest.approx(results["accuracy"])  # the same weights, consolidated for the CPU
@@ -83,12 +109,38 @@ def test_pair_classification_under_accelerate(tmp_path, pretrained):
     val_csv = write_csv(tmp_path / "val.csv", sentiment_rows(32, 3))
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-         "-m", "pretrain.finetune", "--config", CLASSIFICATION, f"finetune.init={pretrained}",
-         f"data.train={train_csv}", f"data.validation={val_csv}", "data.text_pair_column=other",
-         f"run.dir={run_dir}", "train.micro_batch_size=4", "train.steps=6", *TINY_FT[1:]],
-        capture_output=True, text=True, timeout=600)  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "pretrain.finetune",
+            "--config",
+            CLASSIFICATION,
+            f"finetune.init={pretrained}",
+            f"data.train={train_csv}",
+            f"data.validation={val_csv}",
+            "data.text_pair_column=other",
+            f"run.dir={run_dir}",
+            "train.micro_batch_size=4",
+            "train.steps=6",
+            *TINY_FT[1:],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 6
@@ -111,16 +163,43 @@ def test_sft_lowers_the_validation_loss_and_the_checkpoint_generates(tmp_path, p
         write_jsonl(tmp_path / "val.jsonl", rows(24)),
     )
     run_dir = tmp_path / "run"
-    code = cli_main(["finetune", "--config", SFT, f"finetune.init={pretrained}", f"data.train={train}",
-                     f"data.validation={val}", f"run.dir={run_dir}", "train.steps=30", *TINY_FT])  # fmt: skip
+    code = cli_main(
+        [
+            "finetune",
+            "--config",
+            SFT,
+            f"finetune.init={pretrained}",
+            f"data.train={train}",
+            f"data.validation={val}",
+            f"run.dir={run_dir}",
+            "train.steps=30",
+            *TINY_FT,
+        ]
+    )
     assert code == 0
     summary = json.loads((run_dir / "train_summary.json").read_text())
     losses = [e["loss"] for e in summary["eval"]]
     assert losses[-1] < losses[0] - 0.5, losses
     assert json.loads((run_dir / "eval_results.json").read_text())["loss"] == pytest.approx(losses[-1])
     generated = subprocess.run(
-        [sys.executable, "-m", "pretrain", "generate", "--checkpoint", str(run_dir), "--prompt", "repeat: the list =>",
-         "--max-new-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=300)  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pretrain",
+            "generate",
+            "--checkpoint",
+            str(run_dir),
+            "--prompt",
+            "repeat: the list =>",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert generated.returncode == 0 and generated.stdout.startswith("repeat: the list =>"), generated.stderr
     out = tmp_path / "completions.csv"
     assert cli_main(["predict", "--checkpoint", str(run_dir), "--input", str(val), "--out", str(out)]) == 0
@@ -137,8 +216,21 @@ def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncatio
     complete (the lifecycle pretraining shares: pretrain/run_builder.py) and trains nothing."""
     import datasets
 
-    export = subprocess.run([sys.executable, "-m", "pretrain", "export-hf", "--checkpoint", str(pretrained), "--out",
-                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain",
+            "export-hf",
+            "--checkpoint",
+            str(pretrained),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert export.returncode == 0, export.stderr
     rows = sentiment_rows(32, 4)
     for i, row in enumerate(rows):
@@ -147,9 +239,18 @@ def test_from_a_hugging_face_directory_with_parquet_integer_labels_and_truncatio
             row["text"] = " ".join([row["text"]] * 6)  # about 40+ tokens: over max_length
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
     run_dir = tmp_path / "run"
-    command = ["finetune", "--config", CLASSIFICATION, f"finetune.init={tmp_path / 'hf'}",
-               f"data.train={tmp_path / 'train.parquet'}", f"data.validation={tmp_path / 'train.parquet'}",
-               "finetune.max_length=24", f"run.dir={run_dir}", "train.steps=2", *TINY_FT]  # fmt: skip
+    command = [
+        "finetune",
+        "--config",
+        CLASSIFICATION,
+        f"finetune.init={tmp_path / 'hf'}",
+        f"data.train={tmp_path / 'train.parquet'}",
+        f"data.validation={tmp_path / 'train.parquet'}",
+        "finetune.max_length=24",
+        f"run.dir={run_dir}",
+        "train.steps=2",
+        *TINY_FT,
+    ]
     assert cli_main(command) == 0
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["train_truncated"] == 8 and summary["validation_truncated"] == 8

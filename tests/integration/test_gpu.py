@@ -113,8 +113,9 @@ def test_flex_attention_document_masking_matches_dense_sdpa_forward_and_backward
     else:
         names = ("output", "grad q", "grad k", "grad v")
         got = {n: t.float() for n, t in zip(names, [out, *grads], strict=True)}
-        assert_relatively_close(got, {n: t.float() for n, t in zip(names, [expected, *want], strict=True)},
-                                BF16_RELATIVE)  # fmt: skip
+        assert_relatively_close(
+            got, {n: t.float() for n, t in zip(names, [expected, *want], strict=True)}, BF16_RELATIVE
+        )
 
 
 def test_a_document_masked_training_step_on_flex_attention_matches_the_dense_path():
@@ -191,8 +192,18 @@ def test_a_training_step_synchronizes_with_the_host_once(tmp_path, train_data, m
     from tests.helpers import FAST, TINY
     from tests.unit.fakes import pretraining_trainer
 
-    cfg = load_config(TINY, [*FAST, f"run.dir={tmp_path}", f"data.dir={train_data}", "train.steps=6",
-                             "checkpoint.every=6", "eval.every=0", f"data.document_masking={masking}"])  # fmt: skip
+    cfg = load_config(
+        TINY,
+        [
+            *FAST,
+            f"run.dir={tmp_path}",
+            f"data.dir={train_data}",
+            "train.steps=6",
+            "checkpoint.every=6",
+            "eval.every=0",
+            f"data.document_masking={masking}",
+        ],
+    )
     trainer = pretraining_trainer(cfg, device="cuda")
     syncs: list[tuple[int, str]] = []
     step_now = [0]

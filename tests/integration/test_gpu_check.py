@@ -17,15 +17,31 @@ SCRIPT = REPO_CONFIG_DIR.parent / "scripts" / "gpu_check.sh"
 def test_the_cpu_mode_runs_every_part_and_writes_the_gpu_runs_files(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = os.environ | {"PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(SCRIPT), "--cpu", str(out), "--work", str(work)],
-                            capture_output=True, text=True, timeout=420, env=env)  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu", str(out), "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"summary.json", "gpu_check.log", "bench-tiny.json", "launch.json",
-                                               "profile.json"}  # fmt: skip
+    assert {p.name for p in out.iterdir()} == {
+        "summary.json",
+        "gpu_check.log",
+        "bench-tiny.json",
+        "launch.json",
+        "profile.json",
+    }
     summary = json.loads((out / "summary.json").read_text())
     statuses = {p["name"]: p["status"] for p in summary["parts"]}
-    assert statuses == {"versions": "ok", "fused_adam": "skipped", "pytest": "ok", "bench tiny": "ok",
-                        "launch": "ok", "profile": "ok"}  # fmt: skip
+    assert statuses == {
+        "versions": "ok",
+        "fused_adam": "skipped",
+        "pytest": "ok",
+        "bench tiny": "ok",
+        "launch": "ok",
+        "profile": "ok",
+    }
     assert summary["mode"] == "cpu" and summary["versions"]["torch"].startswith("2.")
     pytest_part = next(p for p in summary["parts"] if p["name"] == "pytest")
     assert (

@@ -155,8 +155,20 @@ def evaluated(tmp_path_factory, golden_run, tasks):
     os.chdir(elsewhere)
     try:
         with stderr_of_this_process(elsewhere / "stderr.txt"):
-            code, stdout = run("eval", "--checkpoint", golden_run, "--tasks", TASKS,
-                               "--include-path", tasks[0], "--limit", LIMIT, "--out", out, "--json")  # fmt: skip
+            code, stdout = run(
+                "eval",
+                "--checkpoint",
+                golden_run,
+                "--tasks",
+                TASKS,
+                "--include-path",
+                tasks[0],
+                "--limit",
+                LIMIT,
+                "--out",
+                out,
+                "--json",
+            )
     finally:
         os.chdir(here)
         datasets.config.HF_DATASETS_CACHE = cache
@@ -194,8 +206,9 @@ def test_the_generation_task_decodes_until_its_stop_string(evaluated):
     assert written["configs"]["pydoc_title_generation"]["generation_kwargs"]["until"] == ["\n"]
 
 
-def test_the_perplexity_task_agrees_with_pretrain_eval_on_the_same_tokens(evaluated, tasks, tokenizer_dir,
-                                                                          golden_run, tmp_path):  # fmt: skip
+def test_the_perplexity_task_agrees_with_pretrain_eval_on_the_same_tokens(
+    evaluated, tasks, tokenizer_dir, golden_run, tmp_path
+):
     """The harness scores the text from an EOS prefix in windows of 512 predicted tokens; `pretrain
     eval` scores a prepared validation split holding a newline, the text and EOS, in windows of 512
     + 1 tokens. Both predict the text's 1,024 tokens with the same contexts, but for the first window's
@@ -209,8 +222,9 @@ def test_the_perplexity_task_agrees_with_pretrain_eval_on_the_same_tokens(evalua
     source.write_text(
         json.dumps({"text": TOPICS["assert"]}) + "\n" + json.dumps({"text": "\n" + text}) + "\n"
     )
-    manifest = prepare_dataset(resolve_source(str(source)), tokenizer_dir, tmp_path / "data", val_fraction=0.5,
-                               progress=False)  # fmt: skip
+    manifest = prepare_dataset(
+        resolve_source(str(source)), tokenizer_dir, tmp_path / "data", val_fraction=0.5, progress=False
+    )
     assert manifest["splits"]["validation"]["tokens"] == 1 + 2 * WINDOW + 1
     code, stdout = run("eval", "--checkpoint", golden_run, "--data", tmp_path / "data", "--json")
     assert code == 0
@@ -224,8 +238,19 @@ def test_the_perplexity_task_agrees_with_pretrain_eval_on_the_same_tokens(evalua
 
 
 def test_unknown_tasks_are_one_line_naming_them(golden_run, tasks, tmp_path, capsys):
-    code = main(["eval", "--checkpoint", str(golden_run), "--tasks", "pydoc_titles,hellaswagg",
-                 "--include-path", str(tasks[0]), "--out", str(tmp_path / "r.json")])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            "--checkpoint",
+            str(golden_run),
+            "--tasks",
+            "pydoc_titles,hellaswagg",
+            "--include-path",
+            str(tasks[0]),
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     captured = capsys.readouterr()
     assert_one_line_error(
         subprocess.CompletedProcess([], code, captured.out, captured.err), "unknown task(s) hellaswagg:"

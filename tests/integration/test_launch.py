@@ -23,10 +23,23 @@ def launch(run_dir, data, *overrides, nproc=2, timeout=600, script=False):
     else:
         data_setting = f"data.dir={data}"
     port = free_port()
-    start = ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")] if script else [
-        sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc), "--master-port", str(port)]  # fmt: skip
-    command = [*start, "--config", TINY, f"run.dir={run_dir}", data_setting, *FAST, "eval.every=0",
-               "monitor.warmup=4", "monitor.window=16", *overrides]  # fmt: skip
+    start = (
+        ["bash", str(REPO_CONFIG_DIR.parent / "launch" / "single_node.sh")]
+        if script
+        else [sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc), "--master-port", str(port)]
+    )
+    command = [
+        *start,
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        data_setting,
+        *FAST,
+        "eval.every=0",
+        "monitor.warmup=4",
+        "monitor.window=16",
+        *overrides,
+    ]
     env = os.environ | {"NPROC": str(nproc), "MASTER_PORT": str(port)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     result.master_port = port
@@ -38,10 +51,20 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     restarts, and the held-out loss falls on each corpus."""
     import glob
 
-    result = launch(tmp_path, {"prose": train_data, "code": code_data}, "train.steps=10", "checkpoint.every=3",
-                    "faults.kill_step=5", "faults.kill_rank=1", "faults.hang_step=8", "faults.hang_rank=0",
-                    "monitor.hang_min_seconds=4", "monitor.stop_grace_seconds=1", "data.document_masking=true",
-                    "eval.every=10")  # fmt: skip
+    result = launch(
+        tmp_path,
+        {"prose": train_data, "code": code_data},
+        "train.steps=10",
+        "checkpoint.every=3",
+        "faults.kill_step=5",
+        "faults.kill_rank=1",
+        "faults.hang_step=8",
+        "faults.hang_rank=0",
+        "monitor.hang_min_seconds=4",
+        "monitor.stop_grace_seconds=1",
+        "data.document_masking=true",
+        "eval.every=10",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     restarts = [e for e in events(tmp_path) if e["type"] == "restart"]
     assert not [e for e in events(tmp_path) if e["type"] == "rollback"]  # restarts are not anomalies
@@ -51,8 +74,10 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     ]
     # The killed rank, its signal and the step, in one line from the supervisor; one line (no
     # traceback) from the rank that lost it; DeepSpeed's launcher's [ERROR] line only with --verbose.
-    assert re.fullmatch(r"rank 1 \(\S+, pid \d+\) was killed by SIGKILL during step 5 \(exit status 247\)",
-                        restarts[0]["reason"]), restarts[0]  # fmt: skip
+    assert re.fullmatch(
+        r"rank 1 \(\S+, pid \d+\) was killed by SIGKILL during step 5 \(exit status 247\)",
+        restarts[0]["reason"],
+    ), restarts[0]
     assert restarts[1]["reason"].startswith("hang: no step")
     assert "pretrain: rank 0: stopped during step 5: another rank left the job (" in result.stderr
     assert "Traceback" not in result.stderr and "[ERROR]" not in result.stderr, result.stderr[-3000:]
@@ -102,8 +127,15 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
 
 
 def test_the_restart_budget_is_finite(tmp_path, train_data):
-    result = launch(tmp_path, train_data, "train.steps=4", "checkpoint.every=2", "faults.kill_step=3",
-                    "monitor.max_restarts=0", nproc=1)  # fmt: skip
+    result = launch(
+        tmp_path,
+        train_data,
+        "train.steps=4",
+        "checkpoint.every=2",
+        "faults.kill_step=3",
+        "monitor.max_restarts=0",
+        nproc=1,
+    )
     assert result.returncode != 0
     assert "restart budget (monitor.max_restarts=0) is spent" in result.stdout
     assert json.loads((tmp_path / "monitor" / "supervisor.json").read_text())["state"] == "failed"
@@ -115,9 +147,17 @@ def test_nan_rolls_back_and_the_circuit_breaker_stops_a_run_that_keeps_failing(t
     then a spike at the same step, which with max_rollbacks=1 trips the breaker; the job stops with
     status 3 and the supervisor does not restart it. ZeRO-1, started by launch/single_node.sh: the
     run learns before the NaN, and the rollback loads a ZeRO-1 checkpoint."""
-    result = launch(tmp_path, train_data, "train.steps=10", "checkpoint.every=4", "faults.nan_steps=[6]",
-                    "faults.spike_steps=[6]", "monitor.max_rollbacks=1",
-                    "engine.deepspeed_config=configs/deepspeed/zero1.json", script=True)  # fmt: skip
+    result = launch(
+        tmp_path,
+        train_data,
+        "train.steps=10",
+        "checkpoint.every=4",
+        "faults.nan_steps=[6]",
+        "faults.spike_steps=[6]",
+        "monitor.max_rollbacks=1",
+        "engine.deepspeed_config=configs/deepspeed/zero1.json",
+        script=True,
+    )
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ZeRO-1 bf16" in result.stdout
     losses = metrics(tmp_path)

@@ -16,9 +16,20 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def browser(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                           "--user-data-dir=/tmp/pretrain-chromium", *args],
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--user-data-dir=/tmp/pretrain-chromium",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")

@@ -26,8 +26,10 @@ from tests.unit.test_monitor import fake_checkpoint, metrics
 def _start_service(run_dir, *overrides):
     process = subprocess.Popen(
         [sys.executable, "-m", "monitoring", "--run-dir", str(run_dir), *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     endpoint = run_dir / "monitor" / "endpoint.json"
     deadline = time.time() + 60
     while not endpoint.exists() and time.time() < deadline and process.poll() is None:
@@ -137,10 +139,18 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     url, _, run_dir = service
     pid = json.loads((run_dir / "monitor" / "endpoint.json").read_text())["pid"]
     runner, done = _train_in_background(
-        launcher(2), run_dir, train_data, "train.steps=16", "checkpoint.every=4", "eval.every=0",
-        "checkpoint.keep=2", "monitor.enabled=true", "monitor.timeout=0.5", "faults.spike_steps=[10,15]",
+        launcher(2),
+        run_dir,
+        train_data,
+        "train.steps=16",
+        "checkpoint.every=4",
+        "eval.every=0",
+        "checkpoint.keep=2",
+        "monitor.enabled=true",
+        "monitor.timeout=0.5",
+        "faults.spike_steps=[10,15]",
         "logging.data_trace=true",
-    )  # fmt: skip
+    )
     _wait_for_step(run_dir, 13, runner)  # (reported once: on the timeline after the first rollback)
     os.kill(pid, signal.SIGSTOP)
     stalled = time.time()
@@ -250,12 +260,17 @@ def _fuzz_requests(token: str, n: int, seed: int = 0) -> list[bytes]:
     rng = random.Random(seed)
     auth = f"Authorization: Bearer {token}\r\n"
     invalid = {  # per field of a step's report, values it must refuse
-        "step": [None, True, -1, 1.5, 10**400, 2**64, "x"], "tokens": [None, -5, 2**53, "7"],
-        "loss": [None, True, "x" * 300, [], {}], "grad_norm": [None, False, "high", [1]],
-        "lr": [None, -1, "NaN", "-inf", 10**400, []], "step_time": [None, -0.5, "inf", {}],
-        "layer_grad_norms": [[1], "x", 5, {"a": "b"}], "session": ["x" * 300, 5, True, ""],
-        "seq": [0, -1, "x", 1.5, True], "surprise": [1],
-    }  # fmt: skip
+        "step": [None, True, -1, 1.5, 10**400, 2**64, "x"],
+        "tokens": [None, -5, 2**53, "7"],
+        "loss": [None, True, "x" * 300, [], {}],
+        "grad_norm": [None, False, "high", [1]],
+        "lr": [None, -1, "NaN", "-inf", 10**400, []],
+        "step_time": [None, -0.5, "inf", {}],
+        "layer_grad_norms": [[1], "x", 5, {"a": "b"}],
+        "session": ["x" * 300, 5, True, ""],
+        "seq": [0, -1, "x", 1.5, True],
+        "surprise": [1],
+    }
     values = [None, True, -1, 0, 1.5, 10**400, "x" * 300, [], [1, {"a": 2}], {"nested": {"deep": [None]}}]
 
     def metrics_body():

@@ -34,9 +34,17 @@ def optimizer_tensors(checkpoint) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])  # (ZeRO-1 runs ZeRO-2's optimizer code)
 def test_a_nan_gradient_is_skipped_and_leaves_weights_and_optimizer_unchanged(tmp_path, train_data, stage):
     """Step 2's loss is NaN (so is every gradient); checkpoints after steps 1, 2 and 3."""
-    result = train(launcher(2), tmp_path, train_data, "train.steps=3", "checkpoint.every=1", "checkpoint.keep=3",
-                   "eval.every=0", "faults.nan_steps=[2]",
-                   f"engine.deepspeed_config=configs/deepspeed/zero{stage}.json")  # fmt: skip
+    result = train(
+        launcher(2),
+        tmp_path,
+        train_data,
+        "train.steps=3",
+        "checkpoint.every=1",
+        "checkpoint.keep=3",
+        "eval.every=0",
+        "faults.nan_steps=[2]",
+        f"engine.deepspeed_config=configs/deepspeed/zero{stage}.json",
+    )
     assert result.stdout.count(OVERFLOW) == 1, result.stdout[-3000:]
     steps = metrics(tmp_path)
     assert math.isnan(steps[2]["train/loss"]) and steps[2]["train/grad_norm"] == math.inf

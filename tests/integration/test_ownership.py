@@ -23,9 +23,23 @@ from tests.integration.runs import FAST, TINY, events
 
 
 def launch_command(run_dir, data_dir, *overrides, nproc=2):
-    return [sys.executable, "-m", "pretrain", "launch", "--nproc", str(nproc), "--config", TINY,
-            f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, "eval.every=0", "monitor.warmup=4",
-            "monitor.window=16", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pretrain",
+        "launch",
+        "--nproc",
+        str(nproc),
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        f"data.dir={data_dir}",
+        *FAST,
+        "eval.every=0",
+        "monitor.warmup=4",
+        "monitor.window=16",
+        *overrides,
+    ]
 
 
 # Tests of ownership, not of detection: a monitor that judges every step but never false-alarms
@@ -34,8 +48,17 @@ CALM = ["monitor.grad_norm_sigma=1000", "monitor.loss_sigma=1000"]
 
 
 # What DeepSpeed and torch print by default that a `pretrain launch` must not show (see --verbose).
-NOISE = ("[INFO]", "CUDA_VISIBLE_DEVICES", "built successfully", "FutureWarning", "DeprecationWarning",
-         "Setting accelerator", "Unable to find hostfile", "Reconstructed", "Processing zero checkpoint")  # fmt: skip
+NOISE = (
+    "[INFO]",
+    "CUDA_VISIBLE_DEVICES",
+    "built successfully",
+    "FutureWarning",
+    "DeprecationWarning",
+    "Setting accelerator",
+    "Unable to find hostfile",
+    "Reconstructed",
+    "Processing zero checkpoint",
+)
 
 
 def run(command, timeout=300):
@@ -78,8 +101,13 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
     different model there is refused, its checkpoints untouched. The console stays quiet."""
     command = launch_command(tmp_path, train_data, "train.steps=40", "checkpoint.every=1000", *CALM)
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert wait_for(lambda: f'"pid": {first.pid}' in (tmp_path / "run.lock").read_text(errors="replace")
-                    if (tmp_path / "run.lock").exists() else False)  # fmt: skip
+    assert wait_for(
+        lambda: (
+            f'"pid": {first.pid}' in (tmp_path / "run.lock").read_text(errors="replace")
+            if (tmp_path / "run.lock").exists()
+            else False
+        )
+    )
     second = run(command)
     assert_one_line_error(second, f"is in use by pid {first.pid} on", "wait for that job to end")
     assert wait_for(lambda: len(step_events(tmp_path)) >= 3)
@@ -131,9 +159,18 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
 def test_a_corrupt_rollback_target_is_set_aside_and_an_older_intact_one_used(tmp_path, train_data):
     # Checkpoints at 5 and 10; at step 12 the fp32 master weights of step_00000010 are changed (same
     # size); the spike at 13 rolls back: step_00000010 fails verification, step_00000005 is used.
-    result = run(launch_command(tmp_path, train_data, "train.steps=20", "checkpoint.every=5",
-                                "faults.corrupt_checkpoint_step=12", "faults.spike_steps=[13]",
-                                "monitor.grad_norm_sigma=20", "monitor.loss_sigma=20"))  # fmt: skip
+    result = run(
+        launch_command(
+            tmp_path,
+            train_data,
+            "train.steps=20",
+            "checkpoint.every=5",
+            "faults.corrupt_checkpoint_step=12",
+            "faults.spike_steps=[13]",
+            "monitor.grad_norm_sigma=20",
+            "monitor.loss_sigma=20",
+        )
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = events(tmp_path)
     (corrupt,) = [e for e in log if e["type"] == "checkpoint_corrupt"]
@@ -159,8 +196,12 @@ def test_a_full_disk_ends_in_one_line_and_no_orphan(tmp_path, train_data):
         pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
     try:
         run_dir = mount / "run"
-        result = run(launch_command(run_dir, train_data, "train.steps=12", "checkpoint.every=3",
-                                    "logging.tensorboard=false"), timeout=120)  # fmt: skip
+        result = run(
+            launch_command(
+                run_dir, train_data, "train.steps=12", "checkpoint.every=3", "logging.tensorboard=false"
+            ),
+            timeout=120,
+        )
         assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
         errors = [line for line in result.stderr.splitlines() if "error" in line]
         assert len(errors) == 1 and "could not be saved in" in errors[0] and "free)" in errors[0], (

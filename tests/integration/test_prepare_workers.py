@@ -82,10 +82,26 @@ def test_a_worker_that_dies_ends_the_prepare_in_one_line_instead_of_a_hang(tmp_p
     out = tmp_path / "out"
     source = write_jsonl(tmp_path / "docs.jsonl", DOCS * 3000)
     prepare = subprocess.Popen(
-        [sys.executable, "-m", "pretrain", "data", "prepare", "--source", str(source), "--tokenizer", str(tokenizer_dir),
-         "--out", str(out), "--workers", "2", "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pretrain",
+            "data",
+            "prepare",
+            "--source",
+            str(source),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline, workers = time.time() + 60, []
     while not workers and time.time() < deadline and prepare.poll() is None:
         children = psutil.Process(prepare.pid).children()

@@ -37,8 +37,13 @@ def test_zero2_learns_and_checkpoints(golden_run):
     for step in (10, 20):
         directory = golden_run / "checkpoints" / f"step_{step:08d}"
         assert (directory / "complete.json").is_file()
-        assert {"train_state.json", "run_config.json", "tokenizer.model", "rng_rank_00000.json",
-                "rng_rank_00001.json"} <= {p.name for p in directory.iterdir()}  # fmt: skip
+        assert {
+            "train_state.json",
+            "run_config.json",
+            "tokenizer.model",
+            "rng_rank_00000.json",
+            "rng_rank_00001.json",
+        } <= {p.name for p in directory.iterdir()}
     state = train_state(golden_run, 20)
     assert state["step"] == 20 and state["world_size"] == 2 and state["tokens"] == 20 * 2 * 2 * 512
     assert state["data"]["consumed"] == 20 * 2 * 2  # global windows: steps × micro-batch × ranks
@@ -50,8 +55,15 @@ def test_zero3_learns_and_a_rollback_restores_the_checkpoints_weights(tmp_path, 
     checkpoints and rolls back in test_launch.py (through launch/single_node.sh)."""
     from tests.integration.test_launch import launch
 
-    result = launch(tmp_path, train_data, "train.steps=8", "checkpoint.every=4", "eval.every=8",
-                    "faults.spike_steps=[6]", "engine.deepspeed_config=configs/deepspeed/zero3.json")  # fmt: skip
+    result = launch(
+        tmp_path,
+        train_data,
+        "train.steps=8",
+        "checkpoint.every=4",
+        "eval.every=8",
+        "faults.spike_steps=[6]",
+        "engine.deepspeed_config=configs/deepspeed/zero3.json",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert assert_learns(tmp_path, 8)["zero_stage"] == 3
     (applied,) = [e for e in events(tmp_path) if e["type"] == "rollback_applied"]
@@ -86,8 +98,15 @@ def test_resume_with_another_world_size(tmp_path, golden_run, train_data):
     partial = tmp_path / "checkpoints" / "step_00000015"
     partial.mkdir()
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"half-written")
-    result = train(launcher(1), tmp_path, train_data, *GOLDEN, "train.grad_accum=2", "train.stop_at_step=13",
-                   "checkpoint.resume=auto")  # fmt: skip
+    result = train(
+        launcher(1),
+        tmp_path,
+        train_data,
+        *GOLDEN,
+        "train.grad_accum=2",
+        "train.stop_at_step=13",
+        "checkpoint.resume=auto",
+    )
     assert "skipping checkpoint" in result.stderr and "step_00000015" in result.stderr
     assert "resumed from step_00000010" in result.stdout
     assert (tmp_path / "checkpoints" / "universal" / "step_00000010" / "complete.json").is_file()
@@ -99,8 +118,17 @@ def test_resume_with_another_world_size(tmp_path, golden_run, train_data):
 
 
 def test_sigterm_saves_and_exits(tmp_path, train_data):
-    args = [*launcher(2), "--config", TINY, f"run.dir={tmp_path}", f"data.dir={train_data}", *FAST,
-            "train.steps=500", "checkpoint.every=1000", "eval.every=0"]  # fmt: skip
+    args = [
+        *launcher(2),
+        "--config",
+        TINY,
+        f"run.dir={tmp_path}",
+        f"data.dir={train_data}",
+        *FAST,
+        "train.steps=500",
+        "checkpoint.every=1000",
+        "eval.every=0",
+    ]
     process = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -129,11 +157,23 @@ def test_tensorboard_tags(golden_run):
     events_.Reload()
     scalars = set(events_.Tags()["scalars"])
     expected = {
-        "train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/tokens_per_sec_per_device",
-        "train/mfu", "train/step_time", "train/memory_gb", "train/skipped_steps", "train/tokens",
-        "train/grad_norm/embeddings", "train/grad_norm/layers.0", "train/grad_norm/layers.1", "train/grad_norm/head",
-        "eval/loss", "eval/perplexity",
-    }  # fmt: skip
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_sec",
+        "train/tokens_per_sec_per_device",
+        "train/mfu",
+        "train/step_time",
+        "train/memory_gb",
+        "train/skipped_steps",
+        "train/tokens",
+        "train/grad_norm/embeddings",
+        "train/grad_norm/layers.0",
+        "train/grad_norm/layers.1",
+        "train/grad_norm/head",
+        "eval/loss",
+        "eval/perplexity",
+    }
     assert expected <= scalars, expected - scalars
     losses = {e.step: e.value for e in events_.Scalars("train/loss")}
     assert sorted(losses) == list(range(1, 21))
@@ -178,8 +218,18 @@ def test_two_nodes_without_ssh_match_one_node(tmp_path, golden_run, train_data):
     }
     nodes = []
     for node_rank in (1, 0):
-        args = ["bash", str(script), "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
-                *GOLDEN, "train.stop_at_step=6", "eval.every=0"]  # fmt: skip
+        args = [
+            "bash",
+            str(script),
+            "--config",
+            TINY,
+            f"run.dir={run_dir}",
+            f"data.dir={train_data}",
+            *FAST,
+            *GOLDEN,
+            "train.stop_at_step=6",
+            "eval.every=0",
+        ]
         node_env = env | {"NODE_RANK": str(node_rank)}
         nodes.append(
             subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env)
@@ -202,11 +252,22 @@ def test_two_nodes_without_ssh_match_one_node(tmp_path, golden_run, train_data):
     # Again, on to step 2000; node 1's supervisor is killed with -9 as step 10 is reported: its
     # ranks save and stop, and so does node 0, whose console and events.jsonl say who left.
     for node_rank in (1, 0):
-        args = ["bash", str(script), "--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST,
-                *GOLDEN, "train.steps=2000", "eval.every=0"]  # fmt: skip
+        args = [
+            "bash",
+            str(script),
+            "--config",
+            TINY,
+            f"run.dir={run_dir}",
+            f"data.dir={train_data}",
+            *FAST,
+            *GOLDEN,
+            "train.steps=2000",
+            "eval.every=0",
+        ]
         with (tmp_path / f"node{node_rank}.log").open("w") as out:
-            nodes[node_rank] = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                                env=env | {"NODE_RANK": str(node_rank)})  # fmt: skip
+            nodes[node_rank] = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=env | {"NODE_RANK": str(node_rank)}
+            )
     deadline = time.time() + 180
     while time.time() < deadline and max(metrics(run_dir)) < 10:
         time.sleep(0.1)

@@ -40,8 +40,15 @@ FEWER_STEPS = {
     ("pretrain", "launch"): ["train.steps=2"],
     ("pretrain", "finetune"): ["finetune.epochs=1"],
 }
-CPU_SHAPE = ["model.n_layers=2", "model.d_model=128", "model.n_heads=4", "data.seq_len=512",
-             "train.micro_batch_size=1", "eval.batches=1", "engine.compile=false"]  # fmt: skip
+CPU_SHAPE = [
+    "model.n_layers=2",
+    "model.d_model=128",
+    "model.n_heads=4",
+    "data.seq_len=512",
+    "train.micro_batch_size=1",
+    "eval.batches=1",
+    "engine.compile=false",
+]
 SKIPPED = (
     (lambda words: words[0] == "pip", "installs: the suite runs in the installed environment"),
     (lambda words: words[:3] == ["python", "-m", "pytest"], "this suite itself"),
@@ -200,6 +207,9 @@ def test_each_later_block_of_the_readme_runs_as_printed(readme_dir, index):
                 f"pretrain: rank {1 - rank}: stopped during step {kill}: another rank left the job ("
                 in output
             )
-            assert re.search(rf"launch: restart 1/3 after rank {rank} \(\S+, pid \d+\) was killed by SIGKILL "
-                             rf"during step {kill} \(exit status 247\)", output), output[-3000:]  # fmt: skip
+            assert re.search(
+                rf"launch: restart 1/3 after rank {rank} \(\S+, pid \d+\) was killed by SIGKILL "
+                rf"during step {kill} \(exit status 247\)",
+                output,
+            ), output[-3000:]
             assert "Traceback" not in output and "[ERROR]" not in output, output[-3000:]

@@ -18,8 +18,20 @@ def submit(slurm, tmp_path, *sbatch_args, steps=40):
     """The node's name is not an address here: MASTER_ADDR says where node 0 listens."""
     slurm.env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # (tests run side by side)
     tmp_path.mkdir(exist_ok=True)
-    args = [*sbatch_args, f"--output={tmp_path / 'job.out'}", SCRIPT, "--config", TINY, f"run.dir={tmp_path / 'run'}",
-            f"data.dir={slurm.data}", *FAST, "eval.every=0", f"train.steps={steps}", "checkpoint.every=1000", *CALM]  # fmt: skip
+    args = [
+        *sbatch_args,
+        f"--output={tmp_path / 'job.out'}",
+        SCRIPT,
+        "--config",
+        TINY,
+        f"run.dir={tmp_path / 'run'}",
+        f"data.dir={slurm.data}",
+        *FAST,
+        "eval.every=0",
+        f"train.steps={steps}",
+        "checkpoint.every=1000",
+        *CALM,
+    ]
     return slurm.sbatch(args, cwd=REPO)
 
 
@@ -76,8 +88,10 @@ def test_zero_slots_is_one_line_a_lost_supervisor_requeues_and_scancel_leaves_no
     assert wait_for(lambda: slurm.job(job)["Restarts"] == "1", timeout=90), slurm.log(tmp_path / "job.out")
     (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
     assert all(f"its supervisor (pid {supervisor.pid} on" in r["why"] for r in stop["requested_by"])
-    assert wait_for(lambda: max(step_events(run_dir)) > ck.step_of(stop["saved"]) + 2 or slurm.state(job) in FINAL_STATES,
-                    timeout=180), slurm.log(tmp_path / "job.out")  # fmt: skip
+    assert wait_for(
+        lambda: max(step_events(run_dir)) > ck.step_of(stop["saved"]) + 2 or slurm.state(job) in FINAL_STATES,
+        timeout=180,
+    ), slurm.log(tmp_path / "job.out")
     output = slurm.log(tmp_path / "job.out")
     assert f"the job failed on some node (status 137); requeueing job {job} (1 of MAX_REQUEUES=10)" in output
     assert f"(resumed from {stop['saved']})" in output

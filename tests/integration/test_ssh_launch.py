@@ -15,9 +15,26 @@ from tests.integration.test_ownership import CALM, NOISE, processes_of, step_eve
 
 
 def launch_command(hostfile, run_dir, data_dir, *overrides):
-    return [sys.executable, "-m", "pretrain", "launch", "--hostfile", str(hostfile), "--master-port", str(free_port()), "--config", TINY,
-            f"run.dir={run_dir}", f"data.dir={data_dir}", *FAST, "eval.every=0", "monitor.warmup=4",
-            "monitor.window=16", *CALM, *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pretrain",
+        "launch",
+        "--hostfile",
+        str(hostfile),
+        "--master-port",
+        str(free_port()),
+        "--config",
+        TINY,
+        f"run.dir={run_dir}",
+        f"data.dir={data_dir}",
+        *FAST,
+        "eval.every=0",
+        "monitor.warmup=4",
+        "monitor.window=16",
+        *CALM,
+        *overrides,
+    ]
 
 
 def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_supervisor(
@@ -69,9 +86,14 @@ def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_ho
     started = time.time()
     with ssh_hosts.slow_to_launch("localhost", seconds=2):
         result = subprocess.run(
-            launch_command(hostfile, tmp_path / "run", train_data, "train.steps=10", "monitor.max_restarts=0"),
-            env=ssh_hosts.env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            launch_command(
+                hostfile, tmp_path / "run", train_data, "train.steps=10", "monitor.max_restarts=0"
+            ),
+            env=ssh_hosts.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     took = time.time() - started
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 255, output

@@ -33,10 +33,15 @@ def test_a_complete_run_whose_processes_do_not_exit_is_done_not_hung(tmp_path):
     summary = tmp_path / "train_summary.json"
     lines = []
     supervisor = Supervisor(
-        lambda: job(f"import json, time; open({str(summary)!r}, 'w').write(json.dumps({{'completed': True}})); "
-                    "time.sleep(600)"),
-        tmp_path, MonitorConfig(**QUICK), log=lines.append, poll_seconds=0.05,
-    )  # fmt: skip
+        lambda: job(
+            f"import json, time; open({str(summary)!r}, 'w').write(json.dumps({{'completed': True}})); "
+            "time.sleep(600)"
+        ),
+        tmp_path,
+        MonitorConfig(**QUICK),
+        log=lines.append,
+        poll_seconds=0.05,
+    )
     started = time.monotonic()
     assert supervisor.run() == 0
     assert time.monotonic() - started < 30
@@ -54,8 +59,14 @@ def test_a_follower_restarts_its_ranks_only_while_node_0_runs_the_job(tmp_path):
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"state": "running", "attempt": 0}))
     lines = []
-    follower = Supervisor(lambda: failing, tmp_path, MonitorConfig(**QUICK, max_restarts=2), leader=False,
-                          log=lines.append, poll_seconds=0.05)  # fmt: skip
+    follower = Supervisor(
+        lambda: failing,
+        tmp_path,
+        MonitorConfig(**QUICK, max_restarts=2),
+        leader=False,
+        log=lines.append,
+        poll_seconds=0.05,
+    )
     assert follower.run() == 1
     assert started_jobs(log) == 3 and sum(line.startswith("launch: restart") for line in lines) == 2, lines
     log.unlink()
@@ -69,12 +80,20 @@ def test_a_second_ctrl_c_kills_a_job_that_does_not_stop(tmp_path):
     """The first Ctrl-C asks the job to save and stop; a job that ignores it is killed at the
     second, and the supervisor exits 130 with nothing of the job left."""
     ready = tmp_path / "ignoring"
-    stubborn = job("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                   f"signal.signal(signal.SIGINT, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
-                   "time.sleep(600)")  # fmt: skip
+    stubborn = job(
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"signal.signal(signal.SIGINT, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
+        "time.sleep(600)"
+    )
     lines, jobs, running = [], [], threading.Event()
-    supervisor = Supervisor(lambda: stubborn, tmp_path, MonitorConfig(**QUICK | {"startup_seconds": 600.0}),
-                            leader=False, log=lines.append, poll_seconds=0.05)  # fmt: skip
+    supervisor = Supervisor(
+        lambda: stubborn,
+        tmp_path,
+        MonitorConfig(**QUICK | {"startup_seconds": 600.0}),
+        leader=False,
+        log=lines.append,
+        poll_seconds=0.05,
+    )
 
     def press_ctrl_c_twice():
         deadline = time.monotonic() + 30

@@ -32,8 +32,17 @@ def wandb_home(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("wandb_home")
     with pytest.MonkeyPatch.context() as env:
-        for name in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID",
-                     "WANDB_RESUME", "WANDB_NAME", "WANDB_SILENT", "WANDB_CONSOLE"):  # fmt: skip
+        for name in (
+            "WANDB_API_KEY",
+            "WANDB_BASE_URL",
+            "WANDB_PROJECT",
+            "WANDB_ENTITY",
+            "WANDB_RUN_ID",
+            "WANDB_RESUME",
+            "WANDB_NAME",
+            "WANDB_SILENT",
+            "WANDB_CONSOLE",
+        ):
             env.delenv(name, raising=False)
         env.setenv("WANDB_MODE", "offline")  # (the config says so too: this is the safety net)
         env.setenv("WANDB_ERROR_REPORTING", "false")  # no error reports to W&B's servers
@@ -50,8 +59,20 @@ def wandb_home(tmp_path_factory):
 
 
 def config(run_dir, data_dir, *overrides):
-    return load_config(TINY, [*FAST, f"run.dir={run_dir}", f"data.dir={data_dir}", *MONITOR, *WANDB,
-                              "train.steps=12", "checkpoint.every=3", "faults.spike_steps=[8]", *overrides])  # fmt: skip
+    return load_config(
+        TINY,
+        [
+            *FAST,
+            f"run.dir={run_dir}",
+            f"data.dir={data_dir}",
+            *MONITOR,
+            *WANDB,
+            "train.steps=12",
+            "checkpoint.every=3",
+            "faults.spike_steps=[8]",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +104,16 @@ def inspect(wandb_file: Path) -> list[dict]:
     this wandb-core command (called directly, without the CLI's two seconds of start-up)."""
     from wandb.util import get_core_path
 
-    command = [get_core_path(), "leet", "inspect", "--no-observability", "--json",
-               "--run-file", str(wandb_file), str(wandb_file.parent.parent)]  # fmt: skip
+    command = [
+        get_core_path(),
+        "leet",
+        "inspect",
+        "--no-observability",
+        "--json",
+        "--run-file",
+        str(wandb_file),
+        str(wandb_file.parent.parent),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -149,8 +178,9 @@ def test_each_start_continues_the_same_run_with_its_config(two_starts):
 def test_a_wandb_failure_is_one_warning_and_the_rest_is_still_written(tmp_path, wandb_home, capsys):
     import wandb
 
-    writer = MetricsWriter(tmp_path, 4, enabled=True, tensorboard=False,
-                           wandb=WandbConfig(project="test", mode="offline"))  # fmt: skip
+    writer = MetricsWriter(
+        tmp_path, 4, enabled=True, tensorboard=False, wandb=WandbConfig(project="test", mode="offline")
+    )
     writer.scalars(1, {"train/loss": 2.0})
     wandb.run.finish()  # from outside: W&B refuses whatever the writer logs next
     for step in (2, 3):

@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pretrain", "monitoring")
 # The command layer wires everything together; the rest of `pretrain` is the library. The
 # `__main__` modules are entries (`python -m pretrain.train` is `pretrain train`): command layer too.
-COMMAND_LAYER = ("pretrain.cli", "pretrain.bench", "pretrain.__main__", "pretrain.train.__main__",
-                 "pretrain.finetune.__main__")  # fmt: skip
+COMMAND_LAYER = (
+    "pretrain.cli",
+    "pretrain.bench",
+    "pretrain.__main__",
+    "pretrain.train.__main__",
+    "pretrain.finetune.__main__",
+)
 MAX_FUNCTION_LINES = 100
 
 

@@ -55,15 +55,21 @@ def test_ablation_report_names_the_compute_ratio():
         "compute_ratio": 2.5,
         "arms": {
             "transformer_pp": {
-                "label": "Transformer++", "best_lr": 3e-3, "best_final_loss": 4.6,
-                "tokens_to_target": 4e5, "flops_to_target": 8e12,
+                "label": "Transformer++",
+                "best_lr": 3e-3,
+                "best_final_loss": 4.6,
+                "tokens_to_target": 4e5,
+                "flops_to_target": 8e12,
             },
             "original": {
-                "label": "original", "best_lr": 1e-3, "best_final_loss": 5.0,
-                "tokens_to_target": 1e6, "flops_to_target": 2e13,
+                "label": "original",
+                "best_lr": 1e-3,
+                "best_final_loss": 5.0,
+                "tokens_to_target": 1e6,
+                "flops_to_target": 2e13,
             },
         },
-    }  # fmt: skip
+    }
     text = report(result)
     assert "2.50x the compute" in text and "0.40M" in text and "1.00M" in text
 
@@ -97,9 +103,12 @@ def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path
         run_dir.mkdir()
         (run_dir / "run.json").write_text(json.dumps({"config": {"monitor.warmup": 32, **faults}}))
         series = runs["tiny-code"]
-        (run_dir / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": i + 1, "train/loss": loss, "train/grad_norm": grad}) + "\n"
-            for i, (loss, grad) in enumerate(zip(series["loss"], series["grad_norm"], strict=True))))  # fmt: skip
+        (run_dir / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": i + 1, "train/loss": loss, "train/grad_norm": grad}) + "\n"
+                for i, (loss, grad) in enumerate(zip(series["loss"], series["grad_norm"], strict=True))
+            )
+        )
         events = [{"type": "step", "step": i} for i in range(1, 301)]
         if faults:
             events += [{"type": "rollback", "step": 60}, {"type": "warning", "step": 90}]
@@ -109,8 +118,10 @@ def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path
     summary = result["summary"]
     assert summary["clean_runs"] == 1 and summary["clean_steps"] == 300
     assert summary["rollbacks_per_1000_clean_steps"] == 0
-    assert summary["real_faults"] == {"loss x3": {"injected": 1, "rollback": 1, "warn": 0, "not_flagged": 0},
-                                      "grad x3": {"injected": 1, "rollback": 0, "warn": 1, "not_flagged": 0}}  # fmt: skip
+    assert summary["real_faults"] == {
+        "loss x3": {"injected": 1, "rollback": 1, "warn": 0, "not_flagged": 0},
+        "grad x3": {"injected": 1, "rollback": 0, "warn": 1, "not_flagged": 0},
+    }
     assert (
         summary["replay"]["nan"]["rollback"] == summary["replay"]["nan"]["trials"] == 26
     )  # steps 41, 51, .. 291

@@ -183,9 +183,16 @@ def test_the_checkpointer_writes_complete_checkpoints_and_keeps_the_newest(tmp_p
     directory = ck.checkpoints_dir(run_dir) / "step_00000004"
     assert ck.check_complete(directory) is None
     state = json.loads((directory / "train_state.json").read_text())
-    assert state == {"step": 4, "tokens": 400, "lr_scale": 1.0, "data": {"consumed": 4}, "world_size": 1,
-                     "config_hash": "0123456789abcdef", "params_sha256": params_digest(engine),
-                     "weights_sha256": [weights_digest(engine)]}  # fmt: skip
+    assert state == {
+        "step": 4,
+        "tokens": 400,
+        "lr_scale": 1.0,
+        "data": {"consumed": 4},
+        "world_size": 1,
+        "config_hash": "0123456789abcdef",
+        "params_sha256": params_digest(engine),
+        "weights_sha256": [weights_digest(engine)],
+    }
     assert (directory / "tokenizer.model").read_bytes() == b"a tokenizer"
     assert json.loads((directory / "run_config.json").read_text()) == {"model": {}}
 

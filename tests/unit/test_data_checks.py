@@ -42,8 +42,14 @@ def test_too_few_validation_windows_per_rank_is_refused_before_the_job_starts(tr
         preflight(cfg, 2)
     line = str(refused.value)
     assert "\n" not in line
-    for fragment in ("the validation split of", "gives 5 window(s) of 513 tokens per rank", "(11 over 2 rank(s))",
-                     "train.micro_batch_size", "--val-fraction (this one was prepared with 0.1)", "eval.every=0"):  # fmt: skip
+    for fragment in (
+        "the validation split of",
+        "gives 5 window(s) of 513 tokens per rank",
+        "(11 over 2 rank(s))",
+        "train.micro_batch_size",
+        "--val-fraction (this one was prepared with 0.1)",
+        "eval.every=0",
+    ):
         assert fragment in line, line
     preflight(run_config(train_data, "train.micro_batch_size=8", "eval.every=0"), 2)  # no evaluation
     preflight(run_config(train_data, "train.micro_batch_size=5"), 2)  # one micro-batch per rank: enough
@@ -52,8 +58,11 @@ def test_too_few_validation_windows_per_rank_is_refused_before_the_job_starts(tr
 def test_too_few_training_windows_per_rank_is_refused_before_the_job_starts(train_data, code_data):
     # 237,391 training tokens: 7 windows of 32,769.
     long = ["data.seq_len=32768", "model.max_seq_len=32768", "eval.every=0"]
-    with pytest.raises(UserError, match=r"the train split of .* gives 7 window\(s\) of 32769 tokens per rank .*"
-                                        r"fewer than one micro-batch \(train.micro_batch_size=8\): lower data.seq_len"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"the train split of .* gives 7 window\(s\) of 32769 tokens per rank .*"
+        r"fewer than one micro-batch \(train.micro_batch_size=8\): lower data.seq_len",
+    ):
         preflight(run_config(train_data, *long, "train.micro_batch_size=8"), 1)
     with pytest.raises(UserError, match=r"gives 3 window\(s\) .*\(7 over 2 rank\(s\)\)"):
         preflight(run_config(train_data, *long, "train.micro_batch_size=4"), 2)
@@ -70,15 +79,31 @@ def test_prepare_reports_validation_windows_and_warns_below_one_default_micro_ba
     tmp_path, tokenizer_dir, cli
 ):
     source = tmp_path / "docs.jsonl"
-    source.write_text("".join(json.dumps({"text": f"document {i}: " + "some words here " * 40}) + "\n"
-                              for i in range(40)))  # fmt: skip
-    result = cli("data", "prepare", "--source", source, "--tokenizer", tokenizer_dir, "--out", tmp_path / "data",
-                 "--val-fraction", "0.1", "--workers", "1", "--no-progress")  # fmt: skip
+    source.write_text(
+        "".join(json.dumps({"text": f"document {i}: " + "some words here " * 40}) + "\n" for i in range(40))
+    )
+    result = cli(
+        "data",
+        "prepare",
+        "--source",
+        source,
+        "--tokenizer",
+        tokenizer_dir,
+        "--out",
+        tmp_path / "data",
+        "--val-fraction",
+        "0.1",
+        "--workers",
+        "1",
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     manifest = read_manifest(tmp_path / "data")
     counts = [split_windows(manifest, "validation", n) for n in (512, 1024, 2048, 4096)]
-    assert f"validation windows by data.seq_len: 512: {counts[0]}, 1024: {counts[1]}, 2048: {counts[2]}, " \
-           f"4096: {counts[3]}" in result.stdout  # fmt: skip
+    assert (
+        f"validation windows by data.seq_len: 512: {counts[0]}, 1024: {counts[1]}, 2048: {counts[2]}, "
+        f"4096: {counts[3]}" in result.stdout
+    )
     assert counts[2] < 8
     (warning,) = result.stderr.strip().splitlines()
     assert warning.startswith(
@@ -122,8 +147,11 @@ def test_the_runs_evaluation_reads_whole_micro_batches_of_each_ranks_share(tmp_p
     (checkpoint / "train_state.json").write_text(
         json.dumps({"step": 20, "world_size": 2, "data": {"sources": sources}})
     )
-    config = {"data": {"seq_len": 512, "document_masking": True}, "train": {"micro_batch_size": 2},
-              "eval": {"batches": 2}}  # fmt: skip
+    config = {
+        "data": {"seq_len": 512, "document_masking": True},
+        "train": {"micro_batch_size": 2},
+        "eval": {"batches": 2},
+    }
     run = RunEvaluation.of(checkpoint, config)
     assert run.windows(11) == 8  # 5 per rank: 2 micro-batches of 2 each
     assert run.windows(7) == 4  # 3 per rank: 1 micro-batch

@@ -43,10 +43,23 @@ def spiked_run(tmp_path_factory, corpora):
     server, _ = serve(run_dir, MonitorConfig(warmup=4, window=16))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     mixture = ",".join(f"{{name: {n}, dir: '{d}', weight: 0.5}}" for n, d in corpora.items())
-    cfg = load_config(TINY, [*FAST, f"run.dir={run_dir}", f"data.mixture=[{mixture}]", "data.document_masking=true",
-                             "monitor.enabled=true", "monitor.quarantine=true", "train.steps=34",
-                             "checkpoint.every=3", "eval.every=17", "faults.spike_steps=[8]",
-                             "eval.sample_prompts=['The list', 'for x in']", "eval.sample_tokens=6"])  # fmt: skip
+    cfg = load_config(
+        TINY,
+        [
+            *FAST,
+            f"run.dir={run_dir}",
+            f"data.mixture=[{mixture}]",
+            "data.document_masking=true",
+            "monitor.enabled=true",
+            "monitor.quarantine=true",
+            "train.steps=34",
+            "checkpoint.every=3",
+            "eval.every=17",
+            "faults.spike_steps=[8]",
+            "eval.sample_prompts=['The list', 'for x in']",
+            "eval.sample_tokens=6",
+        ],
+    )
     trainer = pretraining_trainer(cfg)
     try:
         summary = trainer.train()

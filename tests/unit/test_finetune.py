@@ -125,8 +125,17 @@ def hf_init(tmp_path_factory, tokenizer_dir):
 def finetune_config(path, run_dir, init, *overrides):
     from pretrain.config import load_finetune_config
 
-    return load_finetune_config(path, [f"finetune.init={init}", f"run.dir={run_dir}", "logging.every=1",
-                                       "train.micro_batch_size=4", "optim.lr=2e-3", *overrides])  # fmt: skip
+    return load_finetune_config(
+        path,
+        [
+            f"finetune.init={init}",
+            f"run.dir={run_dir}",
+            "logging.every=1",
+            "train.micro_batch_size=4",
+            "optim.lr=2e-3",
+            *overrides,
+        ],
+    )
 
 
 def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, hf_init, sentiment):
@@ -135,8 +144,16 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     from tests.unit.fakes import finetuning_trainer
 
     train_csv, val_csv = sentiment
-    cfg = finetune_config(CLASSIFICATION, tmp_path, hf_init, f"data.train={train_csv}", f"data.validation={val_csv}",
-                          "train.steps=6", "eval.every=3", "checkpoint.every=3")  # fmt: skip
+    cfg = finetune_config(
+        CLASSIFICATION,
+        tmp_path,
+        hf_init,
+        f"data.train={train_csv}",
+        f"data.validation={val_csv}",
+        "train.steps=6",
+        "eval.every=3",
+        "checkpoint.every=3",
+    )
     summary = finetuning_trainer(cfg).train()
     assert summary["completed"] and summary["task"] == "classification" and summary["steps"] == 6
     assert summary["train_examples"] == 192 and summary["validation_examples"] == 64
@@ -151,8 +168,17 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
         "Hugging Face"
     )
     # Resumed at its last step, the run still reports its final evaluation.
-    again = finetuning_trainer(finetune_config(CLASSIFICATION, tmp_path, hf_init, f"data.train={train_csv}",
-                                               f"data.validation={val_csv}", "train.steps=6", "checkpoint.resume=auto"))  # fmt: skip
+    again = finetuning_trainer(
+        finetune_config(
+            CLASSIFICATION,
+            tmp_path,
+            hf_init,
+            f"data.train={train_csv}",
+            f"data.validation={val_csv}",
+            "train.steps=6",
+            "checkpoint.resume=auto",
+        )
+    )
     assert again.state.step == 6 and again.task.examples == 24
     assert again.train()["eval"][-1]["step"] == 6
     assert json.loads((tmp_path / "eval_results.json").read_text())["accuracy"] == results["accuracy"]
@@ -166,12 +192,21 @@ def test_sft_learns_to_complete_and_counts_only_completion_tokens(tmp_path, hf_i
     from tests.unit.fakes import finetuning_trainer
 
     rng = random.Random(0)
-    rows = [{"prompt": "repeat: " + " ".join(w) + " =>", "completion": " " + " ".join(w)}
-            for w in (rng.sample(FILLER, 3) for _ in range(48))]  # fmt: skip
+    rows = [
+        {"prompt": "repeat: " + " ".join(w) + " =>", "completion": " " + " ".join(w)}
+        for w in (rng.sample(FILLER, 3) for _ in range(48))
+    ]
     train = write_jsonl(tmp_path / "train.jsonl", rows[:40])
     val = write_jsonl(tmp_path / "val.jsonl", rows[40:])
-    cfg = finetune_config(SFT, tmp_path / "run", hf_init, f"data.train={train}", f"data.validation={val}",
-                          "train.steps=12", "schedule.warmup_steps=2")  # fmt: skip
+    cfg = finetune_config(
+        SFT,
+        tmp_path / "run",
+        hf_init,
+        f"data.train={train}",
+        f"data.validation={val}",
+        "train.steps=12",
+        "schedule.warmup_steps=2",
+    )
     summary = finetuning_trainer(cfg).train()
     losses = [e["loss"] for e in summary["eval"]]
     assert [e["step"] for e in summary["eval"]] == [0, 12] and losses[-1] < losses[0] - 0.5, losses
@@ -187,8 +222,16 @@ def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp
     encoded = Encoded("sft", [[1, 10 + i, 2] for i in range(10)], None, [2] * 10, 0)
 
     def task(rank, world):
-        return SFT(train=encoded, validation=None, micro_batch_size=2, pad_id=3, seed=5,
-                   env=DistEnv(rank, rank, world), device="cpu", run_dir=tmp_path)  # fmt: skip
+        return SFT(
+            train=encoded,
+            validation=None,
+            micro_batch_size=2,
+            pad_id=3,
+            seed=5,
+            env=DistEnv(rank, rank, world),
+            device="cpu",
+            run_dir=tmp_path,
+        )
 
     ranks = [task(0, 2), task(1, 2)]
     seen = []

@@ -53,8 +53,12 @@ def log_probs(model, ids: list[int], first_target: int, **forward) -> torch.Tens
 
 def test_loglikelihood_is_the_continuations_log_probability_after_a_document_start(trained):
     tok = trained.tokenizer
-    pairs = [("Question: what binds names?\nAnswer:", " assignment"), ("", "Assignment statements"),
-             (TEXT[:40] + " ", "and more"), ("x = 1", "")]  # fmt: skip
+    pairs = [
+        ("Question: what binds names?\nAnswer:", " assignment"),
+        ("", "Assignment statements"),
+        (TEXT[:40] + " ", "and more"),
+        ("x = 1", ""),
+    ]
     answers = harness_lm(trained).loglikelihood(requests("loglikelihood", *pairs))
     one_by_one = harness_lm(trained, batch_size=1).loglikelihood(requests("loglikelihood", *pairs))
     for (context, continuation), (logprob, greedy), alone in zip(pairs, answers, one_by_one, strict=True):
@@ -163,10 +167,14 @@ def test_eval_takes_exactly_one_of_data_and_tasks(cli, tmp_path):
     assert_one_line_error(neither, "exactly one of --data", "--tasks")
     both = cli("eval", "--checkpoint", tmp_path, "--data", tmp_path, "--tasks", "arc_easy")
     assert_one_line_error(both, "exactly one of --data", "--tasks")
-    assert_one_line_error(cli("eval", "--checkpoint", tmp_path, "--data", tmp_path, "--limit", "5"),
-                          "--limit cannot be used with --data")  # fmt: skip
-    assert_one_line_error(cli("eval", "--checkpoint", tmp_path, "--tasks", "arc_easy", "--max-batches", "2"),
-                          "--max-batches cannot be used with --tasks")  # fmt: skip
+    assert_one_line_error(
+        cli("eval", "--checkpoint", tmp_path, "--data", tmp_path, "--limit", "5"),
+        "--limit cannot be used with --data",
+    )
+    assert_one_line_error(
+        cli("eval", "--checkpoint", tmp_path, "--tasks", "arc_easy", "--max-batches", "2"),
+        "--max-batches cannot be used with --tasks",
+    )
 
 
 def test_tasks_without_the_harness_installed_is_one_line_saying_how_to_install(cli, tmp_path, monkeypatch):

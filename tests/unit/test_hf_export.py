@@ -54,8 +54,20 @@ def varied_texts(seed: int = 0) -> list[str]:
     for _ in range(40):
         word = rng.choice(["x", "def f():", "the list", "中文", "é"])
         texts.append(rng.choice(blanks) * rng.randint(1, 9) + word + rng.choice(blanks) * rng.randint(0, 9))
-    unicode = ["日本語のテキスト", "中文分词测试", "한국어 문장", "Ελληνικά", "русский текст", "עברית", "العربية",
-               "café naïve façade", "cafe\u0301 nai\u0308ve", "😀👍🏽👨‍👩‍👧 🇫🇷", "∑∫√∞ ≠ ≤", "Ωmega ☃ ♞ ✓"]  # fmt: skip
+    unicode = [
+        "日本語のテキスト",
+        "中文分词测试",
+        "한국어 문장",
+        "Ελληνικά",
+        "русский текст",
+        "עברית",
+        "العربية",
+        "café naïve façade",
+        "cafe\u0301 nai\u0308ve",
+        "😀👍🏽👨‍👩‍👧 🇫🇷",
+        "∑∫√∞ ≠ ≤",
+        "Ωmega ☃ ♞ ✓",
+    ]
     texts += unicode + [" ".join(rng.sample(unicode, 3)) for _ in range(20)]
     texts += [str(rng.randint(0, 10 ** rng.randint(1, 15))) for _ in range(15)]
     texts += ["3.14159", "1,000,000", "x = 0x1F + 1e-9", "2024-01-31T12:00:00Z"]
@@ -101,9 +113,18 @@ def test_the_export_writes_every_file_readable_like_any_other(exported, tmp_path
     plain = tmp_path / "plain"
     plain.write_text("")  # the mode open() gives under this umask (0644 under the usual 022)
     names = sorted(p.name for p in exported.iterdir())
-    assert names == sorted(["config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
-                            "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                            EXPORT_RUN_CONFIG])  # fmt: skip
+    assert names == sorted(
+        [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.model",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+            EXPORT_RUN_CONFIG,
+        ]
+    )
     modes = {name: (exported / name).stat().st_mode & 0o777 for name in names}
     assert modes == dict.fromkeys(names, plain.stat().st_mode & 0o777)
     assert json.loads((exported / EXPORT_RUN_CONFIG).read_text())["run_config"] == RUN_CONFIG
@@ -129,8 +150,11 @@ def test_transformers_tokenizers_have_our_special_tokens(exported, trained, cls_
     ours, theirs = trained.tokenizer, load_tokenizer(cls_name, exported)
     processor = ours.processor
     assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id, theirs.unk_token_id) == (
-        ours.bos_id, ours.eos_id, ours.pad_id, processor.unk_id()
-    )  # fmt: skip
+        ours.bos_id,
+        ours.eos_id,
+        ours.pad_id,
+        processor.unk_id(),
+    )
     assert [theirs.bos_token, theirs.eos_token, theirs.pad_token, theirs.unk_token] == [
         processor.id_to_piece(SPECIAL_IDS[key]) for key in ("bos_id", "eos_id", "pad_id", "unk_id")
     ]
@@ -148,8 +172,10 @@ def test_generation_config_and_model_config_carry_our_special_ids(exported, trai
     )
     model_config = transformers.AutoConfig.from_pretrained(exported)
     assert (model_config.bos_token_id, model_config.eos_token_id, model_config.pad_token_id) == (
-        tok.bos_id, tok.eos_id, tok.pad_id
-    )  # fmt: skip
+        tok.bos_id,
+        tok.eos_id,
+        tok.pad_id,
+    )
 
 
 def sentencepiece_tokenizer(directory: Path, **options) -> Tokenizer:
@@ -157,9 +183,21 @@ def sentencepiece_tokenizer(directory: Path, **options) -> Tokenizer:
     topics = pydoc_data.topics.topics
     lines = [line for k in sorted(topics)[:20] for line in topics[k].split("\n") if line.strip()]
     model = io.BytesIO()
-    settings = dict(vocab_size=400, model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-                    remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
-                    split_digits=True, minloglevel=2, **SPECIAL_IDS) | options  # fmt: skip
+    settings = (
+        dict(
+            vocab_size=400,
+            model_type="bpe",
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            minloglevel=2,
+            **SPECIAL_IDS,
+        )
+        | options
+    )
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, **settings)
     directory.mkdir(parents=True)
     (directory / "tokenizer.model").write_bytes(model.getvalue())
@@ -214,8 +252,19 @@ def test_eval_on_the_export_equals_eval_on_the_checkpoint(exported, trained, tra
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
 def test_generate_on_the_export_equals_generate_on_the_checkpoint(exported, trained, cli, temperature):
     prompt = "The list\n\tdef f(x):"
-    result = cli("generate", "--checkpoint", exported, "--prompt", prompt, "--max-new-tokens", "16",
-                 "--temperature", temperature, "--seed", "3")  # fmt: skip
+    result = cli(
+        "generate",
+        "--checkpoint",
+        exported,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        temperature,
+        "--seed",
+        "3",
+    )
     assert result.returncode == 0, result.stderr
     expected = sample_text(trained, prompt, 16, float(temperature), 50, 0.95, 3)
     assert result.stdout == prompt + expected + "\n" and expected
@@ -240,8 +289,14 @@ def test_attention_on_the_export_equals_attention_on_the_checkpoint(exported, tr
 def test_a_llama_directory_from_elsewhere_works_with_our_tokenizer(tmp_path, trained, train_data, cli):
     """transformers' own save_pretrained output, plus a tokenizer.model: no run config, so eval
     windows are the model's context (at most 2048 tokens)."""
-    config = transformers.LlamaConfig(vocab_size=trained.tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=48)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=trained.tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=48,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     (tmp_path / "llama" / "tokenizer.model").write_bytes(trained.tokenizer.path.read_bytes())
     result = cli(

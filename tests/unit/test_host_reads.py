@@ -56,8 +56,18 @@ def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
     (logging.layer_grad_norms_every=2) ride the same read."""
     server, _ = serve(tmp_path, MonitorConfig(warmup=4, window=16))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    cfg = load_config(TINY, [*FAST, f"run.dir={tmp_path}", f"data.dir={train_data}", "train.steps=6",
-                             "checkpoint.every=6", "eval.every=0", "monitor.enabled=true"])  # fmt: skip
+    cfg = load_config(
+        TINY,
+        [
+            *FAST,
+            f"run.dir={tmp_path}",
+            f"data.dir={train_data}",
+            "train.steps=6",
+            "checkpoint.every=6",
+            "eval.every=0",
+            "monitor.enabled=true",
+        ],
+    )
     trainer = pretraining_trainer(cfg)
     began: dict[int, int] = {}  # step → reads made before it began
 

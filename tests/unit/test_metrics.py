@@ -31,8 +31,9 @@ class Judged:
 
 def charting_hook(run_dir, writer, monitor) -> Monitored:
     """The monitor's step hook with only what charting the verdicts uses."""
-    return Monitored(link=monitor, env=None, run_dir=run_dir, engine=None, task=None, checkpointer=None,
-                     writer=writer)  # fmt: skip
+    return Monitored(
+        link=monitor, env=None, run_dir=run_dir, engine=None, task=None, checkpointer=None, writer=writer
+    )
 
 
 def board(run_dir):
@@ -54,9 +55,11 @@ def test_every_margin_chart_has_its_value_and_band_at_the_same_steps(tmp_path):
     writer.band_layout()
     hook = charting_hook(tmp_path, writer, monitor)
     # The losses reported between two step boundaries; after step 9, a rollback to 6: 7.. run again.
-    boundaries = [{step: 3.0 - 0.01 * step for step in range(1, 6)},
-                  {6: 2.94, 7: 2.93, 8: float("nan"), 9: 2.91},
-                  {step: 2.9 for step in range(7, 11)}]  # fmt: skip
+    boundaries = [
+        {step: 3.0 - 0.01 * step for step in range(1, 6)},
+        {6: 2.94, 7: 2.93, 8: float("nan"), 9: 2.91},
+        {step: 2.9 for step in range(7, 11)},
+    ]
     for losses in boundaries:
         for step, loss in losses.items():
             metrics = StepMetrics(step, loss, 1.0 + 0.01 * step, 1e-3, 0.1, 100 * step)
@@ -120,8 +123,17 @@ def test_tensorboard_names_the_run_after_its_directory(tmp_path, monkeypatch):
 
 
 def summary_config(run_dir, data_dir):
-    return load_config(TINY, [*FAST, f"run.dir={run_dir}", f"data.dir={data_dir}", "train.steps=1",
-                              "checkpoint.every=1", "eval.every=0"])  # fmt: skip
+    return load_config(
+        TINY,
+        [
+            *FAST,
+            f"run.dir={run_dir}",
+            f"data.dir={data_dir}",
+            "train.steps=1",
+            "checkpoint.every=1",
+            "eval.every=0",
+        ],
+    )
 
 
 def test_the_summary_counts_the_rollbacks_and_restarts_of_every_attempt(tmp_path, train_data):
@@ -133,9 +145,14 @@ def test_the_summary_counts_the_rollbacks_and_restarts_of_every_attempt(tmp_path
         {"type": "rollback", "step": 8, "decision": 1, "target": "step_00000006"},  # decided
         {"type": "rollback_applied", "step": 6, "decision": 1, "decided_at": 8, "applied_at": 9},
         {"type": "rollback_cancelled", "step": 9, "decision": 2, "reason": "no intact checkpoint"},
-        {"type": "restart", "step": 11, "reason": "exit status 1", "restart": 1,
-         "resume_from": "step_00000010"},
-    ]  # fmt: skip
+        {
+            "type": "restart",
+            "step": 11,
+            "reason": "exit status 1",
+            "restart": 1,
+            "resume_from": "step_00000010",
+        },
+    ]
     for event in earlier:
         append_event(tmp_path, event)
     summary = pretraining_trainer(summary_config(tmp_path, train_data)).train()

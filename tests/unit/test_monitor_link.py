@@ -118,8 +118,16 @@ def config(run_dir, data_dir, *overrides):
 def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     service, tmp_path, train_data, capsys
 ):
-    trainer = pretraining_trainer(config(tmp_path, train_data, "train.steps=10", "checkpoint.every=3",
-                                         "faults.spike_steps=[8]", "logging.data_trace=true"))  # fmt: skip
+    trainer = pretraining_trainer(
+        config(
+            tmp_path,
+            train_data,
+            "train.steps=10",
+            "checkpoint.every=3",
+            "faults.spike_steps=[8]",
+            "logging.data_trace=true",
+        )
+    )
     summary = trainer.train()
     assert summary["completed"] and summary["step"] == 10 and summary["rollbacks"] == 1
     assert "rolling back to step_00000006" in capsys.readouterr().out
@@ -162,7 +170,10 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     grad_chart = next(c for title, c in charts.items() if title.startswith("gradient norm"))
     series = grad_chart.margin.series[0]
     assert (series.value, series.lower, series.upper) == (
-        "monitor/grad_norm_in_band", "monitor/grad_norm_level", "monitor/grad_norm_threshold")  # fmt: skip
+        "monitor/grad_norm_in_band",
+        "monitor/grad_norm_level",
+        "monitor/grad_norm_threshold",
+    )
     marks_chart = next(c for title, c in charts.items() if title.startswith("rollbacks"))
     assert list(marks_chart.multiline.tag) == ["^monitor/rollback$", "^monitor/warning$"]
     # The data position is an uninterrupted run's; the order after the target was reshuffled.
@@ -181,15 +192,25 @@ def test_the_circuit_breaker_stops_the_run_and_nothing_after_the_refused_state_i
 ):
     """Step 6 fails twice (a NaN, rolled back, then a spike at the same step): with max_rollbacks=1
     the second failure stops the run."""
-    trainer = pretraining_trainer(config(tmp_path, train_data, "train.steps=10", "checkpoint.every=4",
-                                         "faults.nan_steps=[6]", "faults.spike_steps=[6]"))  # fmt: skip
+    trainer = pretraining_trainer(
+        config(
+            tmp_path,
+            train_data,
+            "train.steps=10",
+            "checkpoint.every=4",
+            "faults.nan_steps=[6]",
+            "faults.spike_steps=[6]",
+        )
+    )
     summary = trainer.train()
     assert not summary["completed"] and "circuit breaker" in summary["stopped_by_monitor"]
     assert "stopping the job" in capsys.readouterr().out
     assert newest_complete(tmp_path) == "step_00000004"
     assert [e["type"] for e in read_events(tmp_path) if e["type"] not in ("step", "warning")] == [
-        "rollback", "rollback_applied", "circuit_breaker"
-    ]  # fmt: skip
+        "rollback",
+        "rollback_applied",
+        "circuit_breaker",
+    ]
 
 
 def test_without_a_service_the_run_goes_on_and_never_applies_a_nan(tmp_path, train_data, capsys):
@@ -197,8 +218,14 @@ def test_without_a_service_the_run_goes_on_and_never_applies_a_nan(tmp_path, tra
 
     import torch
 
-    cfg = config(tmp_path, train_data, "train.steps=4", "checkpoint.every=4", "monitor.timeout=0.1",
-                 "faults.nan_steps=[2]")  # fmt: skip
+    cfg = config(
+        tmp_path,
+        train_data,
+        "train.steps=4",
+        "checkpoint.every=4",
+        "monitor.timeout=0.1",
+        "faults.nan_steps=[2]",
+    )
     trainer = pretraining_trainer(cfg)
     summary = trainer.train()
     assert summary["completed"] and summary["rollbacks"] == 0
@@ -229,15 +256,25 @@ def test_a_rollback_with_no_intact_checkpoint_is_cancelled_by_the_trainer_and_th
     (faults.corrupt_checkpoint_step), sets it aside, has nothing older, cancels with the reason,
     and trains on; the service records the decision as cancelled, not as a rollback."""
     with service_with(tmp_path) as service:
-        summary = pretraining_trainer(config(tmp_path, train_data, "train.steps=10", "checkpoint.every=5",
-                                             "faults.corrupt_checkpoint_step=6", "faults.spike_steps=[7]")).train()  # fmt: skip
+        summary = pretraining_trainer(
+            config(
+                tmp_path,
+                train_data,
+                "train.steps=10",
+                "checkpoint.every=5",
+                "faults.corrupt_checkpoint_step=6",
+                "faults.spike_steps=[7]",
+            )
+        ).train()
         status = service.status()
     assert summary["completed"] and summary["step"] == 10 and summary["rollbacks"] == 0
     assert "no intact checkpoint at or before step_00000005: rollback cancelled" in capsys.readouterr().out
     log = read_events(tmp_path)
     assert [e["type"] for e in log if e["type"] not in ("step", "warning")] == [
-        "rollback", "checkpoint_corrupt", "rollback_cancelled"
-    ]  # fmt: skip
+        "rollback",
+        "checkpoint_corrupt",
+        "rollback_cancelled",
+    ]
     (cancelled,) = [e for e in log if e["type"] == "rollback_cancelled"]
     assert cancelled["tag"] == "step_00000005" and cancelled["decided_at"] == 7
     assert status["rollbacks"] == [] and [c["decision"] for c in status["rollbacks_cancelled"]] == [
@@ -252,8 +289,16 @@ def test_a_finding_answered_with_stop_ends_the_run_at_once_without_saving_the_re
     """monitor.on_loss_spike=stop: the spike's verdict is the stop; the loop ends at the boundary
     where it arrives, saves nothing after the refused state, and says why."""
     with service_with(tmp_path, on_loss_spike="stop"):
-        summary = pretraining_trainer(config(tmp_path, train_data, "train.steps=10", "checkpoint.every=4",
-                                             "faults.spike_steps=[6]", "monitor.on_loss_spike=stop")).train()  # fmt: skip
+        summary = pretraining_trainer(
+            config(
+                tmp_path,
+                train_data,
+                "train.steps=10",
+                "checkpoint.every=4",
+                "faults.spike_steps=[6]",
+                "monitor.on_loss_spike=stop",
+            )
+        ).train()
     assert not summary["completed"] and summary["stopped_by_monitor"].startswith("loss")
     assert "stopping the job" in capsys.readouterr().out
     assert newest_complete(tmp_path) == "step_00000004"

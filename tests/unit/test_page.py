@@ -33,14 +33,34 @@ def drill(run_dir) -> MonitorState:
     for step in (46, 47):
         assert report(state, step)["verdict"]["level"] == "superseded"
     # What the trainer does on applying it (pretrain/monitor_link.py): the event, then the outcome.
-    append_event(run_dir, {"type": "rollback_applied", "step": 40, "tag": "step_00000040", "requested": answer["tag"],
-                           "seed": answer["seed"], "decision": answer["decision"], "decided_at": 45,
-                           "applied_at": 47, "matches_checkpoint": True, "abandoned": []})  # fmt: skip
+    append_event(
+        run_dir,
+        {
+            "type": "rollback_applied",
+            "step": 40,
+            "tag": "step_00000040",
+            "requested": answer["tag"],
+            "seed": answer["seed"],
+            "decision": answer["decision"],
+            "decided_at": 45,
+            "applied_at": 47,
+            "matches_checkpoint": True,
+            "abandoned": [],
+        },
+    )
     state.handle_outcome(Outcome(answer["decision"], 45, True, 47, "step_00000040"), None, None)
     for step in range(41, 52):
         assert report(state, step)["action"] == "continue"
-    state.record_restart({"type": "restart", "step": 51, "reason": "exit status 1", "restart": 1,
-                          "max_restarts": 3, "resume_from": "step_00000050"})  # fmt: skip
+    state.record_restart(
+        {
+            "type": "restart",
+            "step": 51,
+            "reason": "exit status 1",
+            "restart": 1,
+            "max_restarts": 3,
+            "resume_from": "step_00000050",
+        }
+    )
     return state
 
 
@@ -67,8 +87,10 @@ def test_a_rolled_back_nan_is_marked_at_the_top_edge(tmp_path):
     for step in range(11, 15):
         report(state, step)
     chart = loss_chart(render_page(state.status(series=True)))
-    assert re.search(r'<g class="rolled-back"><title>step 12: loss nan judged, rolled back</title><path d="M[\d.]+,3 ',
-                     chart)  # fmt: skip
+    assert re.search(
+        r'<g class="rolled-back"><title>step 12: loss nan judged, rolled back</title><path d="M[\d.]+,3 ',
+        chart,
+    )
     assert "nan (rolled back)" in chart
 
 

@@ -101,8 +101,13 @@ def test_every_category_is_tested():
 
 
 def test_summarize_ranks_names_and_its_shares_add_up():
-    entries = [("aten::mm", 300.0), ("aten::mm", 300.0), ("flash_fwd_kernel", 200.0),
-               ("aten::mul", 150.0), ("aten::view", 50.0)] + [(f"k{i}", 1.0) for i in range(20)]  # fmt: skip
+    entries = [
+        ("aten::mm", 300.0),
+        ("aten::mm", 300.0),
+        ("flash_fwd_kernel", 200.0),
+        ("aten::mul", 150.0),
+        ("aten::view", 50.0),
+    ] + [(f"k{i}", 1.0) for i in range(20)]
     s = summarize(entries, top=3)
     assert [k["name"] for k in s["top_kernels"]] == ["aten::mm", "flash_fwd_kernel", "aten::mul"]
     mm = s["top_kernels"][0]
@@ -122,11 +127,16 @@ def test_device_gaps_counts_idle_time_between_kernels_within_each_step():
     kernels = [
         # step 0: edges 10 + 100 µs; a 5 µs gap (launch spacing, not counted), a 200 µs gap, and two
         # kernels on two streams that overlap (their union is busy: no gap between them).
-        (10.0, 300.0, "a"), (305.0, 400.0, "b"), (600.0, 800.0, "c"), (700.0, 900.0, "d"),
+        (10.0, 300.0, "a"),
+        (305.0, 400.0, "b"),
+        (600.0, 800.0, "c"),
+        (700.0, 900.0, "d"),
         # step 1: one 40 µs gap; a short kernel on another stream inside a long one (no gap after
         # it); given out of order (the function sorts)
-        (1500.0, 1990.0, "f"), (1000.0, 1460.0, "e"), (1100.0, 1200.0, "g"),
-    ]  # fmt: skip
+        (1500.0, 1990.0, "f"),
+        (1000.0, 1460.0, "e"),
+        (1100.0, 1200.0, "g"),
+    ]
     g = device_gaps(kernels, windows, threshold_us=10.0)
     assert g["steps"] == 2 and g["count"] == 2
     assert g["total_ms"] == pytest.approx(0.24) and g["per_step_ms"] == pytest.approx(0.12)
@@ -134,8 +144,13 @@ def test_device_gaps_counts_idle_time_between_kernels_within_each_step():
     busy = (290 + 95 + 300) + (460 + 490)
     assert g["device_busy_share"] == pytest.approx(busy / 2000)
     assert g["step_edges_ms_per_step"] == pytest.approx((10 + 100 + 0 + 10) / 1000 / 2)
-    assert g["largest"][0] == {"ms": pytest.approx(0.2), "step": 0, "at_ms": pytest.approx(0.4),
-                               "after": "b", "before": "c"}  # fmt: skip
+    assert g["largest"][0] == {
+        "ms": pytest.approx(0.2),
+        "step": 0,
+        "at_ms": pytest.approx(0.4),
+        "after": "b",
+        "before": "c",
+    }
     assert g["largest"][1]["after"] == "e" and g["largest"][1]["before"] == "f"
     # Idle time, busy time and edges account for the whole of every step.
     edges_us, idle_below_threshold_us, span_us = 2 * g["step_edges_ms_per_step"] * 1000, 5.0, 2000.0
@@ -155,8 +170,16 @@ def test_device_gaps_without_step_windows_takes_the_kernels_span():
 
 
 def _event(name, start, end, device_type=DeviceType.CPU, **kwargs):
-    return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device_type,
-                         use_device="cuda", **kwargs)  # fmt: skip
+    return FunctionEvent(
+        id=0,
+        name=name,
+        thread=0,
+        start_us=start,
+        end_us=end,
+        device_type=device_type,
+        use_device="cuda",
+        **kwargs,
+    )
 
 
 def test_timeline_reads_kernels_from_the_profilers_events():
@@ -179,8 +202,11 @@ def test_timeline_reads_kernels_from_the_profilers_events():
     ]
     entries, kernels, windows = timeline(events, cuda=True)
     assert windows == [(0.0, 1000.0), (1000.0, 2000.0)]
-    assert kernels == [(20.0, 120.0, "sm90_xmma_gemm_bf16"), (130.0, 140.0, "Memcpy DtoD (Device -> Device)"),
-                       (1100.0, 1300.0, "flash_fwd_kernel")]  # fmt: skip
+    assert kernels == [
+        (20.0, 120.0, "sm90_xmma_gemm_bf16"),
+        (130.0, 140.0, "Memcpy DtoD (Device -> Device)"),
+        (1100.0, 1300.0, "flash_fwd_kernel"),
+    ]
     assert entries == [(name, end - start) for start, end, name in kernels]
     # On CPU the host's ops count, by self time, and the step frames do not.
     entries, kernels, windows = timeline(events, cuda=False)
@@ -191,12 +217,24 @@ def test_the_table_shows_the_kernels_and_the_gaps():
     """Both branches of the table: a CUDA result (synthetic) with its host gaps, a CPU one without."""
     kernels = [(0.0, 400.0, "sm90_xmma_gemm_bf16" + "x" * 100), (500.0, 900.0, "flash_fwd_kernel")]
     result = {
-        "config": "gpt3-125m", "device": "NVIDIA H100 80GB HBM3", "world_size": 1, "dtype": "bf16",
-        "zero_stage": 1, "compile": True, "seq_len": 2048, "micro_batch_size": 16, "warmup": 3, "steps": 1,
-        "step_ms": 1.0, "versions": {"torch": "2.11", "deepspeed": "0.19"}, "timeline": "cuda",
-        **summarize([(n, e - s) for s, e, n in kernels]), "host_gaps": device_gaps(kernels, [(0.0, 1000.0)]),
-        "host_gaps_reason": None, "trace": "trace.json",
-    }  # fmt: skip
+        "config": "gpt3-125m",
+        "device": "NVIDIA H100 80GB HBM3",
+        "world_size": 1,
+        "dtype": "bf16",
+        "zero_stage": 1,
+        "compile": True,
+        "seq_len": 2048,
+        "micro_batch_size": 16,
+        "warmup": 3,
+        "steps": 1,
+        "step_ms": 1.0,
+        "versions": {"torch": "2.11", "deepspeed": "0.19"},
+        "timeline": "cuda",
+        **summarize([(n, e - s) for s, e, n in kernels]),
+        "host_gaps": device_gaps(kernels, [(0.0, 1000.0)]),
+        "host_gaps_reason": None,
+        "trace": "trace.json",
+    }
     text = table(result)
     assert "top kernels by device time" in text and "matmul 50.0%, attention 50.0%" in text
     assert "0.10 ms per step, 10.0% of the steps, 1 gaps" in text

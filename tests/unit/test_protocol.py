@@ -74,14 +74,25 @@ def test_an_answer_is_an_action_and_a_judgement_each_a_type_both_sides_use():
     ProtocolError, never a KeyError deep in the trainer's charting."""
     from monitoring.protocol import Judgement, split_answer
 
-    judgement = Judgement(7, float("nan"), 2.5, "rollback", [{"kind": "nonfinite", "reason": "NaN loss"}],
-                          {"loss": None, "grad_norm": {"level": 1.0, "spread": 0.1, "threshold": 1.6}})  # fmt: skip
+    judgement = Judgement(
+        7,
+        float("nan"),
+        2.5,
+        "rollback",
+        [{"kind": "nonfinite", "reason": "NaN loss"}],
+        {"loss": None, "grad_norm": {"level": 1.0, "spread": 0.1, "threshold": 1.6}},
+    )
     action = Action("rollback", tag="step_00000005", seed=3, decision=1, step=7)
     wire = json.loads(json.dumps(action.to_json() | judgement.to_json(), allow_nan=False))
     got_action, got = split_answer(wire)
     assert got_action == action
     assert (got.step, got.grad_norm, got.level, got.findings, got.bands) == (
-        7, 2.5, "rollback", judgement.findings, judgement.bands)  # fmt: skip
+        7,
+        2.5,
+        "rollback",
+        judgement.findings,
+        judgement.bands,
+    )
     assert math.isnan(got.loss)
     for broken in ({k: v for k, v in wire.items() if k != "judged"}, wire | {"verdict": "rollback"}):
         with pytest.raises(ProtocolError):

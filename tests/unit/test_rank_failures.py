@@ -47,8 +47,9 @@ def write_record(run_dir, rank, **fields):
 def test_lost_peer_names_gloos_words_and_nothing_else():
     assert lost_peer(RuntimeError(GLOO_GONE)) == "Connection closed by peer [127.0.0.1]:2461"
     wrapped = ValueError("a step failed")
-    wrapped.__cause__ = RuntimeError("NCCL error: remote process exited or there was a network error, "
-                                     "ncclRemoteError: ...")  # fmt: skip
+    wrapped.__cause__ = RuntimeError(
+        "NCCL error: remote process exited or there was a network error, ncclRemoteError: ..."
+    )
     assert lost_peer(wrapped).startswith("NCCL error")
     assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert lost_peer(ValueError("Connection closed by peer")) is None  # (not a collective's error)

@@ -86,8 +86,9 @@ def test_a_swapped_tokenizer_and_a_short_validation_split_are_refused_before_any
     data = copy_of(train_data, tmp_path)
     run_dir = tmp_path / "run"
     common = ["--config", TINY, *FAST, f"run.dir={run_dir}", f"data.dir={data}"]
-    assert_one_line_error(cli("train", *common, "data.seq_len=100000", "model.max_seq_len=100000"),
-                          "the validation split of")  # fmt: skip
+    assert_one_line_error(
+        cli("train", *common, "data.seq_len=100000", "model.max_seq_len=100000"), "the validation split of"
+    )
     (data / "tokenizer.model").write_bytes((data / "tokenizer.model").read_bytes() + b"x")
     assert_one_line_error(cli("train", *common), "is not the tokenizer the shards were made with")
     assert not run_dir.exists()

@@ -19,8 +19,18 @@ from tests.unit.fakes import pretraining_trainer
 
 
 def config(run_dir, data_dir, *overrides):
-    return load_config(TINY, [*FAST, f"run.dir={run_dir}", f"data.dir={data_dir}", "train.steps=6",
-                              "checkpoint.every=3", "eval.every=3", *overrides])  # fmt: skip
+    return load_config(
+        TINY,
+        [
+            *FAST,
+            f"run.dir={run_dir}",
+            f"data.dir={data_dir}",
+            "train.steps=6",
+            "checkpoint.every=3",
+            "eval.every=3",
+            *overrides,
+        ],
+    )
 
 
 def records(run_dir) -> dict[int, dict]:
@@ -57,8 +67,13 @@ def test_the_loop_trains_evaluates_and_checkpoints_on_its_cadence(six_steps):
     assert read_latest(run_dir) == "step_00000006"
     for step in (3, 6):
         directory = checkpoints_dir(run_dir) / f"step_{step:08d}"
-        assert {"complete.json", "train_state.json", "run_config.json", "tokenizer.model",
-                "rng_rank_00000.json"} <= {p.name for p in directory.iterdir()}  # fmt: skip
+        assert {
+            "complete.json",
+            "train_state.json",
+            "run_config.json",
+            "tokenizer.model",
+            "rng_rank_00000.json",
+        } <= {p.name for p in directory.iterdir()}
     state = state_of(run_dir, 6)
     assert state["step"] == 6 and state["data"]["consumed"] == 12 and state["world_size"] == 1
     assert state["lr_scale"] == 1.0 and len(state["params_sha256"]) == 64 and len(state["config_hash"]) == 16
@@ -119,8 +134,16 @@ def test_sigterm_saves_at_the_next_step_boundary_and_exits(tmp_path, train_data,
 
 
 def test_injected_spike_and_nan_fire_once_and_a_nan_never_reaches_the_weights(tmp_path, train_data):
-    cfg = config(tmp_path, train_data, "eval.every=0", "faults.spike_steps=[2]", "faults.nan_steps=[4]",
-                 "faults.spike_factor=50", "train.steps=4", "checkpoint.every=4")  # fmt: skip
+    cfg = config(
+        tmp_path,
+        train_data,
+        "eval.every=0",
+        "faults.spike_steps=[2]",
+        "faults.nan_steps=[4]",
+        "faults.spike_factor=50",
+        "train.steps=4",
+        "checkpoint.every=4",
+    )
     trainer = pretraining_trainer(cfg)
     trainer.train()
     steps = records(tmp_path)
@@ -131,9 +154,21 @@ def test_injected_spike_and_nan_fire_once_and_a_nan_never_reaches_the_weights(tm
     # Run again from the start (as a restart after a crash before any checkpoint): the faults
     # already fired stay quiet.
     shutil.rmtree(tmp_path / "checkpoints")
-    rerun = pretraining_trainer(load_config(TINY, [*FAST, f"run.dir={tmp_path}", f"data.dir={train_data}",
-                                                   "eval.every=0", "train.steps=4", "faults.spike_steps=[2]",
-                                                   "faults.nan_steps=[4]", "checkpoint.every=4"]))  # fmt: skip
+    rerun = pretraining_trainer(
+        load_config(
+            TINY,
+            [
+                *FAST,
+                f"run.dir={tmp_path}",
+                f"data.dir={train_data}",
+                "eval.every=0",
+                "train.steps=4",
+                "faults.spike_steps=[2]",
+                "faults.nan_steps=[4]",
+                "checkpoint.every=4",
+            ],
+        )
+    )
     rerun.train()
     assert all(math.isfinite(r["train/loss"]) and r["train/loss"] < 10 for r in records(tmp_path).values())
 
@@ -192,8 +227,14 @@ def test_document_masking_reaches_the_model_in_training_and_evaluation(
         return forward(self, tokens, targets, document_ids, **kwargs)
 
     monkeypatch.setattr(Transformer, "forward", spy)
-    cfg = config(tmp_path, train_data, "train.steps=2", "eval.every=2", "checkpoint.every=2",
-                 f"data.document_masking={str(masking).lower()}")  # fmt: skip
+    cfg = config(
+        tmp_path,
+        train_data,
+        "train.steps=2",
+        "eval.every=2",
+        "checkpoint.every=2",
+        f"data.document_masking={str(masking).lower()}",
+    )
     pretraining_trainer(cfg).train()
     training, evaluation = [c for c in calls if c[0]], [c for c in calls if not c[0]]
     assert len(training) >= 2 and evaluation  # 2 steps' micro-batches; the baseline's and step 2's evaluation
@@ -232,8 +273,14 @@ def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_un
     )
     trainer.hooks.append(Counting())
     summary = trainer.train()
-    assert seen == [("after", 1, 2.5, True), ("after", 2, 2.5, True), ("checkpoint", 2),
-                    ("after", 3, 2.5, True), ("after", 4, 2.5, True), ("checkpoint", 4)]  # fmt: skip
+    assert seen == [
+        ("after", 1, 2.5, True),
+        ("after", 2, 2.5, True),
+        ("checkpoint", 2),
+        ("after", 3, 2.5, True),
+        ("after", 4, 2.5, True),
+        ("checkpoint", 4),
+    ]
     assert not summary["completed"] and summary["step"] == 4 and summary["stopped_by_monitor"] == "enough"
     assert newest_complete(tmp_path) == "step_00000002"  # step 4 was refused: never saved
 

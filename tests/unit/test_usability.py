@@ -15,9 +15,14 @@ from tests.helpers import assert_one_line_error
 
 @pytest.mark.parametrize(
     ("name", "file"),
-    [("demo", "train/demo.yaml"), ("tiny", "train/tiny.yaml"), ("gpt3-125m", "train/gpt3-125m.yaml"),
-     ("finetune/classification", "finetune/classification.yaml"), ("train/tiny", "train/tiny.yaml")],
-)  # fmt: skip
+    [
+        ("demo", "train/demo.yaml"),
+        ("tiny", "train/tiny.yaml"),
+        ("gpt3-125m", "train/gpt3-125m.yaml"),
+        ("finetune/classification", "finetune/classification.yaml"),
+        ("train/tiny", "train/tiny.yaml"),
+    ],
+)
 def test_packaged_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatch, name, file):
     monkeypatch.chdir(tmp_path)
     assert resolve_config(name) == REPO_CONFIG_DIR / file
