@@ -188,7 +188,7 @@ class LanguageModeling:
             batch["document_ids"] = document_ids(inputs, self.eos_id)
         return batch
 
-    def served(self) -> list:
+    def last_batch_ids(self) -> list:
         return list(self.loader.last_windows)
 
     def scalars(self) -> dict[str, float]:

@@ -53,7 +53,7 @@ class FinetuneTask:
         self.examples += self.env.world_size * self.micro_batch_size
         return collate(self.train, self.last, self.pad_id, self.device)
 
-    def served(self) -> list:
+    def last_batch_ids(self) -> list:
         return list(self.last)
 
     def state_dict(self) -> dict:

@@ -6,8 +6,9 @@ in the order it was given them, at these points:
     before_step(step)           before the step's first micro-batch
     loss(step, loss) -> loss    each micro-batch's loss, before its backward pass
     vote() -> float             its value in the step's one all-reduce (summed over ranks)
-    after_step(step, metrics, served, vote) -> Answer
-                                the step is logged; `vote` is the sum of every rank's vote
+    after_step(step, metrics, batch_ids, vote) -> Answer
+                                the step is logged; `batch_ids`: this rank's windows or examples in
+                                the step; `vote`: the sum of every rank's vote
     before_checkpoint(step, stopping, last) -> Answer
                                 a checkpoint is due (`stopping`: the ranks agreed to stop after it)
     close()                     as training ends, also on an error
@@ -65,7 +66,7 @@ class StepHook:
     def vote(self) -> float:
         return 0.0
 
-    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         return CONTINUE
 
     def before_checkpoint(self, step: int, stopping: bool, last: bool) -> Answer:
@@ -88,7 +89,7 @@ class InjectedFaults(StepHook):
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return self.faults.apply(step, loss)
 
-    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         self.faults.mark_fired(step)
         return CONTINUE
 
@@ -109,6 +110,6 @@ class DataTrace(StepHook):
         path = directory / f"rank_{self.rank:05d}.jsonl"
         self.file = stack.enter_context(open(path, "a", buffering=1))  # noqa: SIM115 (closed by the stack)
 
-    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
-        self.file.write(json.dumps({"step": step, "windows": served}) + "\n")
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
+        self.file.write(json.dumps({"step": step, "windows": batch_ids}) + "\n")
         return CONTINUE

@@ -50,7 +50,7 @@ class Task(Protocol):
         """One micro-batch for this rank: keyword arguments of the model's forward; `tokens` is
         the input tokens (B, T)."""
 
-    def served(self) -> list:
+    def last_batch_ids(self) -> list:
         """Ids of the windows or examples of the last micro-batch (for the data trace)."""
 
     def evaluate(self, engine) -> dict[str, float]:
@@ -143,9 +143,9 @@ class Trainer:
             note_step(step)  # (what this rank says, and the supervisor reads, if another rank is lost)
             for hook in self.hooks:
                 hook.before_step(step)
-            metrics, served, stop_requested, votes = self.optimizer_step(step, stop)
+            metrics, batch_ids, stop_requested, votes = self.optimizer_step(step, stop)
             self.log(step, metrics)
-            answer = self.ask("after_step", step, metrics, served, votes=votes)
+            answer = self.ask("after_step", step, metrics, batch_ids, votes=votes)
             if isinstance(answer, Rewind):
                 continue
             if isinstance(answer, Stop):
@@ -209,10 +209,10 @@ class Trainer:
         set_lr(self.optimizer, lr)
         every = self.cadence.layer_norms_every
         device = self.engine.device
-        loss_sum, layer_squares, served, tokens = torch.zeros((), device=device), {}, [], 0
+        loss_sum, layer_squares, batch_ids, tokens = torch.zeros((), device=device), {}, [], 0
         for _ in range(self.grad_accum):
             batch = self.task.next_batch()
-            served += self.task.served()
+            batch_ids += self.task.last_batch_ids()
             tokens += batch["tokens"].numel()
             loss = self.engine(**batch).loss
             for hook in self.hooks:
@@ -252,7 +252,7 @@ class Trainer:
         }
         metrics |= {f"train/grad_norm/{k}": v for k, v in values.layer_norms.items()}
         metrics |= self.task.scalars() if hasattr(self.task, "scalars") else {}
-        return metrics, served, stop_requested, values.votes
+        return metrics, batch_ids, stop_requested, values.votes
 
     def log(self, step: int, metrics: dict) -> None:
         self.writer.record(step, metrics)

@@ -67,7 +67,7 @@ class Monitored(StepHook):
     def vote(self) -> float:
         return self.link.pending()  # rank 0 holds an action (about an earlier step) for every rank
 
-    def after_step(self, step: int, metrics: dict, served: list, vote: float) -> Answer:
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         self.link.report(step, metrics, int(metrics["train/tokens"]))  # judged while the next step runs
         return self.act(step, self.link.take() if vote > 0 else None)  # about an earlier step
 

@@ -238,7 +238,7 @@ def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp
     for _ in range(3):
         for rank in ranks:
             rank.next_batch()
-            seen += rank.served()
+            seen += rank.last_batch_ids()
     state = ranks[0].state_dict()
     assert state == ranks[1].state_dict() == {"examples": 12}
     alone = task(0, 1)
@@ -249,7 +249,7 @@ def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp
     for _ in range(4):
         alone.next_batch()
         resumed.next_batch()
-        assert resumed.served() == alone.served()
+        assert resumed.last_batch_ids() == alone.last_batch_ids()
     single = task(0, 1)
-    assert [i for _ in range(6) for i in (single.next_batch(), single.served())[1]] == seen
+    assert [i for _ in range(6) for i in (single.next_batch(), single.last_batch_ids())[1]] == seen
     assert sorted(seen[:10]) == list(range(10))  # the first epoch: every example once

@@ -260,7 +260,7 @@ def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_un
         def vote(self):
             return 2.5
 
-        def after_step(self, step, metrics, served, vote):
+        def after_step(self, step, metrics, batch_ids, vote):
             seen.append(("after", step, vote, metrics["train/loss"] is not None))
             return CONTINUE
 
@@ -295,14 +295,14 @@ def test_a_rewind_ends_the_boundary_and_the_loop_goes_on_from_its_state(tmp_path
     asked = {"first": [], "second": []}
 
     class First(StepHook):
-        def after_step(self, step, metrics, served, vote):
+        def after_step(self, step, metrics, batch_ids, vote):
             asked["first"].append(step)
             if asked["first"] == [1, 2, 3]:  # once, at step 3: back to the state after step 2
                 return Rewind(TrainState(step=2, tokens=int(metrics["train/tokens"]) // 3 * 2))
             return CONTINUE
 
     class Second(StepHook):
-        def after_step(self, step, metrics, served, vote):
+        def after_step(self, step, metrics, batch_ids, vote):
             asked["second"].append(step)
             return CONTINUE
 
