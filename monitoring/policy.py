@@ -25,7 +25,18 @@ from dataclasses import asdict, dataclass, field
 
 from monitoring.config import RESPONSES, MonitorConfig
 from monitoring.detectors import Detector, Finding
-from monitoring.protocol import CONTINUE, Action, Outcome, StepMetrics
+from monitoring.protocol import (
+    CONTINUE,
+    Action,
+    Event,
+    Outcome,
+    RollbackApplied,
+    RollbackCancelled,
+    RollbackDecided,
+    StepJudged,
+    StepMetrics,
+    WarningRaised,
+)
 from pretrain import checkpoint
 
 
@@ -54,19 +65,18 @@ class Decision:
             step=self.step,
         )
 
-    def event(self) -> dict:
-        return {
-            "type": "rollback",
-            "decision": self.id,
-            "step": self.step,
-            "reason": self.reason,
-            "finding": self.finding,
-            "value": self.value,
-            "threshold": self.threshold,
-            "target": self.target,
-            "seed": self.seed,
-            "lr_scale": self.lr_scale,
-        }
+    def event(self) -> RollbackDecided:
+        return RollbackDecided(
+            decision=self.id,
+            step=self.step,
+            reason=self.reason,
+            finding=self.finding,
+            value=self.value,
+            threshold=self.threshold,
+            target=self.target,
+            seed=self.seed,
+            lr_scale=self.lr_scale,
+        )
 
 
 @dataclass
@@ -302,53 +312,40 @@ class Policy:
 
     # --------------------------------------------------------------------------------- restart
 
-    def restore(self, events: list[dict]) -> list[dict]:
+    def restore(self, events: list[Event]) -> list[dict]:
         """A service started again for a run that has history: decision numbers go on from the
         last one, an unresolved decision is pending again, and the bands start from the last
         judged values instead of an empty window (no warm-up, no false alarm after a restart).
         Returns the judged steps with the bands they had, for the charts."""
-        resolved = {
-            e.get("decision") for e in events if e.get("type") in ("rollback_applied", "rollback_cancelled")
-        }
+        resolved = {e.decision for e in events if isinstance(e, RollbackApplied | RollbackCancelled)}
         judged = []
         for e in events:
-            if e.get("type") == "step":
-                judged.append(
-                    self.detector.chart_point(
-                        e.get("step"), e.get("loss"), e.get("grad_norm"), e.get("level", "ok")
-                    )
-                )
-            if e.get("type") == "step" and e.get("level", "ok") in ("ok", "warmup", "warn"):
-                loss, grad_norm = (
-                    float(e[k]) if e.get(k) is not None else float("nan") for k in ("loss", "grad_norm")
-                )
-                self.detector.admit(loss, grad_norm)
-            elif e.get("type") == "warning":
+            if isinstance(e, StepJudged):
+                judged.append(self.detector.chart_point(e.step, e.loss, e.grad_norm, e.level))
+                if e.level in ("ok", "warmup", "warn"):
+                    loss, grad_norm = (float("nan") if v is None else float(v) for v in (e.loss, e.grad_norm))
+                    self.detector.admit(loss, grad_norm)
+            elif isinstance(e, WarningRaised):
                 self.warnings += 1
-                self.warned.append({"step": e.get("step"), "reason": e.get("reason")})
-            elif e.get("type") == "rollback" and isinstance(e.get("decision"), int):
+                self.warned.append({"step": e.step, "reason": e.reason})
+            elif isinstance(e, RollbackDecided) and isinstance(e.decision, int):
                 decision = Decision(
-                    e["decision"],
-                    e["step"],
-                    e.get("reason", ""),
-                    e.get("finding", ""),
-                    e.get("value"),
-                    e.get("threshold"),
-                    e["target"],
-                    e["seed"],
-                    e["lr_scale"],
+                    e.decision,
+                    e.step,
+                    e.reason,
+                    e.finding,
+                    e.value,
+                    e.threshold,
+                    e.target,
+                    e.seed,
+                    e.lr_scale,
                 )
                 self.decisions.append(decision)
                 self.pending = None if decision.id in resolved else decision
-            elif e.get("type") == "rollback_applied":
+            elif isinstance(e, RollbackApplied):
                 self.applied.append(
-                    {
-                        "decision": e.get("decision"),
-                        "step": e.get("decided_at"),
-                        "applied_at": e.get("applied_at"),
-                        "tag": e.get("tag"),
-                    }
+                    {"decision": e.decision, "step": e.decided_at, "applied_at": e.applied_at, "tag": e.tag}
                 )
-            elif e.get("type") == "rollback_cancelled":
-                self.cancelled.append({k: e.get(k) for k in ("decision", "step", "reason")})
+            elif isinstance(e, RollbackCancelled):
+                self.cancelled.append({"decision": e.decision, "step": e.step, "reason": e.reason})
         return judged

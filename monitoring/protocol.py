@@ -11,7 +11,9 @@ boundary so all act at the same one. Trainer → service, once a rollback was ac
 `Outcome` (POST /v1/outcome): applied, or cancelled with a reason. All plain JSON, so either side
 can be replaced or inspected with curl. Unknown fields are refused, so a typo never passes silently.
 
-    RUN_DIR/events.jsonl            append-only, one JSON object per line with `type` and `step`
+    RUN_DIR/events.jsonl            append-only, one JSON object per line with `type` and `step`:
+                                    the `Event` types at the end of this module, written and read
+                                    by `append_event` and `read_events`
     RUN_DIR/monitor/endpoint.json   where the service listens ({"url", "host", "port", "pid"})
     RUN_DIR/monitor/token           the bearer token for requests that change state (mode 0600)
     RUN_DIR/monitor/supervisor.json the supervisor's view of the job (`pretrain launch`)
@@ -56,21 +58,6 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [strict_json(v) for v in value]
     return value
-
-
-def append_event(run_dir: str | Path, event: dict, *, sync: bool = True) -> None:
-    """events.jsonl: append-only, one JSON object per line with at least `type` and `step`.
-    `sync`: fsync, for the rare events (rollbacks, restarts) that must survive a crash."""
-    with open(Path(run_dir) / EVENTS_FILE, "a") as f:
-        f.write(json.dumps(strict_json({"time": time.time(), **event}), allow_nan=False) + "\n")
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-
-
-def read_events(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / EVENTS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 class ProtocolError(ValueError):
@@ -316,3 +303,241 @@ class Outcome:
             if payload.get(key) is not None and not isinstance(payload[key], str):
                 raise ProtocolError(f"{key!r} must be a string, got {payload[key]!r}")
         return cls(**payload)
+
+
+# ------------------------------------------------------------------------------------ events.jsonl
+
+_now = time.time  # (a field below is called `time`)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One line of RUN_DIR/events.jsonl. Each kind of event is a subclass with its `type` (the
+    line's `type` key) and its fields; `time` is when it was appended. Every writer builds one of
+    these and every reader gets them back from `read_events`, so a field is named in one place.
+    Fields listed in `OMITTED_WHEN_NONE` are left out of the line when they are None."""
+
+    type: ClassVar[str] = ""
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+    step: int | None
+    time: float = field(default_factory=_now)
+
+    def to_json(self) -> dict[str, Any]:
+        payload = {"type": self.type}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OMITTED_WHEN_NONE:
+                continue
+            payload[f.name] = value
+        return payload
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> Event:
+        """The event of a line; a line of an unknown type (a newer version's) is an `OtherEvent`.
+        Unknown keys of a known type are dropped: a reader never fails on an older or newer line."""
+        kind = EVENT_TYPES.get(payload.get("type", ""))
+        other = OtherEvent(step=payload.get("step"), time=payload.get("time") or 0.0, payload=payload)
+        if kind is None:
+            return other
+        names = {f.name for f in fields(kind)}
+        try:
+            return kind(**{k: _json_to_float(v) for k, v in payload.items() if k in names})
+        except TypeError:  # a field this version needs is missing: kept whole, like an unknown type
+            return other
+
+
+@dataclass(frozen=True, kw_only=True)
+class OtherEvent(Event):
+    """A line whose type this version does not know, kept whole."""
+
+    payload: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.payload)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepJudged(Event):
+    """The service judged a reported step (not fsynced: there is one per step)."""
+
+    type: ClassVar[str] = "step"
+    loss: float
+    grad_norm: float
+    action: str
+    level: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarningRaised(Event):
+    """A step judged `warn`: its findings' kinds and reasons."""
+
+    type: ClassVar[str] = "warning"
+    reason: str
+    findings: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Anomaly(Event):
+    """A step that called for a rollback with no checkpoint to go back to."""
+
+    type: ClassVar[str] = "anomaly"
+    note: str | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackDecided(Event):
+    """The service decided rollback number `decision` at anomalous step `step`."""
+
+    type: ClassVar[str] = "rollback"
+    decision: int
+    reason: str
+    finding: str
+    value: float | None
+    threshold: float | None
+    target: str
+    seed: int
+    lr_scale: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Evidence:
+    """The anomalous step's windows and their documents (or why they cannot be named)."""
+
+    windows: list[int] | None = None
+    documents: list[dict] | None = None
+    documents_unavailable: str | None = None
+
+
+_EVIDENCE = ("windows", "documents", "documents_unavailable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackApplied(_Evidence, Event):
+    """The trainer loaded checkpoint `tag` (its step is `step`) for rollback `decision`."""
+
+    type: ClassVar[str] = "rollback_applied"
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = _EVIDENCE
+    tag: str
+    requested: str
+    seed: int
+    decision: int | None
+    decided_at: int | None
+    applied_at: int
+    matches_checkpoint: bool | None
+    abandoned: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollbackCancelled(_Evidence, Event):
+    """Rollback `decision` will not be applied: by the service (the trainer showed it went on: with
+    the `target`), or by the trainer (no intact checkpoint at or before `tag`)."""
+
+    type: ClassVar[str] = "rollback_cancelled"
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = (
+        *_EVIDENCE,
+        "target",
+        "tag",
+        "decided_at",
+        "applied_at",
+    )
+    decision: int | None
+    reason: str
+    target: str | None = None
+    tag: str | None = None
+    decided_at: int | None = None
+    applied_at: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CircuitBreaker(Event):
+    """Too many rollbacks: the service answers `stop`."""
+
+    type: ClassVar[str] = "circuit_breaker"
+    reason: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restart(Event):
+    """The supervisor started the job again (`step`: the last one judged before it, if known)."""
+
+    type: ClassVar[str] = "restart"
+    reason: str
+    restart: int
+    max_restarts: int
+    resume_from: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStopped(Event):
+    """The supervisor gave up on the job: why, what was saved and how to go on."""
+
+    type: ClassVar[str] = "job_stopped"
+    saved: str | None
+    why: str
+    resume: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointCorrupt(Event):
+    """A checkpoint failed verification and was moved aside."""
+
+    type: ClassVar[str] = "checkpoint_corrupt"
+    tag: str
+    reason: str
+    moved_to: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopRequested(Event):
+    """A rank was asked to stop (a signal, a lost supervisor); checkpoint `saved` holds the state."""
+
+    type: ClassVar[str] = "stop_requested"
+    saved: str
+    requested_by: list
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    kind.type: kind
+    for kind in (
+        StepJudged,
+        WarningRaised,
+        Anomaly,
+        RollbackDecided,
+        RollbackApplied,
+        RollbackCancelled,
+        CircuitBreaker,
+        Restart,
+        JobStopped,
+        CheckpointCorrupt,
+        StopRequested,
+    )
+}
+
+
+def append_event(run_dir: str | Path, event: Event, *, sync: bool = True) -> None:
+    """events.jsonl: append-only, one JSON object per line with at least `type` and `step`.
+    `sync`: fsync, for the rare events (rollbacks, restarts) that must survive a crash."""
+    if not isinstance(event, Event):
+        raise TypeError(f"an event must be a monitoring.protocol.Event, got {type(event).__name__}")
+    with open(Path(run_dir) / EVENTS_FILE, "a") as f:
+        f.write(json.dumps(strict_json(event.to_json()), allow_nan=False) + "\n")
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+
+
+def read_events(run_dir: str | Path) -> list[Event]:
+    """Every event of the run, in order (a torn last line, from a crash mid-write, is left out)."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            payload = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(payload, dict):
+            events.append(Event.from_json(payload))
+    return events

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import hmac
 import json
 import os
@@ -48,10 +49,17 @@ from monitoring.protocol import (
     ENDPOINT_FILE,
     EVENTS_FILE,
     TOKEN_FILE,
+    Anomaly,
+    CircuitBreaker,
+    Event,
     Judgement,
     Outcome,
     ProtocolError,
+    Restart,
+    RollbackCancelled,
+    StepJudged,
     StepMetrics,
+    WarningRaised,
     append_event,
     monitor_dir,
     parse_outcome,
@@ -107,7 +115,7 @@ class MonitorState:
             "pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r
         )
         self.c_restarts = Counter("pretrain_restarts", "restarts of a crashed or hung job", registry=r)
-        self.restarts: list[dict] = [e for e in events if e.get("type") == "restart"]  # earlier launches' too
+        self.restarts: list[Restart] = [e for e in events if isinstance(e, Restart)]  # earlier launches' too
         self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
         self.job: dict | None = None  # the supervisor's view of the job
         self.append_failed = False
@@ -147,17 +155,17 @@ class MonitorState:
         with self.lock:
             return self.policy.last.step if self.policy.last else None
 
-    def record_restart(self, event: dict) -> None:
+    def record_restart(self, event: Restart) -> None:
         """A restart of the job; with no step reported to this process yet (the supervisor's step
         is None), it is placed at the last step judged before it, from the run's history."""
         with self.lock:
-            if event.get("step") is None and self.series:
-                event = event | {"step": self.series[-1]["step"]}
+            if event.step is None and self.series:
+                event = dataclasses.replace(event, step=self.series[-1]["step"])
             self.restarts.append(event)
             self.c_restarts.inc()
             self._append(event)
 
-    def _append(self, event: dict, sync: bool = True) -> None:
+    def _append(self, event: Event, sync: bool = True) -> None:
         """events.jsonl; on a full disk the service keeps serving (the answer matters more), and
         says so once."""
         try:
@@ -211,16 +219,15 @@ class MonitorState:
         """Events, counters and gauges for one judged step."""
         if verdict.cancelled is not None:
             self.c_cancelled.inc()
-            self._append({"type": "rollback_cancelled", **verdict.cancelled})
+            self._append(RollbackCancelled(**verdict.cancelled))
         self._append(
-            {
-                "type": "step",
-                "step": metrics.step,
-                "loss": metrics.loss,
-                "grad_norm": metrics.grad_norm,
-                "action": verdict.action.kind,
-                "level": verdict.level,
-            },
+            StepJudged(
+                step=metrics.step,
+                loss=metrics.loss,
+                grad_norm=metrics.grad_norm,
+                action=verdict.action.kind,
+                level=verdict.level,
+            ),
             sync=False,
         )
         for finding in verdict.findings:
@@ -228,12 +235,11 @@ class MonitorState:
         if verdict.level == "warn":
             self.c_warnings.inc()
             self._append(
-                {
-                    "type": "warning",
-                    "step": metrics.step,
-                    "reason": "; ".join(f.reason for f in verdict.findings),
-                    "findings": [f.kind for f in verdict.findings],
-                },
+                WarningRaised(
+                    step=metrics.step,
+                    reason="; ".join(f.reason for f in verdict.findings),
+                    findings=[f.kind for f in verdict.findings],
+                ),
                 sync=False,
             )
         elif verdict.decision is not None:
@@ -241,15 +247,12 @@ class MonitorState:
             self._append(verdict.decision.event())
         elif verdict.level == "rollback":  # no checkpoint to go back to
             self._append(
-                {
-                    "type": "anomaly",
-                    "step": metrics.step,
-                    "note": verdict.note,
-                    "reason": "; ".join(f.reason for f in verdict.findings),
-                }
+                Anomaly(
+                    step=metrics.step, note=verdict.note, reason="; ".join(f.reason for f in verdict.findings)
+                )
             )
         elif verdict.level == "stop" and verdict.findings:
-            self._append({"type": "circuit_breaker", "step": metrics.step, "reason": verdict.action.reason})
+            self._append(CircuitBreaker(step=metrics.step, reason=verdict.action.reason))
         self.g_step.set(metrics.step)
         for gauge, value in (
             (self.g_loss, metrics.loss),
@@ -329,13 +332,13 @@ class MonitorState:
                 "warnings": p.warnings,
                 "warnings_recent": list(p.warned),
                 "rollbacks": list(p.applied),
-                "rollbacks_decided": [d.event() for d in p.decisions],
-                "rollback_pending": p.pending.event() if p.pending else None,
+                "rollbacks_decided": [d.event().to_json() for d in p.decisions],
+                "rollback_pending": p.pending.event().to_json() if p.pending else None,
                 "rollbacks_cancelled": list(p.cancelled),
                 "recent": [dict(v) for v in p.recent],
                 "circuit_breaker": p.tripped,
                 "pinned": p.pinned_tag,
-                "restarts": list(self.restarts),
+                "restarts": [r.to_json() for r in self.restarts],
                 "job": self.job,
             }
             if series:

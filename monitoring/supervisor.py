@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from monitoring.config import MonitorConfig
-from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, append_event, monitor_dir
+from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, JobStopped, Restart, append_event, monitor_dir
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.errors import ExitCode
@@ -458,13 +458,9 @@ class Supervisor:
         resume = self.resume(signum) if self.resume else "the same command again"
         self.log(f"launch: {why}; newest checkpoint: {saved or 'none yet'}; to resume: {resume}")
         if self.leader:
-            event = {
-                "type": "job_stopped",
-                "step": checkpoint.step_of(saved) if saved else None,
-                "saved": saved,
-                "why": why,
-                "resume": resume,
-            }
+            event = JobStopped(
+                step=checkpoint.step_of(saved) if saved else None, saved=saved, why=why, resume=resume
+            )
             with contextlib.suppress(OSError):
                 append_event(self.run_dir, event)
 
@@ -493,14 +489,13 @@ class Supervisor:
         step = None
         if self.state is not None:
             step = self.state.last_step()
-        event = {
-            "type": "restart",
-            "step": step,
-            "reason": reason,
-            "restart": restarts,
-            "max_restarts": self.config.max_restarts,
-            "resume_from": resume,
-        }
+        event = Restart(
+            step=step,
+            reason=reason,
+            restart=restarts,
+            max_restarts=self.config.max_restarts,
+            resume_from=resume,
+        )
         self.log(
             f"launch: restart {restarts}/{self.config.max_restarts} after {reason}, "
             f"from {resume or 'the beginning (no complete checkpoint yet)'}"

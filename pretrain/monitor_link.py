@@ -39,6 +39,8 @@ from monitoring.protocol import (
     Judgement,
     Outcome,
     ProtocolError,
+    RollbackApplied,
+    RollbackCancelled,
     StepMetrics,
     append_event,
     monitor_dir,
@@ -389,13 +391,12 @@ def apply_rollback(
         if checkpointer.env.is_main:
             append_event(
                 run_dir,
-                {
-                    "type": "rollback_cancelled",
-                    "step": step_of(action.tag),
-                    "tag": action.tag,
+                RollbackCancelled(
+                    step=step_of(action.tag),
+                    tag=action.tag,
                     **decided,
-                    "reason": f"no intact checkpoint at or before {action.tag}",
-                },
+                    reason=f"no intact checkpoint at or before {action.tag}",
+                ),
             )
         return None
     saved, matches = loaded
@@ -405,16 +406,15 @@ def apply_rollback(
         trim_abandoned(run_dir)
         append_event(
             run_dir,
-            {
-                "type": "rollback_applied",
-                "step": saved["step"],
-                "tag": tag_for(saved["step"]),
-                "requested": action.tag,
-                "seed": action.seed,
+            RollbackApplied(
+                step=saved["step"],
+                tag=tag_for(saved["step"]),
+                requested=action.tag,
+                seed=action.seed,
                 **decided,
-                "matches_checkpoint": matches,
-                "abandoned": abandoned,
-            },
+                matches_checkpoint=matches,
+                abandoned=abandoned,
+            ),
         )
     task.load_state_dict(saved["data"])
     task.reshuffle(action.seed)

@@ -438,10 +438,12 @@ def launch(check: Check, budget: float) -> dict:
 def drill_report(run_dir: Path, drill: Drill, first: Finished, second: Finished) -> dict:
     """What the two launches did, from the run directory's events, metrics and summary, and the
     checks that say it did what it does on CPU."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    rollbacks = [e for e in events if e["type"] == "rollback"]
-    applied = [e for e in events if e["type"] == "rollback_applied"]
-    restarts = [e for e in events if e["type"] == "restart"]
+    from monitoring.protocol import Restart, RollbackApplied, RollbackDecided, read_events
+
+    events = read_events(run_dir)
+    rollbacks = [e.to_json() for e in events if isinstance(e, RollbackDecided)]
+    applied = [e.to_json() for e in events if isinstance(e, RollbackApplied)]
+    restarts = [e.to_json() for e in events if isinstance(e, Restart)]
     summary = json.loads((run_dir / "train_summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     total = drill.steps + drill.more_steps

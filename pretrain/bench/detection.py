@@ -26,7 +26,14 @@ from pathlib import Path
 
 from monitoring.config import MonitorConfig, SettingError
 from monitoring.policy import Policy
-from monitoring.protocol import StepMetrics, read_events
+from monitoring.protocol import (
+    RollbackApplied,
+    RollbackDecided,
+    StepJudged,
+    StepMetrics,
+    WarningRaised,
+    read_events,
+)
 from pretrain.errors import UserError
 
 FACTORS = (1.5, 2.0, 3.0, 5.0, 50.0)
@@ -99,14 +106,14 @@ def replay(series: list[tuple[float, float]], config: MonitorConfig, every: int)
 
 def _observed(run_dir: Path) -> dict:
     events = read_events(run_dir)
-    steps = sum(e["type"] == "step" for e in events)
-    warned = {e["step"] for e in events if e["type"] == "warning"}
-    decided = {e["step"] for e in events if e["type"] == "rollback"}
+    steps = sum(isinstance(e, StepJudged) for e in events)
+    warned = {e.step for e in events if isinstance(e, WarningRaised)}
+    decided = {e.step for e in events if isinstance(e, RollbackDecided)}
     out = {
         "steps_judged": steps,
-        "warnings": sum(e["type"] == "warning" for e in events),
-        "rollbacks": sum(e["type"] == "rollback" for e in events),
-        "rollbacks_applied": sum(e["type"] == "rollback_applied" for e in events),
+        "warnings": sum(isinstance(e, WarningRaised) for e in events),
+        "rollbacks": sum(isinstance(e, RollbackDecided) for e in events),
+        "rollbacks_applied": sum(isinstance(e, RollbackApplied) for e in events),
     }
     fired_path = run_dir / "faults_fired.json"
     if fired_path.is_file():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from monitoring.protocol import ENDPOINT_FILE, StepMetrics, monitor_dir, read_events
+from monitoring.protocol import ENDPOINT_FILE, RollbackDecided, StepMetrics, monitor_dir, read_events
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
@@ -132,7 +132,7 @@ def run(
         service = _start_service(run_dir)
         try:
             plain, reported, round_trips, spike_answer, step = _measure(run_dir, train_step, pairs)
-            rollback_steps = [e["step"] for e in read_events(run_dir) if e["type"] == "rollback"]
+            rollback_steps = [e.step for e in read_events(run_dir) if isinstance(e, RollbackDecided)]
         finally:
             service.terminate()
             service.wait(timeout=30)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from monitoring.protocol import append_event
+from monitoring.protocol import CheckpointCorrupt, append_event
 from pretrain.checkpoint.layout import (
     COMPLETE,
     LATEST,
@@ -53,16 +53,7 @@ def move_corrupt_aside(run_dir: str | Path, tag: str, reason: str, *, log=None) 
         else:
             (root / LATEST).unlink(missing_ok=True)
     (log or _stderr)(f"checkpoint {root / tag} is corrupt ({reason}): moved to {moved}; using an older one")
-    append_event(
-        run_dir,
-        {
-            "type": "checkpoint_corrupt",
-            "step": step_of(tag),
-            "tag": tag,
-            "reason": reason,
-            "moved_to": str(moved),
-        },
-    )
+    append_event(run_dir, CheckpointCorrupt(step=step_of(tag), tag=tag, reason=reason, moved_to=str(moved)))
     return moved
 
 

@@ -22,7 +22,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from monitoring.protocol import SUMMARY_FILE, append_event, read_events
+from monitoring.protocol import (
+    SUMMARY_FILE,
+    Restart,
+    RollbackApplied,
+    StopRequested,
+    append_event,
+    read_events,
+)
 from pretrain import atomic
 from pretrain.checkpoint import tag_for
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
@@ -194,7 +201,7 @@ class Trainer:
         if self.env.is_main:
             append_event(
                 self.run_dir,
-                {"type": "stop_requested", "step": step, "saved": tag_for(step), "requested_by": requesters},
+                StopRequested(step=step, saved=tag_for(step), requested_by=requesters),
             )
 
     # --------------------------------------------------------------------------- step boundary
@@ -303,8 +310,8 @@ def run_history(run_dir: Path) -> dict[str, int]:
     """The summary's counts over the whole run, every attempt (a restart or a resume starts a new
     process whose own count would begin at 0), from RUN_DIR/events.jsonl: rollbacks applied and
     the supervisor's restarts. `--fresh` moves an earlier run's events aside with the rest of it."""
-    types = [e.get("type") for e in read_events(run_dir)]
-    return {"rollbacks": types.count("rollback_applied"), "restarts": types.count("restart")}
+    types = [e.type for e in read_events(run_dir)]
+    return {"rollbacks": types.count(RollbackApplied.type), "restarts": types.count(Restart.type)}
 
 
 class StepValues(NamedTuple):

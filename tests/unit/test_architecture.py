@@ -221,3 +221,25 @@ def test_the_supervisor_uses_the_services_public_methods_only():
         ):
             used.append(node.attr)
     assert used and set(used) <= public, sorted(set(used) - public)
+
+
+def test_events_are_built_only_as_the_protocols_types():
+    """No module spells an events.jsonl line as a dict (`{"type": "rollback", ...}`): every writer
+    builds a `monitoring.protocol.Event`, so a field is named in one place."""
+    from monitoring.protocol import EVENT_TYPES
+
+    found = []
+    for path in [*modules().values(), *(ROOT / "scripts").glob("*.py")]:
+        if path.name == "protocol.py" and path.parent.name == "monitoring":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values, strict=True):
+                    if (
+                        isinstance(key, ast.Constant)
+                        and key.value == "type"
+                        and isinstance(value, ast.Constant)
+                        and value.value in EVENT_TYPES
+                    ):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} builds a {value.value!r} event")
+    assert not found, found

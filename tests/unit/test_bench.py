@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from monitoring.protocol import RollbackDecided, StepJudged, WarningRaised, append_event
 from pretrain.bench.ablation import report, tokens_to_reach
 from pretrain.bench.train import saved_activation_bytes
 from tests.helpers import TINY, assert_one_line_error
@@ -109,11 +110,27 @@ def test_bench_detection_counts_what_the_monitor_did_and_replays_faults(tmp_path
                 for i, (loss, grad) in enumerate(zip(series["loss"], series["grad_norm"], strict=True))
             )
         )
-        events = [{"type": "step", "step": i} for i in range(1, 301)]
+        events = [
+            StepJudged(step=i, loss=3.0, grad_norm=1.0, action="continue", level="ok") for i in range(1, 301)
+        ]
         if faults:
-            events += [{"type": "rollback", "step": 60}, {"type": "warning", "step": 90}]
+            events += [
+                RollbackDecided(
+                    step=60,
+                    decision=1,
+                    reason="loss spike",
+                    finding="loss_spike",
+                    value=9.0,
+                    threshold=4.0,
+                    target="step_00000050",
+                    seed=1,
+                    lr_scale=1.0,
+                ),
+                WarningRaised(step=90, reason="grad norm surge", findings=["grad_norm_surge"]),
+            ]
             (run_dir / "faults_fired.json").write_text(json.dumps(["spike:60", "grad_spike:90", "kill:5"]))
-        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        for event in events:
+            append_event(run_dir, event, sync=False)
     result = run([str(clean), str(faulty)], every=10, as_json=True)
     summary = result["summary"]
     assert summary["clean_runs"] == 1 and summary["clean_steps"] == 300

@@ -74,9 +74,9 @@ def test_a_corrupt_checkpoint_is_set_aside_and_an_older_intact_one_used(tmp_path
         "step_00000030",
     ]  # moved, not deleted
     assert ck.read_latest(tmp_path) == "step_00000010" and ck.pinned(tmp_path) == set()
-    events = [e for e in read_events(tmp_path) if e["type"] == "checkpoint_corrupt"]
-    assert [e["tag"] for e in events] == ["step_00000030", "step_00000020"]
-    assert all("model_states.pt does not match its sha256" in e["reason"] for e in events)
+    events = [e for e in read_events(tmp_path) if e.type == "checkpoint_corrupt"]
+    assert [e.tag for e in events] == ["step_00000030", "step_00000020"]
+    assert all("model_states.pt does not match its sha256" in e.reason for e in events)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "is corrupt (model_states.pt does not match its sha256)" in lines[0]
     # a rollback target: at most its step

@@ -82,15 +82,13 @@ def surviving_windows(run_dir) -> list[int]:
 def test_the_rollback_event_names_the_spike_documents_and_inspect_shows_their_text(spiked_run, cli):
     run_dir, _, summary, _ = spiked_run
     assert summary["completed"] and summary["rollbacks"] == 1
-    (applied,) = [e for e in read_events(run_dir) if e["type"] == "rollback_applied"]
-    assert applied["decided_at"] == 8 and len(applied["windows"]) == 2
+    (applied,) = [e for e in read_events(run_dir) if e.type == "rollback_applied"]
+    assert applied.decided_at == 8 and len(applied.windows) == 2
     result = cli("data", "inspect", "--run-dir", str(run_dir), "--step", "8", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     first, again = report["attempts"]  # the spike's try, then the re-run on the reshuffled data
-    assert [w["window"] for w in first["windows"]] == applied["windows"] and first["windows"] != again[
-        "windows"
-    ]
+    assert [w["window"] for w in first["windows"]] == applied.windows and first["windows"] != again["windows"]
     named = set()
     for window in first["windows"]:
         texts = []
@@ -100,7 +98,7 @@ def test_the_rollback_event_names_the_spike_documents_and_inspect_shows_their_te
             named.add((window["source"], doc["origin"], doc["record"]))
         assert window["source"] in CORPORA and len(window["text"]) > 40
         assert window["text"][:40] in "".join(texts)  # the window's text is its documents' text
-    assert named == {(d["source"], d["origin"], d["record"]) for d in applied["documents"]}
+    assert named == {(d["source"], d["origin"], d["record"]) for d in applied.documents}
     human = cli("data", "inspect", "--run-dir", str(run_dir), "--step", "8")
     assert "attempt 2 of 2" in human.stdout and "record" in human.stdout and "text: " in human.stdout
     bad = cli("data", "inspect", "--run-dir", str(run_dir), "--step", "999")

@@ -85,4 +85,4 @@ def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
     assert all(sum(reads.values()) == 1 for reads in per_step.values()), per_step
     steps = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
     assert "train/grad_norm/layers.0" in steps[2] and "train/grad_norm/layers.0" not in steps[3]
-    assert [e["step"] for e in read_events(tmp_path) if e["type"] == "step"] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in read_events(tmp_path) if e.type == "step"] == [1, 2, 3, 4, 5, 6]

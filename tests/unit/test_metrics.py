@@ -7,7 +7,16 @@ import time
 from types import SimpleNamespace
 
 from monitoring.config import MonitorConfig
-from monitoring.protocol import Judgement, StepMetrics, append_event
+from monitoring.protocol import (
+    Judgement,
+    Restart,
+    RollbackApplied,
+    RollbackCancelled,
+    RollbackDecided,
+    StepJudged,
+    StepMetrics,
+    append_event,
+)
 from monitoring.service import MonitorState
 from pretrain.config import load_config
 from pretrain.metrics import MetricsWriter, tensorboard_dir
@@ -141,17 +150,31 @@ def test_the_summary_counts_the_rollbacks_and_restarts_of_every_attempt(tmp_path
     attempt's own process applied no rollback, and its summary still counts the run's (but the
     rollback decided or cancelled); --fresh moves those events aside with the rest of the run."""
     earlier = [
-        {"type": "step", "step": 8, "level": "rollback"},
-        {"type": "rollback", "step": 8, "decision": 1, "target": "step_00000006"},  # decided
-        {"type": "rollback_applied", "step": 6, "decision": 1, "decided_at": 8, "applied_at": 9},
-        {"type": "rollback_cancelled", "step": 9, "decision": 2, "reason": "no intact checkpoint"},
-        {
-            "type": "restart",
-            "step": 11,
-            "reason": "exit status 1",
-            "restart": 1,
-            "resume_from": "step_00000010",
-        },
+        StepJudged(step=8, loss=9.0, grad_norm=1.0, action="rollback", level="rollback"),
+        RollbackDecided(
+            step=8,
+            decision=1,
+            reason="loss spike",
+            finding="loss_spike",
+            value=9.0,
+            threshold=4.0,
+            target="step_00000006",
+            seed=1,
+            lr_scale=1.0,
+        ),
+        RollbackApplied(
+            step=6,
+            tag="step_00000006",
+            requested="step_00000006",
+            seed=1,
+            decision=1,
+            decided_at=8,
+            applied_at=9,
+            matches_checkpoint=True,
+            abandoned=[],
+        ),
+        RollbackCancelled(step=9, decision=2, reason="no intact checkpoint"),
+        Restart(step=11, reason="exit status 1", restart=1, max_restarts=3, resume_from="step_00000010"),
     ]
     for event in earlier:
         append_event(tmp_path, event)

@@ -195,7 +195,7 @@ def test_an_operator_request(tmp_path):
 
 
 def test_a_restarted_service_goes_on_from_the_events(tmp_path):
-    from monitoring.protocol import append_event, read_events
+    from monitoring.protocol import StepJudged, append_event, read_events
 
     config = MonitorConfig(warmup=4, window=16)
     fake_checkpoint(tmp_path, 3)
@@ -203,7 +203,8 @@ def test_a_restarted_service_goes_on_from_the_events(tmp_path):
     for step in range(1, 6):
         verdict = first.observe(metrics(step))
         append_event(
-            tmp_path, {"type": "step", "step": step, "loss": 3.0, "grad_norm": 1.0, "level": verdict.level}
+            tmp_path,
+            StepJudged(step=step, loss=3.0, grad_norm=1.0, action=verdict.action.kind, level=verdict.level),
         )
     decided = first.observe(metrics(6, grad=90.0))
     append_event(tmp_path, decided.decision.event())
@@ -255,8 +256,8 @@ def test_a_slow_divergence_reaches_a_rollback_through_the_services_policy(tmp_pa
     assert decided["tag"] == "step_00000004" and [f["kind"] for f in decided["verdict"]["findings"]] == [
         "divergence"
     ]
-    (event,) = [e for e in read_events(tmp_path) if e["type"] == "rollback"]
-    assert event["finding"] == "divergence" and event["target"] == "step_00000004"
+    (event,) = [e for e in read_events(tmp_path) if e.type == "rollback"]
+    assert event.finding == "divergence" and event.target == "step_00000004"
 
 
 def test_a_restart_while_a_rollback_is_pending_cancels_it_and_judging_goes_on(tmp_path):
@@ -277,6 +278,6 @@ def test_a_restart_while_a_rollback_is_pending_cancels_it_and_judging_goes_on(tm
     status = service.status()
     assert status["rollbacks"] == [] and len(status["rollbacks_cancelled"]) == 1
     assert "restarted" in status["rollbacks_cancelled"][0]["reason"]
-    cancelled = [e for e in read_events(tmp_path) if e["type"] == "rollback_cancelled"]
-    assert len(cancelled) == 1 and cancelled[0]["decision"] == status["rollbacks_cancelled"][0]["decision"]
+    cancelled = [e for e in read_events(tmp_path) if e.type == "rollback_cancelled"]
+    assert len(cancelled) == 1 and cancelled[0].decision == status["rollbacks_cancelled"][0]["decision"]
     assert service.handle_metrics(metrics(6, grad=1.02))["verdict"]["level"] == "ok"

@@ -74,7 +74,7 @@ def test_the_reporter_posts_in_the_background_and_keeps_the_answers(service, tmp
         answers = reporter.answered()
         assert [a.step for a in answers] == [1, 2, 3, 4, 5]
         assert answers[-1].bands["grad_norm"]["threshold"] > 1.0 and not reporter.pending()
-        assert [e["step"] for e in read_events(tmp_path) if e["type"] == "step"] == [1, 2, 3, 4, 5]
+        assert [e.step for e in read_events(tmp_path) if e.type == "step"] == [1, 2, 3, 4, 5]
         assert service.status()["total_steps"] == 50
     finally:
         reporter.close()
@@ -93,7 +93,7 @@ def test_reports_wait_for_a_service_that_is_away_and_are_all_judged_when_it_is_b
         try:
             reporter.report(StepMetrics(4, 3.0, 1.0, 1e-3, 0.1, 400))
             assert reporter.drain(10)
-            assert [e["step"] for e in read_events(tmp_path) if e["type"] == "step"] == [1, 2, 3, 4]
+            assert [e.step for e in read_events(tmp_path) if e.type == "step"] == [1, 2, 3, 4]
             assert "monitor reachable again: every step since 1 judged" in capsys.readouterr().err
         finally:
             server.shutdown()
@@ -108,7 +108,7 @@ def test_a_report_sent_again_is_answered_without_being_judged_twice(service, tmp
     report = StepMetrics(1, 3.0, 1.0, 1e-3, 0.1, 100).to_json() | {"session": "s1", "seq": 1}
     first = service.handle_metrics(*parse_report(report))
     again = service.handle_metrics(*parse_report(report))
-    assert again == first and [e["step"] for e in read_events(tmp_path) if e["type"] == "step"] == [1]
+    assert again == first and [e.step for e in read_events(tmp_path) if e.type == "step"] == [1]
 
 
 def config(run_dir, data_dir, *overrides):
@@ -132,22 +132,16 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     assert summary["completed"] and summary["step"] == 10 and summary["rollbacks"] == 1
     assert "rolling back to step_00000006" in capsys.readouterr().out
     log = read_events(tmp_path)
-    (ordered,) = [e for e in log if e["type"] == "rollback"]
-    assert (
-        ordered["step"] == 8 and ordered["target"] == "step_00000006" and ordered["finding"] == "loss_spike"
-    )
-    (applied,) = [e for e in log if e["type"] == "rollback_applied"]
-    assert applied["step"] == 6 and applied["matches_checkpoint"] and applied["seed"] == ordered["seed"]
-    assert (
-        applied["decision"] == ordered["decision"]
-        and applied["decided_at"] == 8
-        and applied["applied_at"] >= 8
-    )
+    (ordered,) = [e for e in log if e.type == "rollback"]
+    assert ordered.step == 8 and ordered.target == "step_00000006" and ordered.finding == "loss_spike"
+    (applied,) = [e for e in log if e.type == "rollback_applied"]
+    assert applied.step == 6 and applied.matches_checkpoint and applied.seed == ordered.seed
+    assert applied.decision == ordered.decision and applied.decided_at == 8 and applied.applied_at >= 8
     # Every step ran once up to where the rollback was applied (one step or so after the spike),
     # then again from the target on.
-    steps = [e["step"] for e in log if e["type"] == "step"]
-    assert steps == [*range(1, applied["applied_at"] + 1), 7, 8, 9, 10]
-    assert service.status()["rollbacks"][0]["decision"] == ordered["decision"]  # counted once applied
+    steps = [e.step for e in log if e.type == "step"]
+    assert steps == [*range(1, applied.applied_at + 1), 7, 8, 9, 10]
+    assert service.status()["rollbacks"][0]["decision"] == ordered.decision  # counted once applied
     # TensorBoard (read with its own reader): every judged step is charted, at the step judged;
     # the rollback is a mark at step 8; the Custom Scalars charts name exactly the monitor's tags.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -206,7 +200,7 @@ def test_the_circuit_breaker_stops_the_run_and_nothing_after_the_refused_state_i
     assert not summary["completed"] and "circuit breaker" in summary["stopped_by_monitor"]
     assert "stopping the job" in capsys.readouterr().out
     assert newest_complete(tmp_path) == "step_00000004"
-    assert [e["type"] for e in read_events(tmp_path) if e["type"] not in ("step", "warning")] == [
+    assert [e.type for e in read_events(tmp_path) if e.type not in ("step", "warning")] == [
         "rollback",
         "rollback_applied",
         "circuit_breaker",
@@ -270,17 +264,17 @@ def test_a_rollback_with_no_intact_checkpoint_is_cancelled_by_the_trainer_and_th
     assert summary["completed"] and summary["step"] == 10 and summary["rollbacks"] == 0
     assert "no intact checkpoint at or before step_00000005: rollback cancelled" in capsys.readouterr().out
     log = read_events(tmp_path)
-    assert [e["type"] for e in log if e["type"] not in ("step", "warning")] == [
+    assert [e.type for e in log if e.type not in ("step", "warning")] == [
         "rollback",
         "checkpoint_corrupt",
         "rollback_cancelled",
     ]
-    (cancelled,) = [e for e in log if e["type"] == "rollback_cancelled"]
-    assert cancelled["tag"] == "step_00000005" and cancelled["decided_at"] == 7
+    (cancelled,) = [e for e in log if e.type == "rollback_cancelled"]
+    assert cancelled.tag == "step_00000005" and cancelled.decided_at == 7
     assert status["rollbacks"] == [] and [c["decision"] for c in status["rollbacks_cancelled"]] == [
-        cancelled["decision"]
+        cancelled.decision
     ]
-    assert [e["step"] for e in log if e["type"] == "step"] == list(range(1, 11))  # nothing trained twice
+    assert [e.step for e in log if e.type == "step"] == list(range(1, 11))  # nothing trained twice
 
 
 def test_a_finding_answered_with_stop_ends_the_run_at_once_without_saving_the_refused_state(
@@ -302,4 +296,4 @@ def test_a_finding_answered_with_stop_ends_the_run_at_once_without_saving_the_re
     assert not summary["completed"] and summary["stopped_by_monitor"].startswith("loss")
     assert "stopping the job" in capsys.readouterr().out
     assert newest_complete(tmp_path) == "step_00000004"
-    assert [e["type"] for e in read_events(tmp_path) if e["type"] == "rollback"] == []
+    assert [e.type for e in read_events(tmp_path) if e.type == "rollback"] == []

@@ -5,7 +5,7 @@ import re
 
 from monitoring.config import MonitorConfig
 from monitoring.page import render_page
-from monitoring.protocol import Outcome, append_event
+from monitoring.protocol import Outcome, Restart, RollbackApplied, append_event
 from monitoring.service import MonitorState
 from tests.unit.test_monitor import fake_checkpoint, metrics
 
@@ -35,31 +35,23 @@ def drill(run_dir) -> MonitorState:
     # What the trainer does on applying it (pretrain/monitor_link.py): the event, then the outcome.
     append_event(
         run_dir,
-        {
-            "type": "rollback_applied",
-            "step": 40,
-            "tag": "step_00000040",
-            "requested": answer["tag"],
-            "seed": answer["seed"],
-            "decision": answer["decision"],
-            "decided_at": 45,
-            "applied_at": 47,
-            "matches_checkpoint": True,
-            "abandoned": [],
-        },
+        RollbackApplied(
+            step=40,
+            tag="step_00000040",
+            requested=answer["tag"],
+            seed=answer["seed"],
+            decision=answer["decision"],
+            decided_at=45,
+            applied_at=47,
+            matches_checkpoint=True,
+            abandoned=[],
+        ),
     )
     state.handle_outcome(Outcome(answer["decision"], 45, True, 47, "step_00000040"), None, None)
     for step in range(41, 52):
         assert report(state, step)["action"] == "continue"
     state.record_restart(
-        {
-            "type": "restart",
-            "step": 51,
-            "reason": "exit status 1",
-            "restart": 1,
-            "max_restarts": 3,
-            "resume_from": "step_00000050",
-        }
+        Restart(step=51, reason="exit status 1", restart=1, max_restarts=3, resume_from="step_00000050")
     )
     return state
 
@@ -117,7 +109,11 @@ def test_a_restart_before_any_step_of_this_service_is_listed_at_the_last_judged_
     drill(tmp_path)
     again = MonitorState(tmp_path, CONFIG)
     # The supervisor's step is that of the last report to this process: none yet.
-    again.record_restart({"type": "restart", "step": None, "reason": "hang: no first step for 600 s"})
+    again.record_restart(
+        Restart(
+            step=None, reason="hang: no first step for 600 s", restart=1, max_restarts=3, resume_from=None
+        )
+    )
     for step in range(52, 262):  # then more warnings after it than the page lists
         report(again, step, grad=2.0 if step % 4 == 0 else 1.0)
     status = again.status(series=True)

@@ -97,3 +97,74 @@ def test_an_answer_is_an_action_and_a_judgement_each_a_type_both_sides_use():
     for broken in ({k: v for k, v in wire.items() if k != "judged"}, wire | {"verdict": "rollback"}):
         with pytest.raises(ProtocolError):
             split_answer(broken)
+
+
+def one_of_each_event() -> list:
+    from monitoring import protocol as p
+
+    return [
+        p.StepJudged(step=1, loss=float("nan"), grad_norm=2.5, action="rollback", level="rollback"),
+        p.WarningRaised(step=2, reason="grad norm surge", findings=["grad_norm_surge"]),
+        p.Anomaly(step=3, note="no checkpoint yet", reason="loss spike"),
+        p.RollbackDecided(
+            step=4,
+            decision=1,
+            reason="loss spike",
+            finding="loss_spike",
+            value=9.0,
+            threshold=None,
+            target="step_00000002",
+            seed=7,
+            lr_scale=0.5,
+        ),
+        p.RollbackApplied(
+            step=2,
+            tag="step_00000002",
+            requested="step_00000002",
+            seed=7,
+            decision=1,
+            decided_at=4,
+            applied_at=5,
+            matches_checkpoint=True,
+            abandoned=["step_00000004"],
+            windows=[3, 9],
+            documents=[{"source": "prose", "record": 4}],
+        ),
+        p.RollbackCancelled(step=2, decision=2, reason="no intact checkpoint", tag="step_00000002"),
+        p.CircuitBreaker(step=6, reason="3 rollbacks in 100 steps"),
+        p.Restart(step=None, reason="exit status 1", restart=1, max_restarts=3, resume_from=None),
+        p.JobStopped(step=None, saved=None, why="restarts used up", resume="pretrain launch ..."),
+        p.CheckpointCorrupt(step=2, tag="step_00000002", reason="sha256", moved_to="/x/corrupt"),
+        p.StopRequested(step=8, saved="step_00000008", requested_by=[{"rank": 0}]),
+    ]
+
+
+def test_every_kind_of_event_is_written_once_as_a_type_and_read_back_as_it(tmp_path):
+    """events.jsonl's lines are the `Event` types of monitoring.protocol: every writer appends one,
+    every reader gets it back equal (a NaN loss included); optional evidence is left out of the
+    line when it is None; a line of a newer version's type is kept whole, a torn last line skipped,
+    and a plain dict is refused at the writer."""
+    from monitoring import protocol as p
+
+    events = one_of_each_event()
+    assert {type(e) for e in events} == set(p.EVENT_TYPES.values())  # one of each kind
+    for event in events:
+        p.append_event(tmp_path, event, sync=False)
+    with open(tmp_path / p.EVENTS_FILE, "a") as f:
+        f.write(json.dumps({"type": "from_the_future", "step": 9, "time": 1.0, "x": 1}) + "\n")
+        f.write('{"type": "step", "st')  # a crash mid-write
+    back = p.read_events(tmp_path)
+    assert len(back) == len(events) + 1 and isinstance(back[-1], p.OtherEvent)
+    for ours, theirs in zip(events, back, strict=False):
+        if isinstance(ours, p.StepJudged):
+            assert math.isnan(theirs.loss) and theirs == p.StepJudged(**{**vars(ours), "loss": theirs.loss})
+        else:
+            assert theirs == ours
+    assert back[-1].payload["x"] == 1 and back[-1].to_json()["type"] == "from_the_future"
+    lines = [json.loads(line) for line in (tmp_path / p.EVENTS_FILE).read_text().splitlines()[:-2]]
+    assert [line["type"] for line in lines] == [e.type for e in events]
+    assert "documents_unavailable" not in lines[4] and lines[4]["windows"] == [3, 9]
+    assert "target" not in lines[5] and lines[5]["tag"] == "step_00000002"
+    assert lines[0]["loss"] == "nan" and lines[7]["step"] is None
+    with pytest.raises(TypeError):
+        p.append_event(tmp_path, {"type": "step", "step": 1})
