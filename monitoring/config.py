@@ -1,7 +1,8 @@
-"""The monitor's and the supervisor's settings (the `monitor:` section of a run config) and their
-vocabulary: what the detectors find (`FINDINGS`) and what a finding may do (`RESPONSES`). Owned by
-`monitoring/`, used by the service, the policy, the detectors and the supervisor, and read into the
-run config by `pretrain/config/`. Importable without torch, and without `pretrain`.
+"""The monitor's and the supervisor's settings and their vocabulary: what the detectors find
+(`FINDINGS`) and what a finding may do (`RESPONSES`). `ServiceConfig` is the service's (its policy,
+its detectors, the trainer's connection), `SupervisorConfig` the supervisor's (restarts, hangs);
+`MonitorConfig`, the run config's `monitor:` section, is both, flat. Owned by `monitoring/`, read
+into the run config by `pretrain/config/`. Importable without torch, and without `pretrain`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,26 @@ def check_positive(
 
 
 @dataclass
-class MonitorConfig:
-    """The monitoring service (`pretrain monitor`) and the trainer's connection to it."""
+class SupervisorConfig:
+    """The supervisor's settings (`pretrain launch`: restart a crashed or hung job from its newest
+    checkpoint). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
+
+    max_restarts: int = 3  # restarts of the job over the whole run; then `pretrain launch` gives up
+    hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps
+    hang_min_seconds: float = 300.0  # ... and never sooner than this (covers a first checkpoint save)
+    startup_seconds: float = 1800.0  # hung: no first step this long after (re)starting the job
+    stop_grace_seconds: float = 30.0  # SIGTERM, then this long before SIGKILL, when stopping a job
+
+    def check_supervisor(self) -> None:
+        check_positive("monitor.max_restarts", self.max_restarts, allow_zero=True)
+        for key in ("hang_factor", "hang_min_seconds", "startup_seconds", "stop_grace_seconds"):
+            check_positive(f"monitor.{key}", getattr(self, key))
+
+
+@dataclass
+class ServiceConfig:
+    """The monitoring service's settings (`pretrain monitor`: its policy and detectors) and the
+    trainer's connection to it. Read from the run config's `monitor:` section (see `MonitorConfig`)."""
 
     enabled: bool = False  # post metrics to the monitoring service and act on its answers
     host: str = "127.0.0.1"
@@ -64,14 +83,8 @@ class MonitorConfig:
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
     # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
     quarantine: bool = False
-    # The supervisor (`pretrain launch`): restart a crashed or hung job from its newest checkpoint.
-    max_restarts: int = 3  # restarts of the job over the whole run; then `pretrain launch` gives up
-    hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps
-    hang_min_seconds: float = 300.0  # ... and never sooner than this (covers a first checkpoint save)
-    startup_seconds: float = 1800.0  # hung: no first step this long after (re)starting the job
-    stop_grace_seconds: float = 30.0  # SIGTERM, then this long before SIGKILL, when stopping a job
 
-    def __post_init__(self) -> None:
+    def check_service(self) -> None:
         if not 0 <= self.port <= 65535:
             raise SettingError(f"monitor.port={self.port} must be in [0, 65535]")
         check_positive("monitor.timeout", self.timeout)
@@ -87,6 +100,15 @@ class MonitorConfig:
         check_positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
         check_positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
         check_positive("monitor.max_rollbacks", self.max_rollbacks)
-        check_positive("monitor.max_restarts", self.max_restarts, allow_zero=True)
-        for key in ("hang_factor", "hang_min_seconds", "startup_seconds", "stop_grace_seconds"):
-            check_positive(f"monitor.{key}", getattr(self, key))
+
+
+@dataclass
+class MonitorConfig(SupervisorConfig, ServiceConfig):
+    """The run config's `monitor:` section: the service's settings, then the supervisor's, as one
+    flat section (its keys, `monitor.window`, `monitor.max_restarts`, ..., are a contract). Each
+    owner is typed to take only its part: the policy and the service a `ServiceConfig`, the
+    hang watch a `SupervisorConfig`; the supervisor, which also starts the service, the whole."""
+
+    def __post_init__(self) -> None:
+        self.check_service()
+        self.check_supervisor()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 from dataclasses import asdict, dataclass, field
 
-from monitoring.config import RESPONSES, MonitorConfig
+from monitoring.config import RESPONSES, ServiceConfig
 from monitoring.detectors import Detector, Finding
 from monitoring.protocol import (
     CONTINUE,
@@ -101,7 +101,7 @@ class Verdict:
 
 @dataclass
 class Policy:
-    config: MonitorConfig
+    config: ServiceConfig
     run_dir: str
     base_seed: int = 0
     detector: Detector = field(init=False)

@@ -42,7 +42,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from monitoring.config import MonitorConfig
+from monitoring.config import ServiceConfig
 from monitoring.page import render_page
 from monitoring.policy import Policy
 from monitoring.protocol import (
@@ -91,7 +91,7 @@ ROLLED_BACK_KEPT = 50  # judged points of abandoned timelines' rollback steps, k
 class MonitorState:
     """The policy plus what /status, /metrics and the page show; one lock serializes requests."""
 
-    def __init__(self, run_dir: Path, config: MonitorConfig, base_seed: int = 0):
+    def __init__(self, run_dir: Path, config: ServiceConfig, base_seed: int = 0):
         self.run_dir = run_dir
         self.policy = Policy(config, str(run_dir), base_seed)
         events = read_events(run_dir)
@@ -514,7 +514,7 @@ def _refuse_constant(name: str):
 
 
 def serve(
-    run_dir: str | Path, config: MonitorConfig, base_seed: int = 0
+    run_dir: str | Path, config: ServiceConfig, base_seed: int = 0
 ) -> tuple[ThreadingHTTPServer, MonitorState]:
     """Start the server (not yet serving requests: call serve_forever) and announce its endpoint."""
     run_dir = Path(run_dir)
@@ -547,7 +547,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_service(run_dir: str | Path, config: MonitorConfig, base_seed: int = 0) -> None:
+def run_service(run_dir: str | Path, config: ServiceConfig, base_seed: int = 0) -> None:
     server, _ = serve(run_dir, config, base_seed)
     print(
         f"monitor: listening on http://{server.server_address[0]}:{server.server_address[1]} for {run_dir}",

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from monitoring.config import MonitorConfig
+from monitoring.config import MonitorConfig, SupervisorConfig
 from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, JobStopped, Restart, append_event, monitor_dir
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
@@ -75,7 +75,7 @@ class HangWatch:
     longest_gap: float = 0.0  # kept across restarts: a restart does not change how long a step takes
 
     @classmethod
-    def from_config(cls, config: MonitorConfig) -> HangWatch:
+    def from_config(cls, config: SupervisorConfig) -> HangWatch:
         return cls(config.hang_factor, config.hang_min_seconds, config.startup_seconds)
 
     def start(self, now: float) -> None:

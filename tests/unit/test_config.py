@@ -212,3 +212,32 @@ def test_a_mixtures_corpora_are_checked_where_the_config_is_read():
         load_config("tiny", ["data.dir=null", "data.mixture=[{name: 'a b', dir: a}]"])
     with pytest.raises(ConfigError, match="mixture source 'web' has weight 0.0: use a positive number"):
         load_config("tiny", ["data.dir=null", "data.mixture=[{name: web, dir: a, weight: 0}]"])
+
+
+def test_the_monitor_section_is_the_services_settings_and_the_supervisors_each_read_by_its_owner():
+    """`monitor:` stays one flat section (its keys are a contract), made of the service's settings
+    and the supervisor's, which do not overlap; the service, its policy and its detectors never
+    read a supervisor setting (they are typed to take a ServiceConfig)."""
+    import ast
+    import dataclasses
+
+    from monitoring.config import MonitorConfig, ServiceConfig, SupervisorConfig
+
+    names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (ServiceConfig, SupervisorConfig)}
+    assert not names[ServiceConfig] & names[SupervisorConfig]
+    assert {f.name for f in dataclasses.fields(MonitorConfig)} == names[ServiceConfig] | names[
+        SupervisorConfig
+    ]
+    cfg = load_config("tiny", ["monitor.max_restarts=5", "monitor.window=64", "monitor.hang_factor=4"])
+    assert isinstance(cfg.monitor, ServiceConfig) and isinstance(cfg.monitor, SupervisorConfig)
+    assert (cfg.monitor.max_restarts, cfg.monitor.window, cfg.monitor.hang_factor) == (5, 64, 4.0)
+    root = Path(__file__).resolve().parents[2] / "monitoring"
+    for module in ("service.py", "policy.py", "detectors.py", "page.py"):
+        read = {
+            node.attr
+            for node in ast.walk(ast.parse((root / module).read_text()))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute | ast.Name)
+            and getattr(node.value, "attr", getattr(node.value, "id", None)) == "config"
+        }
+        assert not read & names[SupervisorConfig], (module, read & names[SupervisorConfig])
