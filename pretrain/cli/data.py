@@ -31,8 +31,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.prepare import prepare, validation_report
     from pretrain.data.sources import resolve_source
 
+    if args.format == "megatron":  # token ids already (pretrain/data/megatron.py)
+        from pretrain.data.megatron import resolve_megatron_source
+
+        source = resolve_megatron_source(args.source)
+    else:
+        _refuse_megatron_pairs(args.source)
+        source = resolve_source(args.source, text_field=args.text_field)
     manifest, written = prepare(
-        resolve_source(args.source, text_field=args.text_field),
+        source,
         args.tokenizer,
         args.out,
         val_fraction=args.val_fraction,
@@ -53,6 +60,18 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     print(f"wrote {Path(args.out) / 'manifest.json'} (corpus fingerprint {manifest['fingerprint']})")
     return 0
+
+
+def _refuse_megatron_pairs(specs: list[str]) -> None:
+    """A Megatron dataset passed without --format megatron: say so, not "does not exist"."""
+    from pretrain.errors import UserError
+
+    for spec in specs:
+        prefix = spec[:-4] if spec.endswith((".bin", ".idx")) else spec
+        if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
+            raise UserError(
+                f"{spec} is a Megatron indexed dataset ({prefix}.bin + {prefix}.idx): pass --format megatron"
+            )
 
 
 def cmd_data_verify(args: argparse.Namespace) -> int:
@@ -128,7 +147,9 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
             print(f"  rank {w['rank']}  window {w['window']}  {w['source']}  tokens {first:,}..{last:,}")
             for doc in w["documents"]:
                 a, b = doc["tokens"]
-                print(f"    {doc['origin']}  record {doc['record']}  (document tokens {a:,}..{b:,})")
+                # A Megatron dataset's record is its document index (Megatron's document_indices).
+                record = "document" if doc["origin"].startswith("megatron:") else "record"
+                print(f"    {doc['origin']}  {record} {doc['record']}  (document tokens {a:,}..{b:,})")
             print(f"    text: {w['text']!r}")
     return 0
 
@@ -168,7 +189,15 @@ def register(sub) -> None:
         nargs="+",
         required=True,
         metavar="SRC",
-        help="files/globs, a Hub dataset name, or builtin:pydoc",
+        help="files/globs, a Hub dataset name, or builtin:pydoc; with --format megatron, PREFIX (of "
+        "PREFIX.bin + PREFIX.idx), a glob or a directory of them",
+    )
+    prep.add_argument(
+        "--format",
+        choices=["text", "megatron"],
+        default="text",
+        help="text: documents to tokenize (default); megatron: a Megatron-LM / GPT-NeoX indexed dataset, "
+        "its ids converted as they are (--tokenizer: the one they came from)",
     )
     prep.add_argument("--tokenizer", required=True, help="tokenizer directory or tokenizer.model")
     prep.add_argument("--out", required=True, help="output directory")

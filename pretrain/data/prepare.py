@@ -18,6 +18,9 @@ The output directory is only ever replaced when it is our own dataset or empty: 
 (source files with their sizes and mtimes, tokenizer, settings) is a no-op while its shards match
 the manifest, and is rebuilt when they do not; a different recipe needs --overwrite; any other
 directory, or one holding a source file, is refused.
+
+A Megatron-LM / GPT-NeoX indexed dataset (`--format megatron`) is converted, not tokenized:
+pretrain/data/megatron.py yields the same results as the tokenizing step, straight from its ids.
 """
 
 from __future__ import annotations
@@ -348,16 +351,23 @@ def _write_dataset(
     }
     index = {split: DocumentIndexWriter(staging, split) for split in SPLITS}
     stats = {"skipped_blank_documents": 0}
-    records = source.records()
-    first = next(records, None)  # opening the source fails here, before any progress output
-    records = itertools.chain([first] if first is not None else [], records)
-    shown = Progress(count_documents(source) if progress else None, enabled=progress)
-    # Pieces decode back to the document only when encoding adds no dummy prefix to each.
-    piece_chars = None if tokenizer.adds_dummy_prefix else PIECE_CHARS
     origins: dict[str, int] = {}
-    try:
+    if source.kind == "megatron":  # token ids already: converted, not tokenized (pretrain/data/megatron.py)
+        from pretrain.data.megatron import converted
+
+        shown = Progress(source.documents if progress else None, enabled=progress)
+        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins, shown)
+    else:
+        records = source.records()
+        first = next(records, None)  # opening the source fails here, before any progress output
+        records = itertools.chain([first] if first is not None else [], records)
+        shown = Progress(count_documents(source) if progress else None, enabled=progress)
+        # Pieces decode back to the document only when encoding adds no dummy prefix to each.
+        piece_chars = None if tokenizer.adds_dummy_prefix else PIECE_CHARS
         batches = _batches(shown.counted(records), wanted["val_fraction"], stats, piece_chars, origins)
-        for (train, val, n_train, n_val, lengths), batch in _tokenized(batches, tokenizer, workers):
+        tokenized = _tokenized(batches, tokenizer, workers)
+    try:
+        for (train, val, n_train, n_val, lengths), batch in tokenized:
             for length, is_val, origin in zip(lengths, batch.held_out, batch.origins, strict=True):
                 index["validation" if is_val else "train"].add(length, origin)
             writers["train"].write(train, n_train)
