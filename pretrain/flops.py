@@ -44,6 +44,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     feed_forward = L * (3 if cfg.activation == "swiglu" else 2) * d * cfg.d_ff
     per_norm = d * (2 if cfg.norm == "layernorm" else 1)
     norms = per_norm * (2 * L + (1 if cfg.norm_placement == "pre" else 0))
+    norms += 2 * L * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0  # each layer's query and key norm
     embedding = cfg.vocab_size * d
     positions = cfg.max_seq_len * d if cfg.positions == "learned" else 0
     lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * d

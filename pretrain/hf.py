@@ -1,8 +1,11 @@
-"""Hugging Face Llama ↔ our model and tokenizer.
+"""Hugging Face Llama (and Qwen3) ↔ our model and tokenizer.
 
 `save_hf(model, dir)` writes `config.json` + `model.safetensors` that
 `transformers.LlamaForCausalLM.from_pretrained(dir)` loads with the same logits; `load_hf(dir)`
 reads such a directory (ours, or any Llama checkpoint in safetensors) back into a `Transformer`.
+A model with `qk_norm` is written as Qwen3 instead (`Qwen3ForCausalLM`: Llama's layout plus an
+RMSNorm over head_dim on each head's queries and keys before rotary, `q_norm` / `k_norm`, with the
+same eps as the other norms), and a Qwen3 directory without sliding-window attention is read back.
 `save_hf_tokenizer(tokenizer, dir)` writes the SentencePiece model beside them together with the
 files `AutoTokenizer` and `LlamaTokenizerFast` load (tokenizer.json, tokenizer_config.json,
 special_tokens_map.json), built so that they give exactly our ids (see `fast_tokenizer_json`).
@@ -39,6 +42,7 @@ LLAMA_REQUIREMENTS = {  # field: (value Llama has, what to set)
 
 
 def check_llama_compatible(cfg: ModelConfig) -> None:
+    """What export needs: Llama's blocks (with `qk_norm`, Qwen3's: the same blocks and QK-norm)."""
     for field_name, (required, fix) in LLAMA_REQUIREMENTS.items():
         value = getattr(cfg, field_name)
         if value != required:
@@ -48,13 +52,20 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
             )
 
 
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The transformers architecture a model is exported as: Qwen3 with QK-norm, else Llama."""
+    return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
 def llama_config_dict(
     cfg: ModelConfig, token_ids: dict[str, int] | None = None, dtype: str = "float32"
 ) -> dict:
+    """config.json: a LlamaConfig, or with `qk_norm` a Qwen3Config (the same fields, no MLP bias
+    field, and sliding-window attention off on every layer)."""
     check_llama_compatible(cfg)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_architecture(cfg)],
+        "model_type": "qwen3" if cfg.qk_norm else "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -75,6 +86,14 @@ def llama_config_dict(
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if cfg.qk_norm:
+        del config["mlp_bias"]  # Qwen3's MLP has no bias switch
+        config |= {
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": cfg.n_layers,
+            "layer_types": ["full_attention"] * cfg.n_layers,
+        }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if token_ids and key in token_ids:
             config[key] = token_ids[key]
@@ -100,6 +119,9 @@ def to_llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
             prefix + "mlp.up_proj.weight": up,
             prefix + "mlp.down_proj.weight": layer.mlp.out_proj.weight,
         }
+        if cfg.qk_norm:
+            out[prefix + "self_attn.q_norm.weight"] = layer.attn.q_norm.weight
+            out[prefix + "self_attn.k_norm.weight"] = layer.attn.k_norm.weight
     out["model.norm.weight"] = model.norm.weight
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
@@ -112,7 +134,8 @@ def save_hf(
     token_ids: dict[str, int] | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a Llama `config.json` + `model.safetensors` into out_dir (created; files replaced atomically)."""
+    """Write a Llama (with `qk_norm`, Qwen3) `config.json` + `model.safetensors` into out_dir
+    (created; files replaced atomically)."""
     check_llama_compatible(model.cfg)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,10 +361,18 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_lengt
 
 
 def model_config_from_llama(config: dict, source: str = "config.json") -> ModelConfig:
+    """Our ModelConfig for a Llama config.json, or a Qwen3 one (QK-norm) without sliding windows."""
     model_type = config.get("model_type")
-    if model_type != "llama":
+    if model_type not in ("llama", "qwen3"):
         raise UserError(
-            f"{source}: model_type is {model_type!r}, not 'llama': only Llama checkpoints can be loaded"
+            f"{source}: model_type is {model_type!r}, not 'llama' (or 'qwen3'): "
+            "only Llama and Qwen3 checkpoints can be loaded"
+        )
+    qwen3 = model_type == "qwen3"
+    layer_types = config.get("layer_types") or []
+    if qwen3 and (config.get("use_sliding_window") or any(t != "full_attention" for t in layer_types)):
+        raise UserError(
+            f"{source}: Qwen3 with sliding-window attention is not supported; only full attention is"
         )
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -372,6 +403,7 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         init_std=config.get("initializer_range", 0.02),
+        qk_norm=qwen3,
     )
 
 
@@ -414,16 +446,19 @@ def from_llama_state_dict(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) ->
             ),
             dst + "mlp.out_proj.weight": take(src + "mlp.down_proj.weight"),
         }
+        if cfg.qk_norm:
+            out[dst + "attn.q_norm.weight"] = take(src + "self_attn.q_norm.weight")
+            out[dst + "attn.k_norm.weight"] = take(src + "self_attn.k_norm.weight")
     out["norm.weight"] = take("model.norm.weight")
     out["lm_head.weight"] = out["tok_embeddings.weight"] if cfg.tie_embeddings else take("lm_head.weight")
     return out
 
 
 def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build our model from a Llama directory (`config.json` + safetensors)."""
+    """Build our model from a Llama (or Qwen3) directory (`config.json` + safetensors)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise UserError(f"{directory} has no config.json: point to a Hugging Face Llama model directory")
+        raise UserError(f"{directory} has no config.json: point to a Hugging Face Llama (or Qwen3) directory")
     cfg = model_config_from_llama(json.loads(config_path.read_text()), str(config_path))
     return Transformer.from_state_dict(cfg, from_llama_state_dict(cfg, _read_llama_tensors(directory)), dtype)

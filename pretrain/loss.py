@@ -11,9 +11,18 @@ computation: fp32 logits and softmax, gradients cast to the activations' dtype f
 the weight gradient accumulated in fp32.
 
 It is also faster on CPU (the chunk stays in cache); see README "Performance".
+
+The z-loss (PaLM, Chowdhery et al. 2022 §5; OLMo 2): `z_loss` = c adds c · mean over the valid
+rows of (log Z)², log Z = logsumexp of the row's fp32 logits. It pulls log Z towards 0 so the
+output logits cannot drift (Wortsman et al. 2023), and it is computed in the same pass: its
+gradient with respect to the logits is 2c · log Z · softmax / count, folded into the
+cross-entropy's softmax term. With c = 0 (the default) none of its operations run, so the
+cross-entropy is computed by exactly the same operations as without it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -29,11 +38,12 @@ def chunk_rows(vocab_size: int, device: torch.device) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows, with_grad):
+    def forward(ctx, hidden, weight, targets, rows, with_grad, z_loss):
         n = hidden.shape[0]
         valid = targets != IGNORE_INDEX
         count = valid.sum().clamp(min=1).to(torch.float32)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        z_total = torch.zeros((), dtype=torch.float32, device=hidden.device) if z_loss else None
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
@@ -49,9 +59,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
             total += ((lse - picked) * keep).sum()
+            if z_loss:
+                z_total += (lse.square() * keep).sum()
             if with_grad:
-                # d(mean CE)/d logits = (softmax - onehot(target)) / count, zero on ignored rows.
+                # d(mean CE)/d logits = (softmax - onehot(target)) / count, zero on ignored rows;
+                # the z-loss adds 2c · log Z · softmax / count: softmax · (1 + 2c · log Z).
                 grad = logits.sub_(lse[:, None]).exp_()
+                if z_loss:
+                    grad.mul_((1.0 + 2.0 * z_loss * lse)[:, None])
                 grad[torch.arange(len(t), device=t.device), safe] -= 1.0
                 grad.mul_((keep / count)[:, None])
                 grad = grad.to(hidden.dtype)
@@ -59,6 +74,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_weight += (grad.T @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
+        if z_loss:
+            return total / count + z_loss * (z_total / count)
         return total / count
 
     @staticmethod
@@ -70,15 +87,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    rows: int | None = None,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
-    """mean over non-ignored targets of cross_entropy(hidden @ weight.T, targets), in fp32.
+    """mean over non-ignored targets of cross_entropy(hidden @ weight.T, targets), in fp32; with
+    `z_loss` = c > 0, plus c · the mean over the same targets of logsumexp(logits)².
 
     hidden (N, d), weight (V, d), targets (N,) int64 with IGNORE_INDEX for rows left out."""
+    if not (math.isfinite(z_loss) and z_loss >= 0.0):
+        raise ValueError(f"z_loss={z_loss!r}: use a finite coefficient >= 0")
     rows = rows or chunk_rows(weight.shape[0], hidden.device)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, rows, with_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, rows, with_grad, float(z_loss))

@@ -5,6 +5,16 @@ Defaults are Llama ("Transformer++"): pre-RMSNorm, RoPE, SwiGLU, no biases. The 
 (`norm`, `norm_placement`, `activation`, `positions` in `ModelConfig`) give the original
 Vaswani et al. recipe on the same code, so the two can be compared at equal size and tokens.
 
+Against training instabilities (Wortsman et al. 2023; both off by default, and then not a single
+operation of the default path changes): `qk_norm` puts an RMSNorm with a learned weight over
+head_dim on each head's queries and keys before the rotation, as Qwen3 does (OLMo 2 normalizes
+the whole query and key projections, all heads at once), so the attention logits cannot grow
+without bound; the z-loss (`pretrain/loss.py`) keeps the output logits' log-normaliser near 0. The z-loss coefficient is part of the objective, not of the
+architecture, so it is not in `ModelConfig`: it is the attribute `Transformer.z_loss` (a
+constructor argument, 0.0 by default), which pretraining sets from `loss.z_loss` when it builds
+the model. It is added in training mode only, like dropout: in eval mode (held-out evaluation,
+`pretrain eval`) the loss is the plain cross-entropy.
+
 Nothing here knows about DeepSpeed, data or processes: the engine wraps this module as it is.
 Shapes: B batch, T sequence, d d_model, nh query heads, nkv key/value heads, hd head_dim, V vocab.
 """
@@ -24,7 +34,7 @@ from pretrain.loss import linear_cross_entropy
 
 class ModelOutput(NamedTuple):
     logits: torch.Tensor | None  # (B, T, V); None when targets are given (the loss never forms them)
-    loss: torch.Tensor | None  # mean cross-entropy over non-ignored targets, when targets are given
+    loss: torch.Tensor | None  # mean cross-entropy over non-ignored targets (+ z-loss), given targets
     attentions: tuple[torch.Tensor, ...] | None  # per layer (B, nh, T, T), when need_weights=True
 
 
@@ -183,6 +193,10 @@ class Attention(nn.Module):
             cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False
         )
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        # QK-norm: an RMSNorm over head_dim with one learned weight for all query heads, one for all
+        # key heads (Qwen3's q_norm / k_norm); None without it, so the parameters are unchanged.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -197,10 +211,17 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=2)
-        if rope is not None:  # q and k heads rotated together: one pass instead of two
-            cos, sin = rope
-            qk = apply_rope(qk, cos, sin)  # (B, T, nh + nkv, hd)
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+        if self.q_norm is None:
+            if rope is not None:  # q and k heads rotated together: one pass instead of two
+                cos, sin = rope
+                qk = apply_rope(qk, cos, sin)  # (B, T, nh + nkv, hd)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+        else:  # each head's queries and keys normalized over hd, then rotated
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+            q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:
+                cos, sin = rope
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         causal = True
         if cache is not None:
@@ -252,12 +273,15 @@ class FeedForward(nn.Module):
 class LMHead(nn.Linear):
     """The output projection. Given targets it returns the loss straight from the hidden states
     (`pretrain/loss.py`: chunked, no full-vocabulary logits); otherwise the logits. The weight is
-    used only inside this module's forward, so ZeRO-3 gathers it here like any layer's."""
+    used only inside this module's forward, so ZeRO-3 gathers it here like any layer's. `z_loss`:
+    the z-loss coefficient added to the loss (`linear_cross_entropy`)."""
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, targets: torch.Tensor | None = None, z_loss: float = 0.0
+    ) -> torch.Tensor:
         if targets is None:
             return super().forward(h)
-        return linear_cross_entropy(h.flatten(0, -2), self.weight, targets.flatten())
+        return linear_cross_entropy(h.flatten(0, -2), self.weight, targets.flatten(), z_loss=z_loss)
 
 
 class Block(nn.Module):
@@ -291,9 +315,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, z_loss: float = 0.0):
         super().__init__()
         self.cfg = cfg
+        # loss.z_loss: c · mean (log Z)² added to the training loss (training mode only; see the top)
+        self.z_loss = z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = (
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
@@ -333,6 +359,9 @@ class Transformer(nn.Module):
             nn.init.normal_(layer.mlp.out_proj.weight, std=residual_std)
             layer.attn_norm.reset_parameters()
             layer.mlp_norm.reset_parameters()
+            if layer.attn.q_norm is not None:
+                layer.attn.q_norm.reset_parameters()
+                layer.attn.k_norm.reset_parameters()
         if not isinstance(self.norm, nn.Identity):
             self.norm.reset_parameters()
         if cfg.tie_embeddings:
@@ -429,10 +458,12 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
     ) -> ModelOutput:
         """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), instead the mean
-        cross-entropy over positions whose target is not IGNORE_INDEX (in fp32), and no logits.
+        cross-entropy over positions whose target is not IGNORE_INDEX (in fp32), and no logits
+        (in training mode with `z_loss` > 0, plus the z-loss over the same positions).
         document_ids (B, T), equal within a document: attention stays inside each document and
         rotary positions restart at its first token (document masking)."""
         h, attentions = self.hidden_states(tokens, need_weights, cache, document_ids)
         if targets is not None:
-            return ModelOutput(None, self.lm_head(h, targets), attentions)
+            z_loss = self.z_loss if self.training else 0.0
+            return ModelOutput(None, self.lm_head(h, targets, z_loss), attentions)
         return ModelOutput(self.lm_head(h), None, attentions)

@@ -283,6 +283,12 @@ class LanguageModeling:
         return f"done: {summary['step']} steps, {summary['tokens']:,} tokens; run directory {self.run_dir}"
 
 
+def build_model(cfg: RunConfig) -> Transformer:
+    """The model pretraining trains: `cfg.model`, with the objective's z-loss coefficient
+    (`loss.z_loss`, added to the loss in training mode only; evaluation reports plain cross-entropy)."""
+    return Transformer(cfg.model, z_loss=cfg.loss.z_loss)
+
+
 def pretrain(cfg: RunConfig) -> dict:
     """Train as `cfg` says, on every rank the launcher started; returns the run's summary."""
 
@@ -301,7 +307,7 @@ def pretrain(cfg: RunConfig) -> dict:
             checked.identity,
             asdict(cfg),
             checked.ds_config,
-            lambda: Transformer(cfg.model),
+            functools.partial(build_model, cfg),
             make_trainer,
         )
 

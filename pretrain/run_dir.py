@@ -150,8 +150,23 @@ def model_identity(model_cfg) -> dict:
     return {f"model.{k}": v for k, v in asdict(model_cfg).items() if k not in ("preset", "init_std")}
 
 
+# Keys added after runs were first recorded, with the value a run recorded without them had: an
+# older run.json that lacks one is the same run (and the same config) when the new value is this.
+ADDED_KEYS = {
+    "model.qk_norm": False,
+    "loss.z_loss": 0.0,
+    "monitor.skip_step": False,
+    "monitor.skip_ratio": 3.0,
+    "monitor.skip_window": 64,
+    "monitor.skip_max_consecutive": 3,
+}
+
+
 def _differences(old: dict, new: dict, keys) -> list[str]:
-    return [f"{k} {old.get(k)!r} → {new.get(k)!r}" for k in sorted(keys) if old.get(k) != new.get(k)]
+    def was(k):
+        return old.get(k, ADDED_KEYS.get(k))
+
+    return [f"{k} {was(k)!r} → {new.get(k)!r}" for k in sorted(keys) if was(k) != new.get(k)]
 
 
 def has_checkpoints(run_dir: str | Path) -> bool:

@@ -353,7 +353,7 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
 
     from pretrain.distributed import DistEnv, init_distributed
     from pretrain.engine import initialize
-    from pretrain.model import Transformer
+    from pretrain.pretraining import build_model
 
     env = DistEnv.from_environ()
     init_distributed(env)
@@ -361,7 +361,7 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     torch.manual_seed(cfg.run.seed)
     engine, _ = initialize(
-        Transformer(cfg.model),
+        build_model(cfg),
         cfg.engine,
         cfg.optim,
         deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size),

@@ -228,7 +228,7 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
 
     from pretrain.distributed import DistEnv, init_distributed
     from pretrain.engine import initialize
-    from pretrain.model import Transformer
+    from pretrain.pretraining import build_model
 
     env = DistEnv.from_environ()
     init_distributed(env)
@@ -236,7 +236,7 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     ds = deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size)
 
     torch.manual_seed(cfg.run.seed)
-    ours = Transformer(cfg.model)
+    ours = build_model(cfg)
     hf = hf_model(cfg.model, ours)
     batch = torch.randint(
         0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device

@@ -139,9 +139,10 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from pretrain.inference import export_hf
 
     source, out = export_hf(args.checkpoint, args.out, args.dtype)
+    architecture = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
     print(
-        f"exported {source} to {out}: Llama weights and config, generation config, the tokenizer for "
-        "SentencePiece and for AutoTokenizer / LlamaTokenizerFast (see docs/huggingface.md)"
+        f"exported {source} to {out}: {architecture} weights and config, generation config, the tokenizer "
+        "for SentencePiece and for AutoTokenizer (see docs/huggingface.md)"
     )
     return 0
 

@@ -49,6 +49,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # RMSNorm (learned weight over head_dim) on each head's queries and keys before rotary
+    # embeddings, as in Qwen3 (OLMo 2: over all heads at once): bounds the attention logits
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
@@ -210,6 +213,18 @@ class OptimConfig:
 
 
 @dataclass
+class LossConfig:
+    """The pretraining objective beyond next-token cross-entropy (evaluation reports plain CE)."""
+
+    # z-loss coefficient c: adds c · mean over valid tokens of (log Z)², log Z = logsumexp of the
+    # output logits (PaLM uses 1e-4, OLMo 2 1e-5); 0 disables it
+    z_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("loss.z_loss", self.z_loss, allow_zero=True)
+
+
+@dataclass
 class ScheduleConfig:
     name: str = "cosine"  # cosine | wsd | inverse_sqrt | constant
     warmup_steps: int = 100
@@ -239,6 +254,42 @@ class EngineConfig:
             _positive("engine.peak_flops", self.peak_flops)
 
 
+def _keyword_key(key: str):
+    """A config key that is a Python keyword (`checkpoint.async`): in Python the field is `KEY_`
+    (`cfg.checkpoint.async_`; the class also answers to `getattr(cfg, "async")` and takes `async`
+    as a keyword argument), and it is `KEY` wherever a config is read or written by name — YAML,
+    dotted overrides, `dataclasses.fields`/`asdict` (run.json, run_config.json), OmegaConf
+    (`config show`, merging, unknown-key messages)."""
+    attribute = key + "_"
+
+    def rename(cls):
+        renamed = {}
+        for name, f in cls.__dataclass_fields__.items():
+            if name == attribute:
+                f.name, name = key, key
+            renamed[name] = f
+        cls.__dataclass_fields__ = renamed
+        cls.__annotations__[key] = cls.__annotations__[attribute]  # (what OmegaConf types it by)
+        setattr(
+            cls,
+            key,
+            property(lambda self: getattr(self, attribute), lambda self, v: setattr(self, attribute, v)),
+        )
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            if key in kwargs:
+                kwargs[attribute] = kwargs.pop(key)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+
+    return rename
+
+
+@_keyword_key("async")
 @dataclass
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints
@@ -249,9 +300,15 @@ class CheckpointConfig:
     save_retries: int = (
         2  # failed saves in a row the run survives (trying again at the next save); then it stops
     )
+    # `checkpoint.async` (a keyword in Python: the attribute is `async_`): the loop waits only while
+    # the state is copied off the training buffers; the files, their hashes and the completion
+    # marker are written in the background (docs/run-directory.md, "Checkpoints in the background")
+    async_: bool = False
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every", self.every)
+        if not isinstance(self.async_, bool):
+            raise ConfigError(f"checkpoint.async={self.async_!r}: use true or false")
         _positive("checkpoint.save_retries", self.save_retries, allow_zero=True)
         if not isinstance(self.resume, str) or not self.resume:
             raise ConfigError(
@@ -334,6 +391,11 @@ class FaultsConfig:
     # as this step begins, rank 0 changes bytes (not the size) in the newest checkpoint's optimizer
     # file, which holds the fp32 master weights: a rehearsal of a corrupt rollback target
     corrupt_checkpoint_step: int | None = None
+    # every save of this step's checkpoint pauses slow_save_seconds on every rank after writing
+    # its first file: a rehearsal of a slow disk (a kill meanwhile leaves a half-written
+    # checkpoint). A pause changes nothing saved, so it is not recorded as fired: it pauses each time
+    slow_save_step: int | None = None
+    slow_save_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         _positive("faults.spike_factor", self.spike_factor)
@@ -343,9 +405,10 @@ class FaultsConfig:
                 _positive(f"faults.{key}", step)
         for key in ("kill_rank", "hang_rank"):
             _positive(f"faults.{key}", getattr(self, key), allow_zero=True)
-        for key in ("kill_step", "hang_step", "corrupt_checkpoint_step"):
+        for key in ("kill_step", "hang_step", "corrupt_checkpoint_step", "slow_save_step"):
             if getattr(self, key) is not None:
                 _positive(f"faults.{key}", getattr(self, key))
+        _positive("faults.slow_save_seconds", self.slow_save_seconds, allow_zero=True)
 
 
 @dataclass
@@ -355,6 +418,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

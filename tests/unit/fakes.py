@@ -19,8 +19,7 @@ from pretrain.distributed import DistEnv
 from pretrain.engine import make_optimizer, plan_batches
 from pretrain.finetune import finetuning
 from pretrain.finetune.finetuning import check_inputs
-from pretrain.model import Transformer
-from pretrain.pretraining import build_trainer, preflight
+from pretrain.pretraining import build_model, build_trainer, preflight
 from pretrain.run_dir import claim
 from pretrain.train.loop import Trainer
 
@@ -124,7 +123,7 @@ def pretraining_trainer(cfg: RunConfig, device: str = "cpu") -> Trainer:
     setting = claim(cfg.run.dir, checked.identity, asdict(cfg), cfg.checkpoint.resume)
     resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
     torch.manual_seed(cfg.run.seed)
-    model = Transformer(cfg.model).to(device)
+    model = build_model(cfg).to(device)
     optimizer = make_optimizer(model, cfg.optim, {}, on_gpu=False)
     engine = FakeEngine(model, optimizer, checked.plan.grad_accum, cfg.train.grad_clip)
     return build_trainer(

@@ -135,6 +135,16 @@ def test_resolved_yaml_round_trips(tmp_path):
         ("model:\n  preset: tiny\n", ["model.norm_eps=nan"], r"model.norm_eps=nan must be a finite"),
         ("model:\n  preset: tiny\n", ["engine.peak_flops=-1"], r"engine.peak_flops=-1.0 must be > 0"),
         ("model:\n  preset: tiny\n", ["faults.kill_step=-5"], r"faults.kill_step=-5 must be > 0"),
+        ("model:\n  preset: tiny\n", ["loss.z_loss=-1e-4"], r"loss.z_loss=-0.0001 must be >= 0"),
+        ("model:\n  preset: tiny\n", ["loss.z_loss=nan"], r"loss.z_loss=nan must be a finite number"),
+        ("model:\n  preset: tiny\n", ["loss.z_loss=inf"], r"loss.z_loss=inf must be a finite number"),
+        (
+            "model:\n  preset: tiny\nloss:\n  zloss: 1\n",
+            [],
+            r"unknown key 'loss.zloss'.*in 'loss' are z_loss",
+        ),
+        ("model:\n  preset: tiny\nloss: 1e-4\n", [], r"loss must be a section"),
+        ("model:\n  preset: tiny\n", ["model.qk_norm=maybe"], r"model.qk_norm: .*not a valid bool"),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path, text, overrides, message):
@@ -241,3 +251,29 @@ def test_the_monitor_section_is_the_services_settings_and_the_supervisors_each_r
             and getattr(node.value, "attr", getattr(node.value, "id", None)) == "config"
         }
         assert not read & names[SupervisorConfig], (module, read & names[SupervisorConfig])
+
+
+def test_qk_norm_and_z_loss_load_from_files_and_overrides_and_default_off(tmp_path):
+    """The stability switches (issue 31): off by default, read like any key, written back by
+    to_yaml; a config or checkpoint from before them (no `loss` section, no `model.qk_norm`) loads."""
+    import json
+    from dataclasses import asdict
+
+    tiny = REPO_CONFIG_DIR / "train" / "tiny.yaml"
+    default = load_config(tiny)
+    assert default.model.qk_norm is False and default.loss.z_loss == 0.0
+    cfg = load_config(
+        write(
+            tmp_path,
+            "model:\n  preset: tiny\n  qk_norm: true\ndata:\n  seq_len: 512\nloss:\n  z_loss: 1e-4\n",
+        )
+    )
+    assert cfg.model.qk_norm is True and cfg.loss.z_loss == 1e-4
+    assert load_config(tiny, ["model.qk_norm=true", "loss.z_loss=0.001"]).loss.z_loss == 0.001
+    assert load_config(write(tmp_path, to_yaml(cfg), "again.yaml")) == cfg
+    before = to_yaml(default).replace("loss:\n  z_loss: 0.0\n", "").replace("  qk_norm: false\n", "")
+    assert "\nloss:" not in before and "qk_norm" not in before
+    assert load_config(write(tmp_path, before, "before.yaml")) == default
+    saved = json.loads(json.dumps(asdict(default)))["model"]  # a checkpoint's run_config.json
+    del saved["qk_norm"]
+    assert ModelConfig(**saved) == default.model  # how checkpoint readers build the model

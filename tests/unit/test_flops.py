@@ -44,13 +44,13 @@ SWITCH_CONFIGS = [
     for n, p, a, pos, t in itertools.product(
         ["rmsnorm", "layernorm"], ["pre", "post"], ["swiglu", "relu"], ["rope", "learned"], [False, True]
     )
-]
+] + [small_model_config(qk_norm=True)]
 
 
 @pytest.mark.parametrize(
     "cfg",
     SWITCH_CONFIGS,
-    ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.activation}-{c.positions}-{c.tie_embeddings}",
+    ids=lambda c: f"{c.norm}-{c.norm_placement}-{c.activation}-{c.positions}-{c.tie_embeddings}-{c.qk_norm}",
 )
 def test_param_counts_match_the_model(cfg):
     model = Transformer(cfg)

@@ -48,6 +48,21 @@ def test_identity_is_checked_and_other_changes_listed(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "changed since the last start: optim.lr 0.003 → 0.001"
 
 
+def test_a_run_recorded_before_a_key_was_added_is_the_same_run_at_the_keys_old_value(tmp_path, capsys):
+    """A run directory recorded before `model.qk_norm` or `loss.z_loss` existed resumes with them at
+    the value its run had (off), with no "changed" line; turned on, it is another run."""
+    run_dir = tmp_path / "run"
+    identity, config = {"model.d_model": 64}, {"optim": {"lr": 3e-3}, "model": {"d_model": 64}}
+    claim(run_dir, identity, config, "auto")
+    (ck.checkpoints_dir(run_dir) / "step_00000010").mkdir(parents=True)
+    capsys.readouterr()
+    now = config | {"model": {"d_model": 64, "qk_norm": False}, "loss": {"z_loss": 0.0}}
+    claim(run_dir, identity | {"model.qk_norm": False}, now, "auto")
+    assert capsys.readouterr().out.strip() == ""
+    with pytest.raises(UserError, match=r"holds another run \(model.qk_norm False → True\)"):
+        claim(run_dir, identity | {"model.qk_norm": True}, now, "auto")
+
+
 def test_fresh_moves_the_earlier_run_aside_and_deletes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     claim(run_dir, {"model.d_model": 64}, {}, "auto")
