@@ -83,6 +83,14 @@ class ServiceConfig:
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
     # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
     quarantine: bool = False
+    # Skip a bad update in place (pretrain/skip_step.py): a step whose loss or gradient norm is
+    # non-finite or above skip_ratio × its running median (of the last skip_window) never lands.
+    # The trainer does it, with or without the service; the service then rolls back only when
+    # more than skip_max_consecutive steps in a row were skipped, or for what a skip cannot fix.
+    skip_step: bool = False
+    skip_ratio: float = 3.0
+    skip_window: int = 64
+    skip_max_consecutive: int = 3
 
     def check_service(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,6 +108,11 @@ class ServiceConfig:
         check_positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
         check_positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
         check_positive("monitor.max_rollbacks", self.max_rollbacks)
+        if not (math.isfinite(self.skip_ratio) and self.skip_ratio > 1):
+            raise SettingError(f"monitor.skip_ratio={self.skip_ratio} must be a finite number > 1")
+        if self.skip_window < 2:
+            raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
+        check_positive("monitor.skip_max_consecutive", self.skip_max_consecutive)
 
 
 @dataclass

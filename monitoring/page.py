@@ -184,6 +184,7 @@ def render_page(status: dict) -> str:
         ("tokens/s", f"{tps:,.0f}" if tps else "–"),
         ("ETA", _duration(status.get("eta_seconds"))),
         ("warnings", str(status.get("warnings", 0))),
+        ("updates skipped", str(status.get("updates_skipped", 0))),
         ("rollbacks applied", str(len(status.get("rollbacks") or []))),
         ("restarts", str(len(status.get("restarts") or []))),
         (

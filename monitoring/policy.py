@@ -110,6 +110,8 @@ class Policy:
     applied: list[dict] = field(default_factory=list)  # outcomes of applied rollbacks
     cancelled: list[dict] = field(default_factory=list)
     warnings: int = 0
+    skipped: list[int] = field(default_factory=list)  # steps whose update the trainer skipped in place
+    skipped_in_a_row: int = 0
     stuck: int = 0  # rollbacks in a row that did not get past the previous anomaly
     tripped: bool = False
     manual: str | None = None  # reason of an operator's rollback request, decided at the next step
@@ -152,6 +154,13 @@ class Policy:
             findings.insert(0, Finding("operator", "operator", float("nan")))
         responses = ["rollback" if f.kind == "operator" else self.response(f.kind) for f in findings]
         worst = max(responses, key=RESPONSES.index, default="ignore")
+        if metrics.update_skipped:
+            self.skipped.append(metrics.step)
+            self.skipped_in_a_row += 1
+            if worst == "rollback" and self._fixed_by_the_skip(findings, responses):
+                return Verdict(CONTINUE, "skipped", findings)
+        else:
+            self.skipped_in_a_row = 0
         if worst in ("ignore", "warn"):
             self.detector.admit(metrics.loss, metrics.grad_norm)
             if worst == "warn":
@@ -167,6 +176,15 @@ class Policy:
             self.tripped = True
             return Verdict(Action("stop", reason=reason), "stop", findings)
         return self._decide(metrics.step, finding, reason, findings)
+
+    def _fixed_by_the_skip(self, findings: list[Finding], responses: list[str]) -> bool:
+        """A skipped step's update never landed, so a spike in that step alone left the weights as
+        they were: no rollback. Not so for a trend (divergence), an operator's request, or more
+        than skip_max_consecutive skipped steps in a row (the run, not a batch, is in trouble)."""
+        step_local = ("nonfinite", "loss_spike", "grad_norm_surge", "grad_norm_spike")
+        return self.skipped_in_a_row <= self.config.skip_max_consecutive and all(
+            f.kind in step_local for f, r in zip(findings, responses, strict=True) if r == "rollback"
+        )
 
     def _decide(self, step: int, finding: Finding, reason: str, findings: list[Finding]) -> Verdict:
         target = self.target(step)
@@ -322,6 +340,8 @@ class Policy:
         for e in events:
             if isinstance(e, StepJudged):
                 judged.append(self.detector.chart_point(e.step, e.loss, e.grad_norm, e.level))
+                if e.level == "skipped":
+                    self.skipped.append(e.step)
                 if e.level in ("ok", "warmup", "warn"):
                     loss, grad_norm = (float("nan") if v is None else float(v) for v in (e.loss, e.grad_norm))
                     self.detector.admit(loss, grad_norm)

@@ -99,6 +99,7 @@ class StepMetrics:
     tokens: int  # tokens consumed so far, all ranks
     layer_grad_norms: dict[str, float] = field(default_factory=dict)  # per layer group, when measured
     total_steps: int | None = None  # the run's last step (for progress and ETA)
+    update_skipped: bool = False  # the trainer skipped this step's update in place (monitor.skip_step)
 
     def to_json(self) -> dict[str, Any]:
         payload = asdict(self)
@@ -135,7 +136,11 @@ class StepMetrics:
             isinstance(total, bool) or not isinstance(total, int) or not 0 <= total < MAX_INT
         ):
             raise ProtocolError(f"'total_steps' must be an integer in [0, 2^53), got {total!r}")
+        skipped = payload.get("update_skipped", False)
+        if not isinstance(skipped, bool):
+            raise ProtocolError(f"'update_skipped' must be true or false, got {skipped!r}")
         return cls(
+            update_skipped=skipped,
             total_steps=total,
             step=step,
             loss=_number(payload, "loss"),
@@ -450,6 +455,20 @@ class RollbackCancelled(_Evidence, Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UpdateSkipped(Event):
+    """The trainer skipped step `step`'s update in place (`monitor.skip_step`): it never landed on
+    any rank. `reasons`: loss_nonfinite, grad_norm_nonfinite, loss_spike, grad_norm_spike; the
+    levels are the running medians the step was judged against (None while they warm up)."""
+
+    type: ClassVar[str] = "update_skipped"
+    loss: float
+    grad_norm: float
+    reasons: list[str]
+    loss_level: float | None
+    grad_norm_level: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CircuitBreaker(Event):
     """Too many rollbacks: the service answers `stop`."""
 
@@ -506,6 +525,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RollbackDecided,
         RollbackApplied,
         RollbackCancelled,
+        UpdateSkipped,
         CircuitBreaker,
         Restart,
         JobStopped,

@@ -109,6 +109,9 @@ class MonitorState:
             "pretrain_anomalies", "findings of the detector", ["series", "rule"], registry=r
         )
         self.c_warnings = Counter("pretrain_warnings", "steps that warned", registry=r)
+        self.c_skipped = Counter(
+            "pretrain_updates_skipped", "steps whose update the trainer skipped in place", registry=r
+        )
         self.c_decided = Counter("pretrain_rollbacks_decided", "rollbacks decided", registry=r)
         self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks applied by the trainer", registry=r)
         self.c_cancelled = Counter(
@@ -232,6 +235,8 @@ class MonitorState:
         )
         for finding in verdict.findings:
             self.c_findings.labels(finding.series, finding.kind).inc()
+        if metrics.update_skipped:
+            self.c_skipped.inc()
         if verdict.level == "warn":
             self.c_warnings.inc()
             self._append(
@@ -331,6 +336,8 @@ class MonitorState:
                 "detectors": self.bands(),
                 "warnings": p.warnings,
                 "warnings_recent": list(p.warned),
+                "updates_skipped": len(p.skipped),
+                "updates_skipped_recent": p.skipped[-20:],
                 "rollbacks": list(p.applied),
                 "rollbacks_decided": [d.event().to_json() for d in p.decisions],
                 "rollback_pending": p.pending.event().to_json() if p.pending else None,

@@ -315,6 +315,7 @@ class MonitorLink:
                 tokens,
                 layers,
                 self.total_steps,
+                bool(metrics.get("train/update_skipped")),
             )
         )
 
@@ -418,4 +419,6 @@ def apply_rollback(
         )
     task.load_state_dict(saved["data"])
     task.reshuffle(action.seed)
-    return TrainState(step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale)
+    return TrainState(
+        step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale, hooks=saved.get("hooks", {})
+    )

@@ -25,7 +25,7 @@ from pretrain.config import RunConfig, config_hash, to_yaml
 from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
-from pretrain.data.shards import check_tokenizer, fingerprint, split_windows
+from pretrain.data.shards import fingerprint, split_windows
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
@@ -38,10 +38,12 @@ from pretrain.monitor_link import MonitorLink
 from pretrain.run_builder import RunPlan, run
 from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
-from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.skip_step import SkipGuard
+from pretrain.tokenizer import Tokenizer, check_beside, tokenizer_in
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence, Trainer
 from pretrain.train.monitor_hook import Monitored
+from pretrain.train.skip_hook import SkipBadUpdates
 from pretrain.wandb_sink import check_available
 
 
@@ -107,7 +109,7 @@ def check_data(cfg: RunConfig, world_size: int) -> list[dict]:
                 f"the data in {data_dir} uses a tokenizer of {vocab} pieces but model.vocab_size={cfg.model.vocab_size}: "
                 f"set model.vocab_size={vocab}"
             )
-        check_tokenizer(data_dir, manifest)
+        check_beside(data_dir, manifest)  # (tokenizer.model, or the Hugging Face tokenizer.json it names)
         if cfg.eval.every > 0:  # each corpus is evaluated on its own
             check_windows(
                 cfg,
@@ -259,7 +261,7 @@ class LanguageModeling:
 
     @functools.cached_property
     def _tokenizer(self) -> Tokenizer:
-        return Tokenizer.load(self.data_dir / MODEL_FILE)
+        return Tokenizer.load(tokenizer_in(self.data_dir))
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -333,7 +335,7 @@ def build_trainer(
         env,
         cfg.checkpoint.keep,
         asdict(cfg),
-        data_dir / MODEL_FILE,
+        tokenizer_in(data_dir),
         config_hash(cfg),
         cfg.checkpoint.save_retries,
     )
@@ -368,6 +370,11 @@ def build_trainer(
     hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
+    if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
+        guard = SkipGuard(
+            cfg.monitor.skip_ratio, window=cfg.monitor.skip_window, min_count=min(16, cfg.monitor.skip_window)
+        )
+        hooks.append(SkipBadUpdates(guard, engine, env, run_dir, writer))
     if monitor is not None:
         hooks.append(
             Monitored(monitor, env, run_dir, engine, task, checkpointer, writer, cfg.monitor.quarantine)

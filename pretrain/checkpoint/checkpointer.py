@@ -21,7 +21,7 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     lr_scale: float = 1.0
+    hooks: dict = field(default_factory=dict)  # the loop's step hooks' own state, by hook name
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ class Resume:
 
     @property
     def state(self) -> TrainState:
-        return TrainState(self.saved["step"], self.saved.get("tokens", 0), self.saved.get("lr_scale", 1.0))
+        saved = self.saved
+        return TrainState(
+            saved["step"], saved.get("tokens", 0), saved.get("lr_scale", 1.0), saved.get("hooks", {})
+        )
 
     @property
     def data(self) -> dict | None:
@@ -200,7 +204,8 @@ class Checkpointer:
             # opening barrier and that one (the directory exists already: see _space_problem).
             barrier()
             return _failure(exc)
-        train_state = asdict(state) | ({"data": data} if data is not None else {})
+        train_state = {k: v for k, v in asdict(state).items() if k != "hooks" or v}  # (none: as before)
+        train_state |= {"data": data} if data is not None else {}
         train_state |= {"world_size": self.env.world_size, "config_hash": self.config_hash}
         train_state |= {"params_sha256": params_digest(engine), "weights_sha256": digests}
         try:

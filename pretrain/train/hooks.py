@@ -6,12 +6,21 @@ in the order it was given them, at these points:
     before_step(step)           before the step's first micro-batch
     loss(step, loss) -> loss    each micro-batch's loss, before its backward pass
     vote() -> float             its value in the step's one all-reduce (summed over ranks)
+    before_update(step, mean_loss)
+                                after the step's last backward pass, before its update lands:
+                                the step's mean loss over every rank (a device scalar)
+    readings(step) -> {name: tensor}
+                                device scalars read with the step's one host read; they join the
+                                step's metrics (replacing any of the same name)
     after_step(step, metrics, batch_ids, vote) -> Answer
                                 the step is logged; `batch_ids`: this rank's windows or examples in
                                 the step; `vote`: the sum of every rank's vote
     before_checkpoint(step, stopping, last) -> Answer
                                 a checkpoint is due (`stopping`: the ranks agreed to stop after it)
     close()                     as training ends, also on an error
+
+A hook with a `name` keeps `state_dict()` in every checkpoint (train_state.json's `hooks`); the
+loop gives it back with `load_state_dict` when it resumes or rewinds to one.
 
 A hook answers `CONTINUE`, `Rewind(state)` (it put the weights and the data back at an earlier
 step: the loop goes on from there) or `Stop(reason)` (the run must not go on: nothing after this
@@ -54,6 +63,8 @@ class Stop(Answer):
 class StepHook:
     """A component the loop calls at its step boundaries; every method here does nothing."""
 
+    name = ""  # its key in a checkpoint's `hooks`, when it has state to keep
+
     def open(self, stack: contextlib.ExitStack) -> None:
         pass
 
@@ -66,6 +77,12 @@ class StepHook:
     def vote(self) -> float:
         return 0.0
 
+    def before_update(self, step: int, mean_loss: torch.Tensor) -> None:
+        pass
+
+    def readings(self, step: int) -> dict[str, torch.Tensor]:
+        return {}
+
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         return CONTINUE
 
@@ -73,6 +90,12 @@ class StepHook:
         return CONTINUE
 
     def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
         pass
 
 

@@ -13,6 +13,7 @@ step boundary, save a checkpoint and exit cleanly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -126,6 +127,7 @@ class Trainer:
             for hook in self.hooks:
                 stack.callback(hook.close)
                 hook.open(stack)
+            self.give_hooks_their_state()
             if self.task.evaluates and self.state.step == 0:
                 self.evaluate(0)  # the baseline every curve starts from
             self.last_saved = self.state.step
@@ -182,11 +184,18 @@ class Trainer:
             if isinstance(answer, Rewind):
                 self.state = answer.state
                 self.last_saved = answer.state.step
+                self.give_hooks_their_state()
                 return answer
             if isinstance(answer, Stop):
                 self.summary["stopped_by_monitor"] = answer.reason
                 return answer
         return CONTINUE
+
+    def give_hooks_their_state(self) -> None:
+        """Each named hook's state as of the checkpoint the loop resumed or rewound to."""
+        for hook in self.hooks:
+            if hook.name and hook.name in self.state.hooks:
+                hook.load_state_dict(self.state.hooks[hook.name])
 
     def record_stop(self, step: int, stop: StopRequest) -> None:
         """Every rank, after the save at a stop: which ranks asked to stop and why (a node that
@@ -217,7 +226,7 @@ class Trainer:
         every = self.cadence.layer_norms_every
         device = self.engine.device
         loss_sum, layer_squares, batch_ids, tokens = torch.zeros((), device=device), {}, [], 0
-        for _ in range(self.grad_accum):
+        for micro_batch in range(self.grad_accum):
             batch = self.task.next_batch()
             batch_ids += self.task.last_batch_ids()
             tokens += batch["tokens"].numel()
@@ -225,17 +234,16 @@ class Trainer:
             for hook in self.hooks:
                 loss = hook.loss(step, loss)
             self.engine.backward(loss)
-            if every and step % every == 0 and self.engine.is_gradient_accumulation_boundary():
-                layer_squares = layer_grad_squares(self.engine.module)
-            self.engine.step()
             loss_sum += loss.detach().float()
-        # One collective per step: the mean loss over ranks, whether any rank was asked to stop, and
-        # each hook's vote (the monitor's: whether rank 0 holds an action for every rank).
-        # (torch.full fills on the device; torch.tensor(x, device=...) would copy from the host and wait)
-        flags = [torch.full((), float(stop.requested), device=device)]
-        flags += [torch.full((), float(hook.vote()), device=device) for hook in self.hooks]
-        agreed = all_reduce_sum(torch.stack([loss_sum / self.grad_accum, *flags]))
-        values = read_step_values(agreed, self.engine.get_global_grad_norm(), layer_squares)
+            if micro_batch == self.grad_accum - 1:  # this micro-batch's engine.step() is the update
+                if every and step % every == 0:
+                    layer_squares = layer_grad_squares(self.engine.module)
+                agreed = self.agree(loss_sum, stop)
+                for hook in self.hooks:
+                    hook.before_update(step, agreed[0] / self.env.world_size)
+            self.engine.step()
+        readings = {name: value for hook in self.hooks for name, value in hook.readings(step).items()}
+        values = read_step_values(agreed, self.engine.get_global_grad_norm(), layer_squares, readings)
         stop_requested = values.stopping > 0 or step == self.cadence.stop_at_step
         # Pretraining's micro-batches have one shape on every rank; fine-tuning pads each rank's to
         # its own longest example, so there this counts rank 0's padded shape for every rank.
@@ -259,7 +267,18 @@ class Trainer:
         }
         metrics |= {f"train/grad_norm/{k}": v for k, v in values.layer_norms.items()}
         metrics |= self.task.scalars() if hasattr(self.task, "scalars") else {}
+        metrics |= values.readings
         return metrics, batch_ids, stop_requested, values.votes
+
+    def agree(self, loss_sum: torch.Tensor, stop: StopRequest) -> torch.Tensor:
+        """The step's one collective, before its update lands: the mean loss summed over ranks,
+        whether any rank was asked to stop, and each hook's vote (the monitor's: whether rank 0
+        holds an action for every rank). (torch.full fills on the device; torch.tensor(x,
+        device=...) would copy from the host and wait.)"""
+        device = loss_sum.device
+        flags = [torch.full((), float(stop.requested), device=device)]
+        flags += [torch.full((), float(hook.vote()), device=device) for hook in self.hooks]
+        return all_reduce_sum(torch.stack([loss_sum / self.grad_accum, *flags]))
 
     def log(self, step: int, metrics: dict) -> None:
         self.writer.record(step, metrics)
@@ -287,6 +306,8 @@ class Trainer:
         return bool(self.summary["eval"]) and self.summary["eval"][-1]["step"] == step
 
     def save(self, last: bool = False) -> None:
+        states = {hook.name: hook.state_dict() for hook in self.hooks if hook.name}
+        self.state = dataclasses.replace(self.state, hooks={k: v for k, v in states.items() if v is not None})
         started = time.perf_counter()
         tag = self.checkpointer.save(self.engine, self.state, self.task.state_dict(), last)
         if tag is not None:
@@ -320,6 +341,7 @@ class StepValues(NamedTuple):
     votes: list[float]  # each hook's vote, summed over ranks
     grad_norm: float | None
     layer_norms: dict[str, float]  # per layer group, on the steps that take them
+    readings: dict[str, float]  # the hooks' (`StepHook.readings`)
 
 
 def describe_requesters(requesters: list[dict]) -> str:
@@ -342,7 +364,10 @@ def describe_requesters(requesters: list[dict]) -> str:
 
 
 def read_step_values(
-    agreed: torch.Tensor, grad_norm: torch.Tensor | float | None, layer_squares: dict[str, torch.Tensor]
+    agreed: torch.Tensor,
+    grad_norm: torch.Tensor | float | None,
+    layer_squares: dict[str, torch.Tensor],
+    readings: dict[str, torch.Tensor] | None = None,
 ) -> StepValues:
     """The step's one host read: the agreed numbers, the engine's gradient norm and the per-layer
     squared norms come back to the host together. Every read makes the host wait for the
@@ -353,8 +378,9 @@ def read_step_values(
     on_device = [agreed.double()]
     if norm_on_device:
         on_device.append(grad_norm.detach().double().reshape(1).to(agreed.device))
-    groups = list(layer_squares)
+    groups, readings = list(layer_squares), readings or {}
     on_device += [layer_squares[g].reshape(1).to(agreed.device) for g in groups]
+    on_device += [value.detach().double().reshape(1).to(agreed.device) for value in readings.values()]
     numbers = torch.cat(on_device).tolist()
     agreed_count = agreed.numel()
     loss_sum, stopping, *votes = numbers[:agreed_count]
@@ -362,9 +388,12 @@ def read_step_values(
         grad_norm = numbers[agreed_count]
     elif grad_norm is not None:
         grad_norm = float(grad_norm)  # DeepSpeed's overflow: float("inf")
-    squares = numbers[agreed_count + norm_on_device :]
+    squares = numbers[agreed_count + norm_on_device :][: len(groups)]
+    read = numbers[agreed_count + norm_on_device + len(groups) :]
     layer_norms = {g: math.sqrt(v) for g, v in zip(groups, squares, strict=True)}
-    return StepValues(loss_sum, stopping, votes, grad_norm, layer_norms)
+    return StepValues(
+        loss_sum, stopping, votes, grad_norm, layer_norms, dict(zip(readings, read, strict=True))
+    )
 
 
 def layer_grad_squares(module: torch.nn.Module) -> dict[str, torch.Tensor]:

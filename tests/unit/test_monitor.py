@@ -281,3 +281,41 @@ def test_a_restart_while_a_rollback_is_pending_cancels_it_and_judging_goes_on(tm
     cancelled = [e for e in read_events(tmp_path) if e.type == "rollback_cancelled"]
     assert len(cancelled) == 1 and cancelled[0].decision == status["rollbacks_cancelled"][0]["decision"]
     assert service.handle_metrics(metrics(6, grad=1.02))["verdict"]["level"] == "ok"
+
+
+def test_a_skipped_spike_is_not_rolled_back_but_repeated_skips_and_trends_are(tmp_path):
+    """The trainer skipped a spiking step's update in place (monitor.skip_step): its weights never
+    changed, so the service rolls nothing back and counts it; more than skip_max_consecutive
+    skipped steps in a row are the run in trouble, not one batch: then it rolls back. An update
+    that landed (not skipped) is rolled back as before. A service started again counts the skips."""
+    from dataclasses import replace
+
+    from monitoring.protocol import read_events
+    from monitoring.service import MonitorState
+
+    service = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16, skip_max_consecutive=2))
+    fake_checkpoint(tmp_path, 4)
+    for step in range(1, 9):
+        service.handle_metrics(metrics(step, grad=1.0 + 0.01 * (step % 3)))
+
+    def skipped(step, **values):
+        return replace(metrics(step, **values), update_skipped=True)
+
+    answers = [service.handle_metrics(skipped(step, loss=40.0)) for step in (9, 10)]
+    assert [a["action"] for a in answers] == ["continue", "continue"]
+    assert [a["verdict"]["level"] for a in answers] == ["skipped", "skipped"]
+    assert service.handle_metrics(metrics(11))["verdict"]["level"] == "ok"  # the run in a row again
+    assert [service.handle_metrics(skipped(s, loss=40.0))["action"] for s in (12, 13)] == ["continue"] * 2
+    third = service.handle_metrics(skipped(14, loss=40.0))
+    assert third["action"] == "rollback" and third["tag"] == "step_00000004"  # 3 in a row > 2
+    status = service.status()
+    assert status["updates_skipped"] == 5 and status["updates_skipped_recent"] == [9, 10, 12, 13, 14]
+    again = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16, skip_max_consecutive=2))
+    assert again.status()["updates_skipped"] == 4  # the four judged "skipped" (14 was a rollback)
+    assert [e.level for e in read_events(tmp_path) if e.type == "step"][8:10] == ["skipped", "skipped"]
+
+    landed = MonitorState(tmp_path / "b", MonitorConfig(warmup=4, window=16))
+    fake_checkpoint(tmp_path / "b", 4)
+    for step in range(1, 9):
+        landed.handle_metrics(metrics(step, grad=1.0 + 0.01 * (step % 3)))
+    assert landed.handle_metrics(metrics(9, loss=40.0))["action"] == "rollback"

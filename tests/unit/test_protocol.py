@@ -131,6 +131,9 @@ def one_of_each_event() -> list:
             documents=[{"source": "prose", "record": 4}],
         ),
         p.RollbackCancelled(step=2, decision=2, reason="no intact checkpoint", tag="step_00000002"),
+        p.UpdateSkipped(
+            step=5, loss=30.0, grad_norm=4.0, reasons=["loss_spike"], loss_level=3.0, grad_norm_level=None
+        ),
         p.CircuitBreaker(step=6, reason="3 rollbacks in 100 steps"),
         p.Restart(step=None, reason="exit status 1", restart=1, max_restarts=3, resume_from=None),
         p.JobStopped(step=None, saved=None, why="restarts used up", resume="pretrain launch ..."),
@@ -165,6 +168,6 @@ def test_every_kind_of_event_is_written_once_as_a_type_and_read_back_as_it(tmp_p
     assert [line["type"] for line in lines] == [e.type for e in events]
     assert "documents_unavailable" not in lines[4] and lines[4]["windows"] == [3, 9]
     assert "target" not in lines[5] and lines[5]["tag"] == "step_00000002"
-    assert lines[0]["loss"] == "nan" and lines[7]["step"] is None
+    assert lines[0]["loss"] == "nan" and lines[8]["step"] is None
     with pytest.raises(TypeError):
         p.append_event(tmp_path, {"type": "step", "step": 1})

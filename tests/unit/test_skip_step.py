@@ -1,0 +1,204 @@
+"""The skip guard's pure parts (pretrain/skip_step.py): the running level, the verdict, the outcome
+the loop reads, the checkpoint state, and the hook's poisoning of the norm on stand-ins for
+DeepSpeed's ZeRO optimizers (no process group). The real engine: tests/integration/test_skip_step.py."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pretrain.skip_step import (
+    LOSS_NONFINITE,
+    LOSS_SPIKE,
+    NORM_NONFINITE,
+    NORM_SPIKE,
+    RunningLevel,
+    SkipGuard,
+    SkipOutcome,
+    SkipUnsupported,
+    decide,
+    global_mean,
+)
+
+NAN, INF = math.nan, math.inf
+
+
+def pushed(level: RunningLevel, *rows) -> RunningLevel:
+    for loss, norm in rows:
+        values = torch.tensor([loss, norm], dtype=torch.float64)
+        level.push(values, torch.isfinite(values))
+    return level
+
+
+def test_the_level_is_the_median_of_the_last_window_finite_values():
+    level = RunningLevel(window=4)
+    assert level.level().isnan().all() and level.count().tolist() == [0, 0]
+    pushed(level, (5.0, 1.0), (4.0, 3.0), (NAN, 2.0))  # the NaN loss never joins
+    assert level.count().tolist() == [2, 3]
+    assert level.level().tolist() == [4.0, 2.0]  # (an even count: the lower middle value)
+    pushed(level, (3.0, 100.0), (2.0, 4.0), (1.0, 5.0), (INF, -INF))
+    # window 4: the loss's last four are 4, 3, 2, 1; the norm's 2, 100, 4, 5
+    assert level.count().tolist() == [4, 4]
+    assert level.level().tolist() == [2.0, 4.0]
+
+
+def test_the_level_state_is_json_and_loads_exactly_into_any_window():
+    level = pushed(RunningLevel(window=4), (0.1, 1 / 3), (0.2, NAN), (math.pi, 2.0**-30))
+    state = json.loads(json.dumps(level.state_dict()))
+    assert state == {"window": 4, "loss": [0.1, 0.2, math.pi], "grad_norm": [1 / 3, 2.0**-30]}
+    same = RunningLevel(window=4)
+    same.load_state_dict(state)
+    assert torch.equal(same.buffer.nan_to_num(-1.0), level.buffer.nan_to_num(-1.0))
+    smaller = RunningLevel(window=2)
+    smaller.load_state_dict(state)  # the newest values
+    assert smaller.state_dict() == {"window": 2, "loss": [0.2, math.pi], "grad_norm": [1 / 3, 2.0**-30]}
+    empty = RunningLevel(window=3)
+    empty.load_state_dict({})
+    assert empty.count().tolist() == [0, 0]
+
+
+def verdict(values, level=(4.0, 1.0), count=(5, 5), given=(True, True), min_count=3, ratios=(3.0, 3.0)):
+    d = decide(
+        torch.tensor(values, dtype=torch.float64),
+        torch.tensor(given),
+        torch.tensor(level, dtype=torch.float64),
+        torch.tensor(count),
+        torch.tensor(ratios, dtype=torch.float64),
+        min_count,
+    )
+    return bool(d.skip), int(d.reasons), d.keep.tolist()
+
+
+def test_the_verdict():
+    assert verdict([4.5, 1.2]) == (False, 0, [True, True])
+    assert verdict([12.0, 3.0]) == (False, 0, [True, True])  # exactly ratio × level: kept
+    assert verdict([12.1, 1.0]) == (True, LOSS_SPIKE, [True, True])
+    assert verdict([4.0, 3.1]) == (True, NORM_SPIKE, [True, True])
+    assert verdict([13.0, 3.1]) == (True, LOSS_SPIKE | NORM_SPIKE, [True, True])
+    assert verdict([NAN, 1.0]) == (True, LOSS_NONFINITE, [False, True])
+    assert verdict([4.0, INF]) == (True, NORM_NONFINITE, [True, False])
+    assert verdict([NAN, NAN]) == (True, LOSS_NONFINITE | NORM_NONFINITE, [False, False])
+    assert verdict([4.0, 3.1], ratios=(3.0, 5.0)) == (False, 0, [True, True])  # its own ratio
+    # Fewer than min_count values: only non-finite values skip.
+    assert verdict([100.0, 100.0], count=(2, 2)) == (False, 0, [True, True])
+    assert verdict([100.0, INF], count=(2, 2)) == (True, NORM_NONFINITE, [True, False])
+    assert verdict([100.0, 1.0], level=(NAN, 1.0), count=(0, 5), min_count=0) == (False, 0, [True, True])
+    # No loss this step: judged on the norm alone, and no loss joins the level.
+    assert verdict([NAN, 1.0], given=(False, True)) == (False, 0, [False, True])
+    assert verdict([NAN, 9.0], given=(False, True)) == (True, NORM_SPIKE, [False, True])
+
+
+def step(guard: SkipGuard, loss, norm) -> SkipOutcome:
+    if loss is not None:
+        guard.set_loss(torch.tensor(loss))
+    if norm is not None:  # (None: DeepSpeed skipped before computing the norm)
+        guard.judge(torch.tensor(norm))
+    return SkipOutcome.of(guard.outcome().tolist())
+
+
+def test_the_guard_steps_skips_and_reports():
+    guard = SkipGuard(ratio=3.0, window=8, min_count=3)
+    first = step(guard, 5.0, 1.0)
+    assert first == SkipOutcome(False, False, (), 5.0, 1.0, first.loss_level, first.grad_norm_level)
+    assert math.isnan(first.loss_level) and math.isnan(first.grad_norm_level)
+    assert [step(guard, 20.0, 4.0).skipped for _ in range(2)] == [False, False]  # still warming up
+    spike = step(guard, 100.0, 1.0)  # levels: medians of (5, 20, 20) and (1, 4, 4)
+    assert spike == SkipOutcome(True, True, ("loss_spike",), 100.0, 1.0, 20.0, 4.0)
+    nan_grad = step(guard, 5.0, None)
+    assert nan_grad.skipped and nan_grad.reasons == ("grad_norm_nonfinite",) and nan_grad.grad_norm == INF
+    no_loss = step(guard, None, 2.0)
+    assert not no_loss.skipped and math.isnan(no_loss.loss)
+    assert guard.state_dict() == {
+        "window": 8,
+        "loss": [5.0, 20.0, 20.0, 100.0, 5.0],
+        "grad_norm": [1.0, 4.0, 4.0, 1.0, 2.0],
+    }
+
+
+def test_with_act_off_the_guard_only_reports():
+    guard = SkipGuard(ratio=3.0, window=8, min_count=1, act=False)
+    step(guard, 5.0, 1.0)
+    guard.set_loss(torch.tensor(100.0))
+    assert not bool(guard.judge(torch.tensor(1.0)))
+    outcome = SkipOutcome.of(guard.outcome().tolist())
+    assert outcome.outlier and not outcome.skipped and outcome.reasons == ("loss_spike",)
+    # A non-finite norm is skipped by DeepSpeed itself, guard or not.
+    assert step(guard, 5.0, NAN).skipped
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="ratio"):
+        SkipGuard(ratio=1.0)
+    with pytest.raises(ValueError, match="min_count"):
+        SkipGuard(window=4, min_count=5)
+    with pytest.raises(ValueError, match="window"):
+        RunningLevel(window=0)
+
+
+def test_global_mean_without_a_process_group_is_the_value():
+    assert global_mean(torch.tensor(2.5)).item() == 2.5
+
+
+# ---------------------------------------------------------------- the hook, on stand-ins
+
+
+def stand_in(cls, **attributes):
+    """An instance of DeepSpeed's optimizer class with only what the hook touches."""
+    optimizer = object.__new__(cls)
+    optimizer.custom_loss_scaler = False
+    optimizer.loss_scaler = SimpleNamespace(cur_scale=1.0)
+    for key, value in attributes.items():
+        setattr(optimizer, key, value)
+    return optimizer
+
+
+def test_zero_1_and_2_see_an_infinite_norm_exactly_when_the_guard_skips():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    norm = {"value": torch.tensor(1.0)}
+    optimizer = stand_in(DeepSpeedZeroOptimizer, check_grad_overflow=True, compute_grad_norm=True)
+    own = lambda norm_type=2: norm["value"]  # noqa: E731
+    optimizer.scaled_global_norm = own
+    guard = SkipGuard(ratio=3.0, window=8, min_count=2)
+    guard.arm(optimizer)
+    with pytest.raises(SkipUnsupported, match="already"):
+        SkipGuard().arm(optimizer)
+    seen = []
+    for loss, value in [(5.0, 1.0), (5.0, 1.0), (5.0, 1.0 + 2**-23), (50.0, 1.0), (5.0, 9.0)]:
+        norm["value"] = torch.tensor(value)
+        guard.set_loss(torch.tensor(loss))
+        seen.append(optimizer.scaled_global_norm().item())
+        guard.outcome()
+    assert seen == [1.0, 1.0, 1.0 + 2**-23, INF, INF]  # unchanged bits, or inf
+    guard.disarm()
+    assert optimizer.scaled_global_norm is own and not hasattr(optimizer, "_skip_guard_original")
+
+
+def test_zero_3_sees_infinite_group_norms_exactly_when_the_guard_skips():
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    groups = {"value": [torch.tensor(3.0), torch.tensor(4.0)]}
+    optimizer = stand_in(DeepSpeedZeroOptimizer_Stage3)
+    optimizer._get_norm_groups = lambda: groups["value"]
+    guard = SkipGuard(ratio=3.0, window=8, min_count=1)
+    guard.arm(optimizer)
+    guard.set_loss(torch.tensor(5.0))
+    assert [g.item() for g in optimizer._get_norm_groups()] == [3.0, 4.0]
+    assert SkipOutcome.of(guard.outcome().tolist()).grad_norm == 5.0  # the groups combined
+    groups["value"] = [torch.tensor(30.0), torch.tensor(40.0)]
+    guard.set_loss(torch.tensor(5.0))
+    assert [g.item() for g in optimizer._get_norm_groups()] == [INF, INF]
+    assert SkipOutcome.of(guard.outcome().tolist()).reasons == ("grad_norm_spike",)
+
+
+def test_optimizers_it_cannot_skip_inside_are_refused():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(SkipUnsupported, match="AdamW is not supported"):
+        SkipGuard().arm(torch.optim.AdamW(model.parameters()))
+    no_check = stand_in(DeepSpeedZeroOptimizer, check_grad_overflow=False, compute_grad_norm=True)
+    with pytest.raises(SkipUnsupported, match="check_grad_overflow"):
+        SkipGuard().arm(no_check)
