@@ -8,10 +8,18 @@ into the run config by `pretrain/config/`. Importable without torch, and without
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-FINDINGS = ("nonfinite", "loss_spike", "grad_norm_surge", "divergence", "grad_norm_spike")
+FINDINGS = (
+    "nonfinite",
+    "loss_spike",
+    "grad_norm_surge",
+    "divergence",
+    "grad_norm_spike",
+    "instability_precursor",
+)
 RESPONSES = ("ignore", "warn", "rollback", "stop")  # what a finding may do, least to most drastic
+REPEAT_STAGES = ("quarantine", "lower_lr", "stop")  # monitor.on_repeat: what a repeated rollback adds
 
 
 class SettingError(ValueError):
@@ -78,11 +86,25 @@ class ServiceConfig:
     on_grad_norm_surge: str = "rollback"  # the gradient norm above its threshold and surge_ratio × its median
     on_divergence: str = "rollback"  # the loss's moving average rising divergence_steps steps in a row
     on_grad_norm_spike: str = "warn"  # the gradient norm above its threshold, below surge_ratio × its median
+    # a precursor (largest attention logit, output log Z or |logit|, update/weight RMS) above its band
+    on_instability_precursor: str = "warn"
+    precursor_sigma: float = 6.0  # its band: median + sigma × 1.4826·MAD of its last precursor_window
+    precursor_window: int = 64  # measurements (one every logging.precursors_every steps)
+    precursor_warmup: int = 8  # measurements before it is judged
     rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
     lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
     # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
     quarantine: bool = False
+    # When rollbacks repeat (docs/monitoring.md): a rollback whose anomaly is within repeat_window
+    # steps of the previous rollback's goes one stage further along on_repeat, keeping the earlier
+    # stages' measures (quarantine: its windows set aside; lower_lr: the learning rate times
+    # repeat_lr_factor for repeat_lr_steps steps; stop: the run ends with a diagnosis); a rollback
+    # after a quiet window starts over. Empty: off.
+    on_repeat: list[str] = field(default_factory=list)
+    repeat_window: int = 100
+    repeat_lr_factor: float = 0.5
+    repeat_lr_steps: int = 100
     # Skip a bad update in place (pretrain/skip_step.py): a step whose loss or gradient norm is
     # non-finite or above skip_ratio × its running median (of the last skip_window) never lands.
     # The trainer does it, with or without the service; the service then rolls back only when
@@ -108,11 +130,35 @@ class ServiceConfig:
         check_positive("monitor.divergence_steps", self.divergence_steps, allow_zero=True)
         check_positive("monitor.rollback_margin", self.rollback_margin, allow_zero=True)
         check_positive("monitor.max_rollbacks", self.max_rollbacks)
+        check_positive("monitor.precursor_sigma", self.precursor_sigma)
+        if self.precursor_warmup < 2 or self.precursor_window < self.precursor_warmup:
+            raise SettingError(
+                f"monitor.precursor_warmup={self.precursor_warmup}, monitor.precursor_window="
+                f"{self.precursor_window}: need 2 <= precursor_warmup <= precursor_window"
+            )
         if not (math.isfinite(self.skip_ratio) and self.skip_ratio > 1):
             raise SettingError(f"monitor.skip_ratio={self.skip_ratio} must be a finite number > 1")
         if self.skip_window < 2:
             raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
         check_positive("monitor.skip_max_consecutive", self.skip_max_consecutive)
+        check_escalation(self)
+
+
+def check_escalation(config: ServiceConfig) -> None:
+    """monitor.on_repeat and its settings: known stages, `stop` only last, a window and a factor."""
+    stages = config.on_repeat
+    if not isinstance(stages, list | tuple) or not all(isinstance(s, str) for s in stages):
+        raise SettingError(
+            f"monitor.on_repeat={stages!r} must be a list of stages, e.g. [quarantine,lower_lr,stop]"
+        )
+    for stage in stages:
+        check_choice("monitor.on_repeat", stage, REPEAT_STAGES)
+    if "stop" in stages[:-1]:
+        raise SettingError(f"monitor.on_repeat={list(stages)}: 'stop' can only be the last stage")
+    check_positive("monitor.repeat_window", config.repeat_window)
+    check_positive("monitor.repeat_lr_steps", config.repeat_lr_steps)
+    if not (math.isfinite(config.repeat_lr_factor) and 0 < config.repeat_lr_factor <= 1):
+        raise SettingError(f"monitor.repeat_lr_factor={config.repeat_lr_factor} must be in (0, 1]")
 
 
 @dataclass

@@ -20,6 +20,11 @@ The findings, from the most to the least severe (each mapped to an action by the
   blow-up that never crosses the band).
 * `grad_norm_spike`: the gradient norm above its threshold, but less than `surge_ratio` times its
   level. Clean runs do this now and then (the calibration in docs/monitoring.md shows how often).
+* `instability_precursor`: one of the precursors a report may carry (monitoring.protocol's
+  PRECURSORS: the largest attention logit, the output logits' largest log Z and |logit|, the
+  largest update/weight RMS ratio), non-finite or above its own band (`precursor_window`
+  measurements, `precursor_sigma`, judged after `precursor_warmup`): what grows before a loss
+  diverges (Wortsman et al. 2023), seen before the loss moves.
 
 Values judged a rollback never enter their window, so a spike cannot widen its own band; values
 that only warned do, so a lasting change of regime (a gradient norm that grows as the learning
@@ -132,11 +137,13 @@ class Detector:
         self.grad_norm = Series(window, warmup, grad_norm_sigma, min_rel_std)
         self.divergence = Divergence(divergence_steps)
         self.surge_ratio = surge_ratio
+        self.precursors: dict[str, Series] = {}
+        self.precursor_settings = (64, 8, 6.0, min_rel_std)  # window, warmup, sigma, min_rel_std
 
     @classmethod
     def of(cls, config) -> Detector:
         c = config
-        return cls(
+        detector = cls(
             c.window,
             c.warmup,
             c.grad_norm_sigma,
@@ -146,16 +153,46 @@ class Detector:
             c.divergence_steps,
             c.loss_spike_ratio,
         )
+        detector.precursor_settings = (
+            c.precursor_window,
+            c.precursor_warmup,
+            c.precursor_sigma,
+            c.min_rel_std,
+        )
+        return detector
+
+    def precursor(self, name: str) -> Series:
+        if name not in self.precursors:
+            self.precursors[name] = Series(*self.precursor_settings)
+        return self.precursors[name]
+
+    def precursor_findings(self, values: dict[str, float]) -> list[Finding]:
+        """Each precursor measured at this step, non-finite or above its own band."""
+        found = []
+        for name, value in values.items():
+            b = self.precursor(name).band()
+            if not math.isfinite(value):
+                found.append(Finding("instability_precursor", name, value))
+            elif b is not None and value > b.threshold:
+                found.append(Finding("instability_precursor", name, value, b.threshold, b.level))
+        return found
+
+    def admit_precursors(self, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.precursor(name).add(value)
 
     def bands(self) -> dict[str, Band | None]:
-        return {"loss": self.loss.band(), "grad_norm": self.grad_norm.band()}
+        precursors = {name: series.band() for name, series in self.precursors.items()}
+        return {"loss": self.loss.band(), "grad_norm": self.grad_norm.band()} | precursors
 
-    def chart_point(self, step: int, loss, grad_norm, level: str) -> dict:
+    def chart_point(self, step: int, loss, grad_norm, level: str, precursors: dict | None = None) -> dict:
         """One judged step as the page draws it: its values, its verdict's level, and the band
-        (`<series>_level`, `<series>_threshold`) it was judged against."""
-        point = {"step": step, "loss": loss, "grad_norm": grad_norm, "level": level}
+        (`<series>_level`, `<series>_threshold`) it was judged against; precursors only at the
+        steps that measured them."""
+        precursors = precursors or {}
+        point = {"step": step, "loss": loss, "grad_norm": grad_norm, "level": level} | precursors
         for series, b in self.bands().items():
-            if b is not None:
+            if b is not None and (series in ("loss", "grad_norm") or series in precursors):
                 point |= {f"{series}_level": b.level, f"{series}_threshold": b.threshold}
         return point
 

@@ -21,6 +21,13 @@ CHARTS = (
     ("loss", "loss (shaded: its band, from the median to the threshold)"),
     ("grad_norm", "gradient norm (shaded: its band; orange: warning, red: rollback)"),
 )
+# Instability precursors (monitoring.protocol.PRECURSORS), drawn once a run reports them.
+PRECURSOR_CHARTS = (
+    ("attn_logit_max", "largest attention logit, over layers (a precursor)"),
+    ("logit_lse_max", "largest log Z of the output logits (a precursor)"),
+    ("logit_abs_max", "largest |output logit| (a precursor)"),
+    ("update_ratio_max", "largest update / weight RMS, over layer groups (a precursor)"),
+)
 
 
 def _number(value) -> float | None:
@@ -129,7 +136,7 @@ def _events(status: dict) -> list[tuple[int, str, str]]:
             (
                 d["step"],
                 "rollback decided",
-                f"{d.get('reason')} → {d.get('target')} (decision {d.get('decision')})",
+                f"{d.get('reason')} → {d.get('target')} (decision {d.get('decision')})" + _repeat(d),
             )
         )
     for a in status.get("rollbacks") or []:
@@ -144,6 +151,17 @@ def _events(status: dict) -> list[tuple[int, str, str]]:
         rows.append((r.get("step") or 0, "restart", str(r.get("reason", ""))))
     order = ("warning", "rollback decided", "rollback applied", "rollback cancelled", "restart")
     return sorted(rows, key=lambda row: (row[0], order.index(row[1])), reverse=True)
+
+
+def _repeat(decided: dict) -> str:
+    """What a repeated rollback added (monitor.on_repeat), e.g. ", repeat 2: windows quarantined,
+    lr x0.5 for 100 steps"; empty for a plain rollback."""
+    if not decided.get("repeat"):
+        return ""
+    measures = ["windows quarantined"] if decided.get("quarantine") else []
+    if decided.get("lr_factor") is not None:
+        measures.append(f"lr x{decided['lr_factor']:g} for {decided.get('lr_factor_steps')} steps")
+    return f", repeat {decided['repeat']}: {', '.join(measures) or decided.get('stage')}"
 
 
 STYLE = """
@@ -198,10 +216,15 @@ def render_page(status: dict) -> str:
         if status.get("circuit_breaker")
         else ""
     )
+    stopped = (status.get("escalation") or {}).get("stopped")
+    if stopped:  # monitor.on_repeat's last stage: the diagnosis
+        breaker = f'<p class="tripped">stopped: {html.escape(stopped)}</p>'
+
     series = status.get("series") or []
     rollbacks = [d["step"] for d in status.get("rollbacks_decided") or []]
     rolled_back = status.get("series_rolled_back") or []
-    charts = "\n".join(chart(series, name, title, rollbacks, rolled_back) for name, title in CHARTS)
+    shown = [*CHARTS, *((n, t) for n, t in PRECURSOR_CHARTS if any(n in point for point in series))]
+    charts = "\n".join(chart(series, name, title, rollbacks, rolled_back) for name, title in shown)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">

@@ -30,6 +30,7 @@ from monitoring.protocol import (
     Action,
     Event,
     Outcome,
+    RepeatsStopped,
     RollbackApplied,
     RollbackCancelled,
     RollbackDecided,
@@ -53,6 +54,13 @@ class Decision:
     target: str
     seed: int
     lr_scale: float
+    # monitor.on_repeat (None when off): how many rollbacks in a row this one repeats, the stage it
+    # reached and what that stage adds (see `Rung`)
+    repeat: int | None = None
+    stage: str | None = None
+    quarantine: bool | None = None
+    lr_factor: float | None = None
+    lr_factor_steps: int | None = None
 
     def action(self) -> Action:
         return Action(
@@ -63,6 +71,10 @@ class Decision:
             reason=self.reason,
             decision=self.id,
             step=self.step,
+            stage=self.stage,
+            quarantine=self.quarantine,
+            lr_factor=self.lr_factor,
+            lr_factor_steps=self.lr_factor_steps,
         )
 
     def event(self) -> RollbackDecided:
@@ -76,6 +88,11 @@ class Decision:
             target=self.target,
             seed=self.seed,
             lr_scale=self.lr_scale,
+            repeat=self.repeat,
+            stage=self.stage,
+            quarantine=self.quarantine,
+            lr_factor=self.lr_factor,
+            lr_factor_steps=self.lr_factor_steps,
         )
 
 
@@ -93,6 +110,7 @@ class Verdict:
     decision: Decision | None = None
     note: str | None = None
     cancelled: dict | None = None  # a pending decision this report showed the trainer will not apply
+    stopped: RepeatsStopped | None = None  # the stop that ended a chain of repeated rollbacks
 
     def to_json(self) -> dict:
         out = {"level": self.level, "findings": [asdict(f) | {"reason": f.reason} for f in self.findings]}
@@ -117,6 +135,7 @@ class Policy:
     manual: str | None = None  # reason of an operator's rollback request, decided at the next step
     tainted_from: int | None = None  # a rollback-worthy step still in the weights: no target after it
     pinned_tag: str | None = None
+    repeats_stopped: RepeatsStopped | None = None  # monitor.on_repeat's stop, when it came
     last: StepMetrics | None = None
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))  # verdicts
     warned: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))  # warnings
@@ -150,6 +169,7 @@ class Policy:
     def _judge(self, metrics: StepMetrics) -> Verdict:
         self.refresh_pin(metrics.step)
         findings = self.detector.findings(metrics.loss, metrics.grad_norm)
+        findings += self.detector.precursor_findings(metrics.precursors)
         if self.manual is not None:
             findings.insert(0, Finding("operator", "operator", float("nan")))
         responses = ["rollback" if f.kind == "operator" else self.response(f.kind) for f in findings]
@@ -163,6 +183,7 @@ class Policy:
             self.skipped_in_a_row = 0
         if worst in ("ignore", "warn"):
             self.detector.admit(metrics.loss, metrics.grad_norm)
+            self.detector.admit_precursors(metrics.precursors)
             if worst == "warn":
                 self.warnings += 1
                 self.warned.append({"step": metrics.step, "reason": "; ".join(f.reason for f in findings)})
@@ -203,7 +224,12 @@ class Policy:
         if self.stuck > self.config.max_rollbacks:
             self.tripped = True
             why = f"circuit breaker: {self.stuck - 1} rollbacks made no progress past step {previous}"
+            if self.config.on_repeat and self.chain():  # (monitor.on_repeat: what the chain tried)
+                why += f"; tried: {describe_chain(self.chain())}"
             return Verdict(Action("stop", reason=why), "stop", findings)
+        rung = Rung.of(self.config, step, self.chain())
+        if rung is not None and rung.stage == "stop":
+            return self._stop_repeats(step, finding, reason, findings)
         n = len(self.decisions) + 1
         decision = Decision(
             id=(self.decisions[-1].id if self.decisions else 0) + 1,
@@ -215,10 +241,57 @@ class Policy:
             target=target,
             seed=self.base_seed + 1_000_003 * n,
             lr_scale=self.config.lr_scale**n,
+            **(asdict(rung) if rung is not None else {}),
         )
         self.decisions.append(decision)
         self.pending = decision
         return Verdict(decision.action(), "rollback", findings, decision)
+
+    # ---------------------------------------------------------------------- repeated rollbacks
+
+    def chain(self) -> list[Decision]:
+        """The rollbacks, oldest first, that repeated one another up to the newest (monitor.on_repeat:
+        each within repeat_window steps of the one before; a cancelled one was no rollback)."""
+        cancelled = {c["decision"] for c in self.cancelled}
+        chain = []
+        for decision in reversed(self.decisions):
+            if decision.id in cancelled:
+                continue
+            chain.insert(0, decision)
+            if not decision.repeat:
+                break
+        return chain
+
+    def _stop_repeats(self, step: int, finding: Finding, reason: str, findings: list[Finding]) -> Verdict:
+        """The last stage: stop, with a diagnosis naming every rollback of the chain and what it tried."""
+        self.tripped = True
+        chain = self.chain()
+        diagnosis = (
+            f"rollbacks kept repeating within {self.config.repeat_window} steps (monitor.repeat_window): "
+            f"{describe_chain(chain)}; then {reason} at step {step}: stopping after "
+            f"monitor.on_repeat [{', '.join(self.config.on_repeat)}]"
+        )
+        self.repeats_stopped = RepeatsStopped(
+            step=step,
+            reason=reason,
+            diagnosis=diagnosis,
+            tried=[tried(d) for d in chain],
+        )
+        return Verdict(Action("stop", reason=diagnosis), "stop", findings, stopped=self.repeats_stopped)
+
+    def escalation(self) -> dict | None:
+        """/status's `escalation` (None when monitor.on_repeat is off): the stages, the chain of
+        repeated rollbacks so far, and the stop's diagnosis if it came."""
+        if not self.config.on_repeat:
+            return None
+        chain = self.chain()
+        return {
+            "on_repeat": list(self.config.on_repeat),
+            "repeat_window": self.config.repeat_window,
+            "repeat": chain[-1].repeat or 0 if chain else None,
+            "chain": [tried(d) for d in chain],
+            "stopped": self.repeats_stopped.diagnosis if self.repeats_stopped else None,
+        }
 
     def _remember(self, metrics: StepMetrics, verdict: Verdict) -> Verdict:
         self.recent.append(
@@ -359,6 +432,11 @@ class Policy:
                     e.target,
                     e.seed,
                     e.lr_scale,
+                    e.repeat,
+                    e.stage,
+                    e.quarantine,
+                    e.lr_factor,
+                    e.lr_factor_steps,
                 )
                 self.decisions.append(decision)
                 self.pending = None if decision.id in resolved else decision
@@ -368,4 +446,71 @@ class Policy:
                 )
             elif isinstance(e, RollbackCancelled):
                 self.cancelled.append({"decision": e.decision, "step": e.step, "reason": e.reason})
+            elif isinstance(e, RepeatsStopped):
+                self.repeats_stopped = e  # (shown; a job started again goes on from the chain)
         return judged
+
+
+@dataclass
+class Rung:
+    """Where a rollback stands on monitor.on_repeat's ladder: `repeat` rollbacks in a row came within
+    repeat_window steps of the one before (0: none did, a plain rollback); the stage reached is
+    on_repeat[repeat - 1] (the last one beyond the list), and each stage keeps the earlier ones'
+    measures: quarantine (the anomalous step's windows set aside), lower_lr (the learning rate times
+    repeat_lr_factor, per lower_lr reached, for repeat_lr_steps steps), stop."""
+
+    repeat: int
+    stage: str | None
+    quarantine: bool | None
+    lr_factor: float | None
+    lr_factor_steps: int | None
+
+    @classmethod
+    def of(cls, config: ServiceConfig, step: int, chain: list[Decision]) -> Rung | None:
+        """The rung of a rollback at anomalous `step` after the chain so far; None when off."""
+        stages = list(config.on_repeat)
+        if not stages:
+            return None
+        previous = chain[-1] if chain else None
+        repeat = 0
+        if previous is not None and step - previous.step <= config.repeat_window:
+            repeat = (previous.repeat or 0) + 1
+        reached = stages[: min(repeat, len(stages))]
+        lowered = reached.count("lower_lr")
+        return cls(
+            repeat,
+            reached[-1] if reached else None,
+            True if "quarantine" in reached else None,
+            config.repeat_lr_factor**lowered if lowered else None,
+            config.repeat_lr_steps if lowered else None,
+        )
+
+
+def tried(decision: Decision) -> dict:
+    """A rollback of a chain, as /status and the `repeats_stopped` event list it."""
+    return {
+        "decision": decision.id,
+        "step": decision.step,
+        "finding": decision.finding,
+        "target": decision.target,
+        "repeat": decision.repeat,
+        "stage": decision.stage,
+        "quarantine": decision.quarantine,
+        "lr_factor": decision.lr_factor,
+        "lr_factor_steps": decision.lr_factor_steps,
+    }
+
+
+def describe_chain(chain: list[Decision]) -> str:
+    """ "rollback 1 at step 10 (loss_spike) to step_00000008; rollback 2 at step 12 (loss_spike) to
+    step_00000010, its windows quarantined; ..." """
+    parts = []
+    for d in chain:
+        measures = ["its windows quarantined"] if d.quarantine else []
+        if d.lr_factor is not None:
+            measures.append(f"learning rate x{d.lr_factor:g} for {d.lr_factor_steps} steps")
+        parts.append(
+            f"rollback {d.id} at step {d.step} ({d.finding}) to {d.target}"
+            + (f", {' and '.join(measures)}" if measures else "")
+        )
+    return "; ".join(parts)

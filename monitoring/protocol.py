@@ -32,6 +32,9 @@ from typing import Any, ClassVar
 PROTOCOL_VERSION = 1
 MAX_INT = 2**53  # integers beyond this are not exact in JSON readers (and are no real step or count)
 ACTIONS = ("continue", "rollback", "stop")  # what the service may answer; their order is the wire code
+# The instability precursors a report may carry (the trainer's `stability/<name>`, measured every
+# logging.precursors_every steps), each graded by the service against its own band.
+PRECURSORS = ("attn_logit_max", "logit_lse_max", "logit_abs_max", "update_ratio_max")
 
 MONITOR_DIR = "monitor"
 ENDPOINT_FILE = "endpoint.json"
@@ -100,12 +103,14 @@ class StepMetrics:
     layer_grad_norms: dict[str, float] = field(default_factory=dict)  # per layer group, when measured
     total_steps: int | None = None  # the run's last step (for progress and ETA)
     update_skipped: bool = False  # the trainer skipped this step's update in place (monitor.skip_step)
+    precursors: dict[str, float] = field(default_factory=dict)  # PRECURSORS measured at this step
 
     def to_json(self) -> dict[str, Any]:
         payload = asdict(self)
         payload["loss"] = _nonfinite_to_json(self.loss)
         payload["grad_norm"] = _nonfinite_to_json(self.grad_norm)
         payload["layer_grad_norms"] = {k: _nonfinite_to_json(v) for k, v in self.layer_grad_norms.items()}
+        payload["precursors"] = {k: _nonfinite_to_json(v) for k, v in self.precursors.items()}
         return payload
 
     @classmethod
@@ -136,10 +141,18 @@ class StepMetrics:
             isinstance(total, bool) or not isinstance(total, int) or not 0 <= total < MAX_INT
         ):
             raise ProtocolError(f"'total_steps' must be an integer in [0, 2^53), got {total!r}")
+        precursors = payload.get("precursors") or {}
+        if not isinstance(precursors, dict) or not set(precursors) <= set(PRECURSORS):
+            raise ProtocolError(f"'precursors' must be an object with keys among {', '.join(PRECURSORS)}")
+        precursors = {
+            k: _number({f"precursors.{k}": _json_to_float(v)}, f"precursors.{k}")
+            for k, v in precursors.items()
+        }
         skipped = payload.get("update_skipped", False)
         if not isinstance(skipped, bool):
             raise ProtocolError(f"'update_skipped' must be true or false, got {skipped!r}")
         return cls(
+            precursors=precursors,
             update_skipped=skipped,
             total_steps=total,
             step=step,
@@ -189,12 +202,20 @@ class Action:
     reason: str | None = None
     decision: int | None = None  # the service's number for a rollback decision (1, 2, ...)
     step: int | None = None  # the anomalous step the rollback was decided at
+    # A rollback that repeats (monitor.on_repeat), each absent otherwise: the stage it reached, and
+    # what the trainer does besides rolling back (set the anomalous step's windows aside; the
+    # learning rate times `lr_factor` for the `lr_factor_steps` steps after the target).
+    stage: str | None = None
+    quarantine: bool | None = None
+    lr_factor: float | None = None
+    lr_factor_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name, types in (("tag", str), ("seed", int), ("reason", str), ("decision", int), ("step", int)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
                 raise ProtocolError(f"{name!r} must be a {types.__name__}, got {value!r}")
+        _check_escalation_fields(self)
         if isinstance(self.lr_scale, bool) or not isinstance(self.lr_scale, int | float):
             raise ProtocolError(f"'lr_scale' must be a number, got {self.lr_scale!r}")
         if self.kind not in ACTIONS:
@@ -212,11 +233,30 @@ class Action:
     def from_json(cls, payload: Any) -> Action:
         if not isinstance(payload, dict):
             raise ProtocolError("an action must be a JSON object")
-        unknown = set(payload) - {"action", "tag", "seed", "lr_scale", "reason", "decision", "step"}
+        unknown = set(payload) - {"action"} - {f.name for f in fields(cls) if f.name != "kind"}
         if unknown:
             raise ProtocolError(f"unknown action fields {sorted(unknown)}")
         fields_ = {k: v for k, v in payload.items() if k != "action"}
         return cls(kind=payload.get("action", "continue"), **fields_)
+
+
+def _check_escalation_fields(action: Action) -> None:
+    """An action's escalation fields (monitor.on_repeat), each optional."""
+    if action.stage is not None and not isinstance(action.stage, str):
+        raise ProtocolError(f"'stage' must be a string, got {action.stage!r}")
+    if action.quarantine is not None and not isinstance(action.quarantine, bool):
+        raise ProtocolError(f"'quarantine' must be true or false, got {action.quarantine!r}")
+    factor, steps = action.lr_factor, action.lr_factor_steps
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1
+    ):
+        raise ProtocolError(f"'lr_factor' must be a number in (0, 1], got {factor!r}")
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps < MAX_INT
+    ):
+        raise ProtocolError(f"'lr_factor_steps' must be a positive integer, got {steps!r}")
+    if (factor is None) != (steps is None):
+        raise ProtocolError("'lr_factor' and 'lr_factor_steps' come together")
 
 
 CONTINUE = Action()
@@ -395,6 +435,13 @@ class RollbackDecided(Event):
     """The service decided rollback number `decision` at anomalous step `step`."""
 
     type: ClassVar[str] = "rollback"
+    OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = (
+        "repeat",
+        "stage",
+        "quarantine",
+        "lr_factor",
+        "lr_factor_steps",
+    )
     decision: int
     reason: str
     finding: str
@@ -403,6 +450,13 @@ class RollbackDecided(Event):
     target: str
     seed: int
     lr_scale: float
+    # monitor.on_repeat (absent when off): how many rollbacks in a row this one repeats (0: none
+    # within monitor.repeat_window steps), the stage reached, and what it adds (see `Action`)
+    repeat: int | None = None
+    stage: str | None = None
+    quarantine: bool | None = None
+    lr_factor: float | None = None
+    lr_factor_steps: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,6 +523,38 @@ class UpdateSkipped(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RepeatsStopped(Event):
+    """Rollbacks kept repeating through every stage of monitor.on_repeat: the service answers
+    `stop`. `tried`: the rollbacks of the chain, oldest first ({decision, step, finding, target,
+    stage, quarantine, lr_factor, lr_factor_steps}); `diagnosis`: the same in one line."""
+
+    type: ClassVar[str] = "repeats_stopped"
+    reason: str
+    diagnosis: str
+    tried: list[dict]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrLowered(Event):
+    """The trainer lowered the learning rate for rollback `decision` (monitor.on_repeat's
+    `lower_lr`): the schedule's value times `factor` from step `step` + 1 through step `until`."""
+
+    type: ClassVar[str] = "lr_lowered"
+    decision: int | None
+    factor: float
+    until: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrRestored(Event):
+    """The lowered learning rate (times `factor`, until step `step` - 1) is the schedule's again."""
+
+    type: ClassVar[str] = "lr_restored"
+    decision: int | None
+    factor: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class CircuitBreaker(Event):
     """Too many rollbacks: the service answers `stop`."""
 
@@ -526,6 +612,9 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RollbackApplied,
         RollbackCancelled,
         UpdateSkipped,
+        RepeatsStopped,
+        LrLowered,
+        LrRestored,
         CircuitBreaker,
         Restart,
         JobStopped,

@@ -256,6 +256,8 @@ class MonitorState:
                     step=metrics.step, note=verdict.note, reason="; ".join(f.reason for f in verdict.findings)
                 )
             )
+        elif verdict.stopped is not None:  # monitor.on_repeat's last stage
+            self._append(verdict.stopped)
         elif verdict.level == "stop" and verdict.findings:
             self._append(CircuitBreaker(step=metrics.step, reason=verdict.action.reason))
         self.g_step.set(metrics.step)
@@ -278,7 +280,9 @@ class MonitorState:
         self.policy.recent[-1]["tokens"] = metrics.tokens
         if metrics.total_steps is not None:
             self.total_steps = metrics.total_steps
-        point = self.policy.detector.chart_point(metrics.step, metrics.loss, metrics.grad_norm, verdict.level)
+        point = self.policy.detector.chart_point(
+            metrics.step, metrics.loss, metrics.grad_norm, verdict.level, metrics.precursors
+        )
         for series in ("loss", "grad_norm"):
             if f"{series}_threshold" in point:
                 self.g_band.labels(series).set(point[f"{series}_threshold"])
@@ -344,6 +348,7 @@ class MonitorState:
                 "rollbacks_cancelled": list(p.cancelled),
                 "recent": [dict(v) for v in p.recent],
                 "circuit_breaker": p.tripped,
+                "escalation": p.escalation(),
                 "pinned": p.pinned_tag,
                 "restarts": [r.to_json() for r in self.restarts],
                 "job": self.job,

@@ -34,6 +34,7 @@ from monitoring.protocol import (
     ACTIONS,
     CONTINUE,
     ENDPOINT_FILE,
+    PRECURSORS,
     TOKEN_FILE,
     Action,
     Judgement,
@@ -248,9 +249,10 @@ class Reporter:
 
 
 def broadcast_action(action: Action | None, device) -> Action:
-    """Rank 0's action to every rank, as six numbers: (kind, target step, seed, lr scale,
-    decision, decided-at step)."""
-    packed = torch.zeros(6, dtype=torch.float64, device=device)
+    """Rank 0's action to every rank, as nine numbers: (kind, target step, seed, lr scale,
+    decision, decided-at step, and monitor.on_repeat's quarantine, lr factor and its steps: 0 when
+    absent). The reason and the stage are rank 0's alone (it writes the messages)."""
+    packed = torch.zeros(9, dtype=torch.float64, device=device)
     if action is not None:
         target = step_of(action.tag) if action.tag else 0
         packed = torch.tensor(
@@ -261,12 +263,15 @@ def broadcast_action(action: Action | None, device) -> Action:
                 action.lr_scale,
                 action.decision or 0,
                 action.step or 0,
+                float(bool(action.quarantine)),
+                action.lr_factor or 0,
+                action.lr_factor_steps or 0,
             ],
             dtype=torch.float64,
             device=device,
         )
     broadcast(packed, src=0)
-    kind, target, seed, lr_scale, decision, step = packed.tolist()
+    kind, target, seed, lr_scale, decision, step, quarantine, lr_factor, lr_factor_steps = packed.tolist()
     kind = ACTIONS[int(kind)]
     if kind == "rollback":
         return Action(
@@ -277,6 +282,10 @@ def broadcast_action(action: Action | None, device) -> Action:
             reason=action.reason if action else None,
             decision=int(decision) or None,
             step=int(step) or None,
+            stage=action.stage if action else None,
+            quarantine=True if quarantine else None,
+            lr_factor=lr_factor or None,
+            lr_factor_steps=int(lr_factor_steps) or None,
         )
     if kind == "stop":
         return Action("stop", reason=(action.reason if action else None) or "stopped by the monitor")
@@ -316,6 +325,7 @@ class MonitorLink:
                 layers,
                 self.total_steps,
                 bool(metrics.get("train/update_skipped")),
+                {k: metrics[f"stability/{k}"] for k in PRECURSORS if f"stability/{k}" in metrics},
             )
         )
 

@@ -43,6 +43,7 @@ from pretrain.tokenizer import Tokenizer, check_beside, tokenizer_in
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence, Trainer
 from pretrain.train.monitor_hook import Monitored
+from pretrain.train.precursor_hook import InstabilityPrecursors
 from pretrain.train.skip_hook import SkipBadUpdates
 from pretrain.wandb_sink import check_available
 
@@ -370,6 +371,13 @@ def build_trainer(
     hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
+    cadence = Cadence.of(cfg, cfg.train.steps, cfg.train.stop_at_step)
+    if cfg.logging.precursors_every:  # (before the monitor's: its report carries them)
+        hooks.append(
+            InstabilityPrecursors(
+                engine, cfg.logging.precursors_every, cfg.logging.precursor_tokens, writer, cadence.logged
+            )
+        )
     if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
         guard = SkipGuard(
             cfg.monitor.skip_ratio, window=cfg.monitor.skip_window, min_count=min(16, cfg.monitor.skip_window)
@@ -379,7 +387,6 @@ def build_trainer(
         hooks.append(
             Monitored(monitor, env, run_dir, engine, task, checkpointer, writer, cfg.monitor.quarantine)
         )
-    cadence = Cadence.of(cfg, cfg.train.steps, cfg.train.stop_at_step)
     schedule = schedule_for(cfg.optim.lr, cfg.train.steps, cfg.schedule, cfg.model.d_model)
     return Trainer(
         env=env,

@@ -159,6 +159,12 @@ ADDED_KEYS = {
     "monitor.skip_ratio": 3.0,
     "monitor.skip_window": 64,
     "monitor.skip_max_consecutive": 3,
+    "monitor.on_repeat": [],
+    "monitor.repeat_window": 100,
+    "monitor.repeat_lr_factor": 0.5,
+    "monitor.repeat_lr_steps": 100,
+    "logging.precursors_every": 0,
+    "logging.precursor_tokens": 256,
 }
 
 

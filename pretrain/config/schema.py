@@ -364,6 +364,10 @@ class WandbConfig:
 class LoggingConfig:
     every: int = 10  # steps between console/TensorBoard scalar writes
     layer_grad_norms_every: int = 50  # steps between per-layer-group gradient norms; 0 disables
+    # steps between measurements of the instability precursors (pretrain/precursors.py: largest
+    # attention logit per layer, output log Z, update/weight RMS per layer group); 0 disables
+    precursors_every: int = 10
+    precursor_tokens: int = 256  # of the first sequence of the last micro-batch, for the probe
     tensorboard: bool = True
     # RUN_DIR/data_trace/rank_NNNNN.jsonl: the window ids each rank trained on at each step, to
     # find the data behind a spike (`pretrain data inspect`; a step run again appends a new line)
@@ -373,6 +377,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _positive("logging.every", self.every)
         _positive("logging.layer_grad_norms_every", self.layer_grad_norms_every, allow_zero=True)
+        _positive("logging.precursors_every", self.precursors_every, allow_zero=True)
+        _positive("logging.precursor_tokens", self.precursor_tokens)
 
 
 @dataclass

@@ -4,11 +4,13 @@ in the order it was given them, at these points:
 
     open(stack)                 once, as training starts (what it opens, it closes on `stack`)
     before_step(step)           before the step's first micro-batch
+    lr_factor(step) -> float    the step's learning rate is the schedule's times every hook's factor
     loss(step, loss) -> loss    each micro-batch's loss, before its backward pass
     vote() -> float             its value in the step's one all-reduce (summed over ranks)
-    before_update(step, mean_loss)
+    before_update(step, mean_loss, batch)
                                 after the step's last backward pass, before its update lands:
-                                the step's mean loss over every rank (a device scalar)
+                                the step's mean loss over every rank (a device scalar) and this
+                                rank's last micro-batch
     readings(step) -> {name: tensor}
                                 device scalars read with the step's one host read; they join the
                                 step's metrics (replacing any of the same name)
@@ -71,13 +73,16 @@ class StepHook:
     def before_step(self, step: int) -> None:
         pass
 
+    def lr_factor(self, step: int) -> float:
+        return 1.0
+
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
     def vote(self) -> float:
         return 0.0
 
-    def before_update(self, step: int, mean_loss: torch.Tensor) -> None:
+    def before_update(self, step: int, mean_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         pass
 
     def readings(self, step: int) -> dict[str, torch.Tensor]:

@@ -84,6 +84,10 @@ class Cadence:
     layer_norms_every: int  # 0: never
     stop_at_step: int | None = None  # save and exit here (e.g. to fit a job time limit)
 
+    def logged(self, step: int) -> bool:
+        """Whether the console and TensorBoard get this step's scalars."""
+        return step % self.log_every == 0 or step == self.steps
+
     @classmethod
     def of(cls, cfg, steps: int, stop_at_step: int | None = None) -> Cadence:
         """From a run's (or fine-tuning run's) logging, eval and checkpoint sections."""
@@ -222,6 +226,8 @@ class Trainer:
         The host reads the step's numbers once, at the end (`read_step_values`)."""
         started = time.perf_counter()
         lr = self.lr_at(step) * self.state.lr_scale
+        for hook in self.hooks:
+            lr *= hook.lr_factor(step)  # (1.0 but for the monitor's, while monitor.on_repeat lowers it)
         set_lr(self.optimizer, lr)
         every = self.cadence.layer_norms_every
         device = self.engine.device
@@ -240,7 +246,7 @@ class Trainer:
                     layer_squares = layer_grad_squares(self.engine.module)
                 agreed = self.agree(loss_sum, stop)
                 for hook in self.hooks:
-                    hook.before_update(step, agreed[0] / self.env.world_size)
+                    hook.before_update(step, agreed[0] / self.env.world_size, batch)
             self.engine.step()
         readings = {name: value for hook in self.hooks for name, value in hook.readings(step).items()}
         values = read_step_values(agreed, self.engine.get_global_grad_norm(), layer_squares, readings)
@@ -282,7 +288,7 @@ class Trainer:
 
     def log(self, step: int, metrics: dict) -> None:
         self.writer.record(step, metrics)
-        if step % self.cadence.log_every == 0 or step == self.cadence.steps:
+        if self.cadence.logged(step):
             self.writer.scalars(step, metrics)
             self.writer.console(step, metrics)
 

@@ -1,25 +1,28 @@
 """The monitor at the loop's step boundaries (a `StepHook`): every step reported to the service,
-its answers acted on — a rollback applied (and its windows set aside with `monitor.quarantine`),
-a stop obeyed — and its verdicts charted on TensorBoard. The trainer's side of the wire (the
-reporter thread, the broadcast of an action to every rank, loading the target) is
-`pretrain/monitor_link.py`."""
+its answers acted on — a rollback applied (and its windows set aside with `monitor.quarantine`, or
+when the service asks it of a repeated rollback, `monitor.on_repeat`, which may also lower the
+learning rate for a number of steps), a stop obeyed — and its verdicts charted on TensorBoard. The
+trainer's side of the wire (the reporter thread, the broadcast of an action to every rank, loading
+the target) is `pretrain/monitor_link.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from monitoring.protocol import Action, Judgement
+from monitoring.protocol import Action, Judgement, LrLowered, LrRestored, append_event
 from pretrain.checkpoint import tag_for
-from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.distributed import DistEnv
 from pretrain.metrics import MARK_TAGS, MetricsWriter, band_tags
 from pretrain.monitor_link import MonitorLink, apply_rollback
 from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
 
+LR_FACTOR_TAG = "monitor/lr_factor"  # TensorBoard: the monitor's factor on the learning rate
 QUARANTINE_FILE = "quarantine.jsonl"  # monitor.quarantine: the windows set aside, one line per rollback
 DATA_POSITIONS_KEPT = 1024  # steps back a verdict can be about and still name its windows
 
@@ -46,6 +49,10 @@ class Traceable(Protocol):
 
 @dataclass
 class Monitored(StepHook):
+    """Named: its state in a checkpoint (train_state.json `hooks.monitor`) is the learning rate's
+    factor while a repeated rollback has it lowered ({factor, until, decision}); none otherwise."""
+
+    name = "monitor"
     link: MonitorLink
     env: DistEnv
     run_dir: Path
@@ -57,18 +64,27 @@ class Monitored(StepHook):
     charted_to: int = 0  # the newest step whose verdict is on TensorBoard
     quarantined: list = field(default_factory=list)  # (window, epoch) set aside by this process's rollbacks
     data_at: dict = field(default_factory=dict)  # step → the data position it started at (recent steps)
+    lowered: dict | None = None  # monitor.on_repeat's lower_lr: {factor, until (its last step), decision}
+    lr_restored_at: int | None = None  # the step the lowered learning rate was lifted at
 
     def before_step(self, step: int) -> None:
         """Where the data stood as `step` began, for the steps a verdict may still be about."""
         self.data_at[step] = self.task.state_dict()
         for old in [s for s in self.data_at if s <= step - DATA_POSITIONS_KEPT]:
             del self.data_at[old]
+        if self.lowered is not None and step > self.lowered["until"]:
+            self.lift_lr(step)
+
+    def lr_factor(self, step: int) -> float:
+        return self.lowered["factor"] if self.lowered is not None and step <= self.lowered["until"] else 1.0
 
     def vote(self) -> float:
         return self.link.pending()  # rank 0 holds an action (about an earlier step) for every rank
 
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         self.link.report(step, metrics, int(metrics["train/tokens"]))  # judged while the next step runs
+        if self.lowered is not None or self.lr_restored_at == step:
+            self.writer.scalars(step, {LR_FACTOR_TAG: self.lr_factor(step)})
         return self.act(step, self.link.take() if vote > 0 else None)  # about an earlier step
 
     def before_checkpoint(self, step: int, stopping: bool, last: bool) -> Answer:
@@ -100,19 +116,66 @@ class Monitored(StepHook):
         self.writer.message(
             f"monitor: {action.reason} at step {action.step}: rolling back to {action.tag} "
             f"with data seed {action.seed}, lr scale {action.lr_scale:g}"
+            + (f" (a repeated rollback: monitor.on_repeat's {action.stage})" if action.stage else "")
         )
         windows = self.task.windows_of(self.data_at[action.step]) if action.step in self.data_at else []
         evidence = self.task.evidence([w for w, _ in windows]) if self.env.is_main else {}
         state = apply_rollback(action, step, self.engine, self.task, self.checkpointer, evidence)
-        if state is not None and self.quarantine and windows:
+        if state is not None and (self.quarantine or action.quarantine) and windows:
             self.quarantine_windows(action, windows, evidence)
         if state is None:
             reason = f"no intact checkpoint at or before {action.tag}"
             self.writer.message(f"monitor: {reason}: rollback cancelled")
             self.link.resolved(action, step, None, reason)
             return CONTINUE
+        state = self.lower_lr(action, state)
         self.link.resolved(action, step, tag_for(state.step))
         return Rewind(state)
+
+    # ------------------------------------------------------- the lowered learning rate (on_repeat)
+
+    def lower_lr(self, action: Action, state: TrainState) -> TrainState:
+        """After a rollback to `state`: the learning rate times the action's factor for its steps
+        after the target (the state the loop rewinds to holds it, so the loop gives it back to this
+        hook); without one, the target checkpoint's own (if it held a lowered rate, the loop gives
+        it back), else none."""
+        self.lowered, self.lr_restored_at = None, None
+        if action.lr_factor is None:
+            return state
+        until = state.step + (action.lr_factor_steps or 0)
+        self.lowered = {"factor": action.lr_factor, "until": until, "decision": action.decision}
+        if self.env.is_main:
+            append_event(
+                self.run_dir,
+                LrLowered(step=state.step, decision=action.decision, factor=action.lr_factor, until=until),
+            )
+        self.writer.message(
+            f"monitor: rollback {action.decision} repeats earlier ones: learning rate x{action.lr_factor:g} "
+            f"for steps {state.step + 1}..{until}"
+        )
+        return dataclasses.replace(state, hooks=state.hooks | {self.name: self.state_dict()})
+
+    def lift_lr(self, step: int) -> None:
+        """The lowered learning rate's last step is behind: the schedule's again from `step`."""
+        lowered, self.lowered, self.lr_restored_at = self.lowered, None, step
+        if self.env.is_main:
+            append_event(
+                self.run_dir, LrRestored(step=step, decision=lowered["decision"], factor=lowered["factor"])
+            )
+        self.writer.message(
+            f"monitor: learning rate back on its schedule from step {step} "
+            f"(x{lowered['factor']:g} through step {lowered['until']})"
+        )
+
+    def state_dict(self) -> dict | None:
+        return dict(self.lowered) if self.lowered is not None else None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lowered = {
+            "factor": float(state["factor"]),
+            "until": int(state["until"]),
+            "decision": state.get("decision"),
+        }
 
     def quarantine_windows(self, action: Action, windows: list[tuple[int, int]], evidence: dict) -> None:
         """Quarantine the anomalous step's windows (and those of earlier rollbacks, which an older

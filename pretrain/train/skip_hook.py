@@ -38,7 +38,7 @@ class SkipBadUpdates(StepHook):
         self.guard.arm(self.engine)
         stack.callback(self.guard.disarm)
 
-    def before_update(self, step: int, mean_loss: torch.Tensor) -> None:
+    def before_update(self, step: int, mean_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         self.guard.set_loss(mean_loss)
 
     def readings(self, step: int) -> dict[str, torch.Tensor]:

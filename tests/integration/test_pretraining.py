@@ -175,6 +175,15 @@ def test_tensorboard_tags(golden_run):
         "eval/perplexity",
     }
     assert expected <= scalars, expected - scalars
+    # The instability precursors, every logging.precursors_every=10 steps, on the real engine.
+    per_layer = [events_.Scalars(f"stability/attn_logit_max/layer_{i}") for i in (0, 1)]
+    largest = events_.Scalars("stability/attn_logit_max")
+    assert [e.step for e in largest] == [10, 20] == [e.step for e in per_layer[0]]
+    assert [e.value for e in largest] == [max(a.value, b.value) for a, b in zip(*per_layer, strict=True)]
+    for tag in ("logit_lse_mean", "logit_lse_max", "logit_abs_max", "update_ratio_max"):
+        assert [e.step for e in events_.Scalars(f"stability/{tag}")] == [10, 20], tag
+    ratios = [e.value for e in events_.Scalars("stability/update_ratio_max")]
+    assert all(0 < r < 1 for r in ratios), ratios  # an update is a small part of the weights
     losses = {e.step: e.value for e in events_.Scalars("train/loss")}
     assert sorted(losses) == list(range(1, 21))
     for step, record in metrics(golden_run).items():

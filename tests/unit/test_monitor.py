@@ -319,3 +319,40 @@ def test_a_skipped_spike_is_not_rolled_back_but_repeated_skips_and_trends_are(tm
     for step in range(1, 9):
         landed.handle_metrics(metrics(step, grad=1.0 + 0.01 * (step % 3)))
     assert landed.handle_metrics(metrics(9, loss=40.0))["action"] == "rollback"
+
+
+def test_an_instability_precursor_above_its_band_warns_before_the_loss_moves(tmp_path):
+    """A report's precursors (monitoring.protocol.PRECURSORS) are graded against their own bands:
+    a largest attention logit far above its usual level warns (on_instability_precursor=warn by
+    default) while the loss is still normal, and rolls back when configured so; a non-finite one
+    warns too; the page draws the precursor's chart once a run reports it."""
+    from dataclasses import replace
+
+    from monitoring.page import render_page
+    from monitoring.service import MonitorState
+
+    config = MonitorConfig(warmup=4, window=16, precursor_warmup=4)
+    service = MonitorState(tmp_path, config)
+    fake_checkpoint(tmp_path, 4)
+
+    def measured(step, logit):
+        precursors = {"attn_logit_max": logit, "update_ratio_max": 0.01}
+        return replace(metrics(step, grad=1.0 + 0.01 * (step % 3)), precursors=precursors)
+
+    for step in range(1, 9):
+        assert service.handle_metrics(measured(step, 5.0 + 0.1 * (step % 2)))["verdict"]["level"] in (
+            "warmup",
+            "ok",
+        )
+    answer = service.handle_metrics(measured(9, 40.0))
+    assert answer["action"] == "continue" and answer["verdict"]["level"] == "warn"
+    assert [f["kind"] for f in answer["verdict"]["findings"]] == ["instability_precursor"]
+    assert "attn_logit_max" in answer["verdict"]["findings"][0]["series"]
+    assert service.handle_metrics(measured(10, float("inf")))["verdict"]["level"] == "warn"
+    page = render_page(service.status(series=True))
+    assert 'aria-label="largest attention logit, over layers (a precursor)"' in page
+    strict = MonitorState(tmp_path / "b", replace(config, on_instability_precursor="rollback"))
+    fake_checkpoint(tmp_path / "b", 4)
+    for step in range(1, 9):
+        strict.handle_metrics(measured(step, 5.0 + 0.1 * (step % 2)))
+    assert strict.handle_metrics(measured(9, 40.0))["action"] == "rollback"

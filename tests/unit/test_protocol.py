@@ -139,6 +139,11 @@ def one_of_each_event() -> list:
         p.JobStopped(step=None, saved=None, why="restarts used up", resume="pretrain launch ..."),
         p.CheckpointCorrupt(step=2, tag="step_00000002", reason="sha256", moved_to="/x/corrupt"),
         p.StopRequested(step=8, saved="step_00000008", requested_by=[{"rank": 0}]),
+        p.RepeatsStopped(
+            step=9, reason="loss spike", diagnosis="rollbacks kept repeating: ...", tried=[{"decision": 1}]
+        ),
+        p.LrLowered(step=6, decision=2, factor=0.5, until=10),
+        p.LrRestored(step=11, decision=2, factor=0.5),
     ]
 
 

@@ -313,3 +313,27 @@ def test_a_rewind_ends_the_boundary_and_the_loop_goes_on_from_its_state(tmp_path
     summary = trainer.train()
     assert asked == {"first": [1, 2, 3, 3, 4], "second": [1, 2, 3, 4]}
     assert summary["completed"] and summary["step"] == 4
+
+
+def test_the_precursors_are_measured_every_n_steps_and_read_with_the_step(tmp_path, train_data):
+    """logging.precursors_every=3 with logging.every=4: steps 3 and 6 carry every precursor in
+    metrics.jsonl and in TensorBoard (read back with its own reader), also at step 3, which is not
+    a logging step; the summaries are the largest of their parts; the other steps carry none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pretrain.metrics import tensorboard_dir
+
+    cfg = config(tmp_path, train_data, "train.steps=6", "logging.precursors_every=3", "logging.every=4")
+    pretraining_trainer(cfg).train()
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    measured = {s: {k: v for k, v in r.items() if k.startswith("stability/")} for s, r in records.items()}
+    assert [s for s, values in measured.items() if values] == [3, 6]
+    values = measured[3]
+    layers = [values[f"stability/attn_logit_max/layer_{i}"] for i in range(cfg.model.n_layers)]
+    ratios = [v for k, v in values.items() if k.startswith("stability/update_ratio/")]
+    assert values["stability/attn_logit_max"] == pytest.approx(max(layers))
+    assert values["stability/update_ratio_max"] == pytest.approx(max(ratios)) and 0 < max(ratios) < 1
+    assert values["stability/logit_lse_max"] >= values["stability/logit_lse_mean"] > 0
+    board = EventAccumulator(str(tensorboard_dir(tmp_path)))
+    board.Reload()
+    assert [e.step for e in board.Scalars("stability/attn_logit_max")] == [3, 6]
