@@ -58,26 +58,10 @@ def attention_maps(model: Transformer, token_ids: list[int] | torch.Tensor) -> t
 
 
 def piece_labels(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    """One readable label per token: its SentencePiece piece with "▁" as a space, ASCII byte pieces
-    as their character, and whitespace that would be invisible drawn as ↵ ⇥ ␣."""
-    processor = tokenizer.processor
-    labels = []
-    for i in map(int, ids):
-        piece = processor.id_to_piece(i)
-        if processor.is_control(i) or processor.is_unknown(i):
-            labels.append(piece)  # <s>, </s>, <pad>, <unk>
-            continue
-        if processor.is_byte(i):
-            char = chr(int(piece[3:5], 16))  # "<0x0A>"
-            if ord(char) >= 0x80 or not (char.isprintable() or char in "\n\t\r"):
-                labels.append(piece)  # part of a multi-byte character, or a control byte: shown as is
-                continue
-            piece = char
-        text = piece.replace("▁", " ").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
-        if not text.strip(" "):
-            text = "␣" * len(text)
-        labels.append(text)
-    return labels
+    """One readable label per token (`Tokenizer.piece_labels`): a SentencePiece piece with "▁" as a
+    space, ASCII byte pieces as their character; a Hugging Face token's text (a byte-level token's
+    bytes); whitespace that would be invisible drawn as ↵ ⇥ ␣."""
+    return tokenizer.piece_labels(ids)
 
 
 # --------------------------------------------------------------------------- PNG grid

@@ -1,10 +1,12 @@
 """Fault injection (`faults.*`), for tests and rehearsals of the monitor and the supervisor.
 
 Scale the loss (and so the gradients), or the gradients alone (the loss reported is the true one),
-or make the loss NaN at given steps; kill or hang a rank as a step
-begins; corrupt the newest checkpoint's fp32 master weights (same size, other bytes) as a step begins. Each fault fires once: the faults fired ("spike:10", "kill:7", ...) are kept in
-RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs clean. Every
-rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung.
+or make the loss NaN at given steps; kill or hang a rank as a step begins; corrupt the newest
+checkpoint's fp32 master weights (same size, other bytes) as a step begins; pause the writing of a
+step's checkpoint (`save_pause`, which the checkpointer asks: a slow disk, and a window for a kill
+during a save). Each fault but the pause fires once: the faults fired ("spike:10", "kill:7", ...)
+are kept in RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs
+clean. Every rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung.
 """
 
 from __future__ import annotations
@@ -111,3 +113,17 @@ class FaultInjector:
             self.fired.add(f"{kind}:{step}")
             if self.rank == 0:
                 atomic.write_json(self.path, sorted(self.fired))
+
+
+def save_pause(faults: FaultsConfig | dict | None, step: int) -> float:
+    """`faults.slow_save_step`: the seconds every rank pauses, after writing its first file, while
+    it saves the checkpoint of `step` (0: none). Each save of that step pauses: a pause changes
+    nothing that is saved, so unlike the other faults it is not recorded as fired. `faults` may be
+    the run config's section as a dict (what the checkpointer holds)."""
+    if faults is None:
+        return 0.0
+    if isinstance(faults, dict):
+        at, seconds = faults.get("slow_save_step"), faults.get("slow_save_seconds", 0.0)
+    else:
+        at, seconds = faults.slow_save_step, faults.slow_save_seconds
+    return float(seconds) if at is not None and at == step else 0.0

@@ -1,7 +1,7 @@
 """`pretrain eval --tasks`: EleutherAI's lm-evaluation-harness on a checkpoint.
 
 `PretrainLM` is the harness's language-model interface (`lm_eval.api.model.LM`) around our
-`Transformer` and SentencePiece `Tokenizer`; `evaluate_checkpoint` runs `lm_eval.simple_evaluate`
+`Transformer` and `Tokenizer` (SentencePiece or Hugging Face); `evaluate_checkpoint` runs `lm_eval.simple_evaluate`
 with it and writes what that returns as the harness's own CLI does (eval_results.json).
 
 Text is scored the way the model was trained. `prepare` packs documents as text EOS text EOS ..., so

@@ -8,7 +8,9 @@ RMSNorm over head_dim on each head's queries and keys before rotary, `q_norm` / 
 same eps as the other norms), and a Qwen3 directory without sliding-window attention is read back.
 `save_hf_tokenizer(tokenizer, dir)` writes the SentencePiece model beside them together with the
 files `AutoTokenizer` and `LlamaTokenizerFast` load (tokenizer.json, tokenizer_config.json,
-special_tokens_map.json), built so that they give exactly our ids (see `fast_tokenizer_json`).
+special_tokens_map.json), built so that they give exactly our ids (see `fast_tokenizer_json`); a
+Hugging Face tokenizer.json is written unchanged, with a tokenizer_config.json naming its special
+tokens (`hf_tokenizer_config_dict`).
 None of this needs `transformers` or `tokenizers` installed: the formats are plain JSON and safetensors.
 
 Our fused projections map onto Llama's separate ones by row blocks:
@@ -31,7 +33,7 @@ from pretrain import atomic
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
-from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.tokenizer import MODEL_FILE, HFTokenizer, Tokenizer
 
 LLAMA_REQUIREMENTS = {  # field: (value Llama has, what to set)
     "norm": ("rmsnorm", "model.norm=rmsnorm"),
@@ -170,7 +172,10 @@ def _proto(tokenizer: Tokenizer) -> sentencepiece_model_pb2.ModelProto:
 
 
 def check_tokenizer_exportable(tokenizer: Tokenizer) -> None:
-    """Refuse what a tokenizer.json cannot reproduce id for id (our `train_tokenizer` never makes these)."""
+    """Refuse what a tokenizer.json cannot reproduce id for id (our `train_tokenizer` never makes these).
+    A Hugging Face tokenizer is a tokenizer.json already."""
+    if isinstance(tokenizer, HFTokenizer):
+        return
     proto = _proto(tokenizer)
     trainer, normalizer = proto.trainer_spec, proto.normalizer_spec
     problems = {
@@ -220,6 +225,10 @@ def hf_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
 
 def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
     """bos/eos/pad/unk as pieces: special_tokens_map.json, and the same keys in tokenizer_config.json."""
+    if isinstance(tokenizer, HFTokenizer):  # those it has (a tokenizer without a pad pads with EOS)
+        names = {f"{role}_token": token for role, token in tokenizer.tokens.items()}
+        names |= {"pad_token": names["pad_token"] or names["eos_token"], "unk_token": tokenizer.unk_token}
+        return {key: token for key, token in names.items() if token is not None}
     processor = tokenizer.processor
     ids = {key.removesuffix("_id"): i for key, i in hf_token_ids(tokenizer).items()}
     return {name: processor.id_to_piece(i) for name, i in (ids | {"unk_token": processor.unk_id()}).items()}
@@ -329,6 +338,20 @@ def tokenizer_config_dict(tokenizer: Tokenizer, model_max_length: int) -> dict:
     }
 
 
+def hf_tokenizer_config_dict(tokenizer: HFTokenizer, model_max_length: int) -> dict:
+    """tokenizer_config.json beside an unchanged tokenizer.json: the generic PreTrainedTokenizerFast,
+    which runs the file as written, and its special tokens. split_special_tokens: a special token
+    written in a text is text, as our ids have it (pretrain/tokenizer.py). Our ids are
+    `add_special_tokens=False`'s; with special tokens the file's own post-processor applies."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        **special_tokens(tokenizer),
+    }
+
+
 def generation_config_dict(tokenizer: Tokenizer) -> dict:
     """generation_config.json: the special ids, and `pretrain generate`'s sampling defaults."""
     return {
@@ -343,15 +366,21 @@ def generation_config_dict(tokenizer: Tokenizer) -> dict:
 
 def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int) -> Path:
     """Write tokenizer.model (a copy of ours), tokenizer.json, tokenizer_config.json,
-    special_tokens_map.json and generation_config.json into out_dir, each atomically."""
+    special_tokens_map.json and generation_config.json into out_dir, each atomically; for a Hugging
+    Face tokenizer, its tokenizer.json byte for byte instead of the first two."""
     check_tokenizer_exportable(tokenizer)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_bytes(out_dir / MODEL_FILE, tokenizer.path.read_bytes())
-    atomic.write_text(
-        out_dir / TOKENIZER_JSON, json.dumps(fast_tokenizer_json(tokenizer), ensure_ascii=False)
-    )
-    atomic.write_json(out_dir / TOKENIZER_CONFIG, tokenizer_config_dict(tokenizer, model_max_length))
+    if isinstance(tokenizer, HFTokenizer):
+        atomic.write_bytes(out_dir / TOKENIZER_JSON, tokenizer.path.read_bytes())
+        config = hf_tokenizer_config_dict(tokenizer, model_max_length)
+    else:
+        atomic.write_bytes(out_dir / MODEL_FILE, tokenizer.path.read_bytes())
+        atomic.write_text(
+            out_dir / TOKENIZER_JSON, json.dumps(fast_tokenizer_json(tokenizer), ensure_ascii=False)
+        )
+        config = tokenizer_config_dict(tokenizer, model_max_length)
+    atomic.write_json(out_dir / TOKENIZER_CONFIG, config)
     atomic.write_json(out_dir / SPECIAL_TOKENS_MAP, special_tokens(tokenizer))
     atomic.write_json(out_dir / GENERATION_CONFIG, generation_config_dict(tokenizer))
     return out_dir

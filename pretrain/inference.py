@@ -2,9 +2,10 @@
 
 `load_trained` consolidates any ZeRO stage's shards into fp32 weights with DeepSpeed's own
 `zero_to_fp32` tool and rebuilds the model from the checkpoint's run_config.json; the tokenizer
-comes from the checkpoint directory too. It takes a Hugging Face Llama directory as well (one
-`export_hf` wrote, or any with safetensors weights and a SentencePiece tokenizer.model), so every
-command that reads a checkpoint reads those.
+comes from the checkpoint directory too (a SentencePiece tokenizer.model, or a Hugging Face
+tokenizer.json). It takes a Hugging Face Llama directory as well (one `export_hf` wrote, or any with
+safetensors weights and a tokenizer.model or tokenizer.json), so every command that reads a
+checkpoint reads those.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pretrain.console import silenced_stdout, verbose
 from pretrain.data import WindowStream, read_manifest
 from pretrain.errors import UserError
 from pretrain.model import KVCache, Transformer
-from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.tokenizer import HF_FILE, MODEL_FILE, Tokenizer
 
 EXPORT_RUN_CONFIG = "pretrain_run.json"  # in an export: its checkpoint, and the data settings eval reads
 # Eval windows of a model without a training seq_len are at most this long (DataConfig's default).
@@ -86,21 +87,23 @@ def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> Traine
 
 
 def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> Trained:
-    """A Hugging Face Llama directory with its SentencePiece tokenizer.model. Its run_config is what
-    `export_hf` kept of the checkpoint's (EXPORT_RUN_CONFIG), or {} for a model from elsewhere."""
+    """A Hugging Face Llama directory with its tokenizer (a SentencePiece tokenizer.model, else a
+    tokenizer.json). Its run_config is what `export_hf` kept of the checkpoint's (EXPORT_RUN_CONFIG),
+    or {} for a model from elsewhere."""
     from pretrain.hf import load_hf
 
     directory = Path(path)
-    if not (directory / MODEL_FILE).is_file():
+    if not any((directory / name).is_file() for name in (MODEL_FILE, HF_FILE)):
         raise UserError(
-            f"{directory} has no {MODEL_FILE}: our commands tokenize with the model's SentencePiece "
-            f"tokenizer; copy the model's {MODEL_FILE} there (`pretrain export-hf` writes one)"
+            f"{directory} has no {MODEL_FILE} or {HF_FILE}: our commands tokenize with the model's own "
+            f"tokenizer; copy the model's {MODEL_FILE} (SentencePiece) or {HF_FILE} there "
+            "(`pretrain export-hf` writes one)"
         )
     tokenizer = Tokenizer.load(directory)
     model = load_hf(directory, dtype)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise UserError(
-            f"{directory / MODEL_FILE} has {tokenizer.vocab_size} pieces but the model embeds "
+            f"{tokenizer.path} has {tokenizer.vocab_size} pieces but the model embeds "
             f"{model.cfg.vocab_size}: put the tokenizer the model was trained with there"
         )
     export_info = directory / EXPORT_RUN_CONFIG
@@ -124,7 +127,7 @@ def perplexity(
     if manifest["tokenizer"]["sha256"] != trained.tokenizer.sha256:
         raise UserError(
             f"{data_dir} was tokenized with a different tokenizer than {trained.directory}: "
-            "evaluate on data prepared with the checkpoint's tokenizer.model"
+            f"evaluate on data prepared with the checkpoint's {trained.tokenizer.file_name}"
         )
     seq_len = window_length(trained)
     windows = iter(WindowStream(data_dir, seq_len, split="validation"))

@@ -12,25 +12,32 @@ broadcast): a corrupt checkpoint is set aside and the next older intact one is u
 (`integrity.newest_intact`). A save that fails on any rank (no space, no permission) leaves no
 directory behind, says so in one line with the free space, and the run tries again at the next
 save, up to `checkpoint.save_retries` failures in a row; then it stops with status 4.
+
+With `checkpoint.async` the loop waits only while the state is copied; the files, their hashes and
+the marker are written in the background (background.py), and the next save, a load, the run's
+last save and the process's exit wait for them. A background save's failure is known at the next
+of these, and counts then.
 """
 
 from __future__ import annotations
 
-import hashlib
+import atexit
 import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from pretrain import atomic
-from pretrain.checkpoint import integrity, layout, retention, rng
+from pretrain.checkpoint import background, integrity, layout, retention, rng
 from pretrain.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.errors import ExitCode, UserError
-from pretrain.tokenizer import MODEL_FILE
+from pretrain.faults import save_pause
+from pretrain.tokenizer import copy_tokenizer, stored_name, write_special_tokens
 
 
 class CheckpointSaveError(UserError):
@@ -105,11 +112,7 @@ def params_digest(engine) -> str | None:
     """sha256 of the model's parameters as every rank holds them (not under ZeRO-3, which shards them)."""
     if engine.zero_optimization_stage() >= 3:
         return None
-    digest = hashlib.sha256()
-    for name, param in engine.module.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()
+    return background.params_digest_of(list(engine.module.named_parameters()))
 
 
 def _master_weights(optimizer) -> list[torch.Tensor]:
@@ -128,17 +131,19 @@ def _master_weights(optimizer) -> list[torch.Tensor]:
 
 def weights_digest(engine) -> str:
     """sha256 of all this rank holds of the weights: the module's parameters (its shard, under
-    ZeRO-3) and its fp32 master weights. Under ZeRO-3 the shard is `ds_tensor`, not the module's
-    view of the parameter, which may or may not be gathered at the time (DeepSpeed leaves its small
-    persistent parameters partitioned after a skipped step until the next forward)."""
-    digest = hashlib.sha256()
+    ZeRO-3) and its fp32 master weights."""
+    return background.digest_of(held_weights(engine))
+
+
+def held_weights(engine) -> list[torch.Tensor]:
+    """What `weights_digest` reads, in order. Under ZeRO-3 a parameter's shard is `ds_tensor`, not
+    the module's view of the parameter, which may or may not be gathered at the time (DeepSpeed
+    leaves its small persistent parameters partitioned after a skipped step until the next forward)."""
+    held = []
     for _, param in engine.module.named_parameters():
-        held = getattr(param, "ds_tensor", None)
-        held = param if held is None else held
-        digest.update(held.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for master in _master_weights(engine.optimizer):
-        digest.update(master.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        shard = getattr(param, "ds_tensor", None)
+        held.append(param if shard is None else shard)
+    return held + _master_weights(engine.optimizer)
 
 
 class Checkpointer:
@@ -153,6 +158,7 @@ class Checkpointer:
         tokenizer: str | Path,
         config_hash: str,
         save_retries: int = 0,
+        in_background: bool | None = None,
     ):
         self.run_dir, self.env, self.keep = Path(run_dir), env, keep
         self.run_config, self.tokenizer, self.config_hash = run_config, Path(tokenizer), config_hash
@@ -160,11 +166,28 @@ class Checkpointer:
         self.save_retries = save_retries
         self.failures = 0  # failed saves in a row
         self.last_tag: str | None = None  # the newest checkpoint this timeline wrote or loaded
+        # checkpoint.async (None: as the run config this checkpointer saves says)
+        if in_background is None:
+            in_background = bool((run_config.get("checkpoint") or {}).get("async", False))
+        self.in_background = in_background
+        self.pending: background.BackgroundSave | None = None  # the save in flight
+        self._exit_hook = False
 
     def save(self, engine, state: TrainState, data: dict | None, last: bool = False) -> str | None:
         """Every rank: write checkpoint `step_<state.step>`; its tag once it is complete, or None
         when the save failed and the run may try again (`checkpoint.save_retries`). The `last`
-        save of a run (its final step, a stop) has no next one: its failure always stops the job."""
+        save of a run (its final step, a stop) has no next one: its failure always stops the job.
+        In the background (`checkpoint.async`): first wait for the save in flight, copy the state,
+        and return None while the copy is written (the `last` save waits for it: its tag)."""
+        if self.pending is not None:
+            self.wait()
+        if self.in_background:
+            unable = background.can_capture(engine)
+            if unable is None:
+                return self._save_in_background(engine, state, data, last)
+            if self.env.is_main:
+                print(f"warning: checkpoint.async: {unable}; saving in the loop", file=sys.stderr, flush=True)
+            self.in_background = False
         tag = layout.tag_for(state.step)
         directory = self.root / tag
         if self.env.is_main:
@@ -185,15 +208,7 @@ class Checkpointer:
 
     def _write(self, engine, state: TrainState, data: dict | None, directory: Path) -> str | None:
         """Every rank writes its part; what went wrong here, or None."""
-        from deepspeed.checkpoint.constants import (
-            UNIVERSAL_CHECKPOINT_INFO,
-            UNIVERSAL_CHECKPOINT_VERSION_KEY,
-            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        )
-
-        client_state = {
-            UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-        }
+        client_state = self._client_state()
         digests = all_gather_objects(weights_digest(engine))  # a collective: before anything can fail
         try:
             engine.save_checkpoint(
@@ -204,19 +219,161 @@ class Checkpointer:
             # opening barrier and that one (the directory exists already: see _space_problem).
             barrier()
             return _failure(exc)
-        train_state = {k: v for k, v in asdict(state).items() if k != "hooks" or v}  # (none: as before)
-        train_state |= {"data": data} if data is not None else {}
-        train_state |= {"world_size": self.env.world_size, "config_hash": self.config_hash}
+        pause = save_pause(self.run_config.get("faults"), state.step)
+        if pause:
+            if self.env.is_main:
+                print(
+                    f"faults: pausing the save of {directory.name} for {pause:g} s (faults.slow_save_step)",
+                    flush=True,
+                )
+            time.sleep(pause)
+        train_state = self._train_state(state, data)
         train_state |= {"params_sha256": params_digest(engine), "weights_sha256": digests}
         try:
             atomic.write_json(directory / rng.rng_file(self.env.rank), rng.capture())
             if self.env.is_main:
                 atomic.write_json(directory / layout.TRAIN_STATE, train_state)
                 atomic.write_json(directory / layout.RUN_CONFIG, self.run_config)
-                shutil.copyfile(self.tokenizer, directory / MODEL_FILE)
+                copy_tokenizer(self.tokenizer, directory)  # tokenizer.model (or .json + its special tokens)
         except OSError as exc:
             return _failure(exc)
         return None
+
+    def _train_state(self, state: TrainState, data: dict | None) -> dict:
+        """train_state.json but the weights digests."""
+        train_state = {k: v for k, v in asdict(state).items() if k != "hooks" or v}  # (none: as before)
+        train_state |= {"data": data} if data is not None else {}
+        return train_state | {"world_size": self.env.world_size, "config_hash": self.config_hash}
+
+    def _client_state(self) -> dict:
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        return {
+            UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        }
+
+    # ------------------------------------------------------------------ in the background
+
+    def _save_in_background(self, engine, state: TrainState, data: dict | None, last: bool) -> str | None:
+        """Every rank: copy what the checkpoint holds (DeepSpeed's state dicts, the RNG states,
+        what the weights digests read) and start writing it in the background."""
+        started = time.perf_counter()
+        tag = layout.tag_for(state.step)
+        directory = self.root / tag
+        if self.env.is_main:
+            self._make_room(tag)
+        problem = self._agree(self._space_problem(tag) if self.env.is_main else None)
+        pending = None
+        if problem is None:
+            try:
+                pending = self._copy(engine, state, data, directory, last)
+            except Exception as exc:  # (the copy needs host memory)
+                problem = _failure(exc)
+            problem = self._agree(problem)
+        if problem is not None:
+            return self._failed(directory, problem, last)
+        pending.started, pending.copied_in = started, time.perf_counter() - started
+        self.pending = pending
+        if not self._exit_hook:
+            atexit.register(self._finish_at_exit)
+            self._exit_hook = True
+        pending.start()
+        return self.wait() if last else None
+
+    def _copy(self, engine, state: TrainState, data: dict | None, directory: Path, last: bool):
+        storages: dict = {}
+        inner = engine.checkpoint_engine
+        capture = background.capturing_engine(inner, storages)
+        engine.checkpoint_engine = capture
+        try:
+            engine.save_checkpoint(
+                str(self.root), tag=directory.name, client_state=self._client_state(), save_latest=False
+            )
+        except Exception:
+            barrier()  # (DeepSpeed's closing barrier, which this rank skipped: see _write)
+            raise
+        finally:
+            engine.checkpoint_engine = inner
+        held = [background.copy_tensor(t, storages) for t in held_weights(engine)]
+        params = None
+        if self.env.is_main and engine.zero_optimization_stage() < 3:
+            params = [(n, background.copy_tensor(p, storages)) for n, p in engine.module.named_parameters()]
+        main_files = {}
+        if self.env.is_main:
+            write_special_tokens(self.tokenizer, directory)  # (a Hugging Face tokenizer's: small, now)
+            main_files = {
+                "train_state": self._train_state(state, data),
+                "run_config": self.run_config,
+                "tokenizer": self.tokenizer,
+                "tokenizer_name": stored_name(self.tokenizer),
+                "keep": self.keep,
+            }
+        return background.BackgroundSave(
+            directory=directory,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            step=state.step,
+            last=last,
+            writer=inner,
+            captured=capture.captured,
+            rng_state=rng.capture(),
+            held=held,
+            params=params,
+            storages=storages,
+            main_files=main_files,
+            pause=save_pause(self.run_config.get("faults"), state.step),
+        )
+
+    def wait(self) -> str | None:
+        """Every rank, at the same point (collectives): wait for the save in flight, if any, until
+        its marker is written; its tag, or None when there was none or it failed (counted as a
+        failed save: `checkpoint.save_retries`)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        waited = time.perf_counter()
+        pending.written.wait()
+        problem = self._agree(pending.problem)  # any rank's files not written
+        if self.env.is_main:
+            if problem is not None:
+                pending.abort.set()
+            pending.thread.join()
+            problem = problem or pending.outcome
+        problem = self._agree(problem if self.env.is_main else None)  # rank 0's marker
+        if problem is not None:
+            return self._failed(pending.directory, problem, pending.last)
+        waited = time.perf_counter() - waited
+        if self.env.is_main and waited >= 0.1 and not pending.last:
+            print(f"checkpoint: waited {waited:.1f} s for {pending.tag} to be written", flush=True)
+        self.failures, self.last_tag = 0, pending.tag
+        return pending.tag
+
+    def _finish_at_exit(self) -> None:
+        """At the process's exit (no collectives then): let a save in flight finish — this
+        rank's files, and on rank 0 the marker, unless another rank's record does not come
+        within twice the time rank 0's own files took, plus 5 s (that rank is gone: the job failed)."""
+        pending = self.pending
+        if pending is None or pending.thread is None:
+            return
+        pending.written.wait()
+        if self.env.is_main and pending.thread.is_alive():
+            pending.thread.join(timeout=5 + 2 * pending.wrote_in)
+            if pending.thread.is_alive():
+                pending.abort.set()
+                pending.thread.join(timeout=5)
+        problem = pending.problem or (pending.outcome if self.env.is_main else None)
+        if problem is not None and self.env.is_main:
+            print(
+                f"warning: checkpoint {pending.tag} was not completed as the process exited: {problem}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # ------------------------------------------------------------------ completion
 
     def _complete(self, directory: Path, tag: str, step: int) -> None:
         """Rank 0, once every rank has written: the manifest, `latest`, retention."""
@@ -280,6 +437,7 @@ class Checkpointer:
         """Every rank: load the checkpoint a run resumes from (weights, optimizer, RNG); returns
         where the run is. At another world size it is read in DeepSpeed's universal format, whose
         RNG states (one per old rank) do not map onto the new ranks and are not restored."""
+        self.wait()
         if resume.universal:
             self._make_universal(resume.tag)
         load_dir = self.root / "universal" if resume.universal else self.root
@@ -295,7 +453,8 @@ class Checkpointer:
         """Every rank: load checkpoint `tag` (weights and optimizer) for a rollback, or the next
         older intact one if its files do not verify; returns its train_state.json and whether what
         was loaded matches the digests saved with it (None: not comparable, e.g. another world
-        size), or None when no intact checkpoint is left."""
+        size), or None when no intact checkpoint is left. A save in flight is waited for first."""
+        self.wait()
         step = -1
         if self.env.is_main:
             found = integrity.newest_intact(self.run_dir, layout.step_of(tag), log=log)
@@ -349,11 +508,7 @@ class Checkpointer:
         barrier()
 
 
-def _failure(exc: BaseException) -> str:
-    """What went wrong, in one line: an OS error's own words, else the exception's first line."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+_failure = background.failure
 
 
 def _size(count: float) -> str:

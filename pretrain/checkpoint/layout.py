@@ -9,6 +9,9 @@ pointer, and finding a checkpoint to resume or read.
             rng_rank_00000.json   each rank's RNG states
             complete.json         written last, by rank 0 after every rank finished: an integrity
                                   manifest (every file's size and sha256)
+            .saved_rank_00001.json
+                                  a background save (`checkpoint.async`) only, while it is written:
+                                  what that rank wrote, with sizes and sha256 (background.py)
         latest                    a tag; only ever names a complete checkpoint (write, rename)
         pins/step_00000500        a pinned tag: retention never deletes it (the monitor pins
                                   rollback targets)
@@ -71,12 +74,21 @@ def _files(directory: Path) -> list[Path]:
     )
 
 
-def mark_complete(directory: Path, info: dict) -> None:
-    """Rank 0, after a barrier: record every file's size and sha256, then the marker, atomically."""
-    files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in _files(directory)
-    }
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def mark_complete(directory: Path, info: dict, hashed: dict[str, dict] | None = None) -> None:
+    """Rank 0, once every rank has written: record every file's size and sha256, then the marker,
+    atomically. `hashed`: entries the ranks that wrote those files already made (a background
+    save), taken for a file whose size still matches; every other file is hashed here."""
+    hashed = hashed or {}
+    files = {}
+    for p in _files(directory):
+        name = str(p.relative_to(directory))
+        known = hashed.get(name)
+        files[name] = known if known is not None and known["bytes"] == p.stat().st_size else file_entry(p)
     atomic.write_json(directory / COMPLETE, {**info, "files": files})
 
 

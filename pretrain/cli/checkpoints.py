@@ -140,9 +140,14 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
     source, out = export_hf(args.checkpoint, args.out, args.dtype)
     architecture = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+    tokenizer = (
+        "the tokenizer for SentencePiece and for AutoTokenizer"
+        if (Path(out) / "tokenizer.model").is_file()
+        else "its Hugging Face tokenizer.json unchanged, with a tokenizer_config.json for AutoTokenizer"
+    )
     print(
-        f"exported {source} to {out}: {architecture} weights and config, generation config, the tokenizer "
-        "for SentencePiece and for AutoTokenizer (see docs/huggingface.md)"
+        f"exported {source} to {out}: {architecture} weights and config, generation config, {tokenizer} "
+        "(see docs/huggingface.md)"
     )
     return 0
 

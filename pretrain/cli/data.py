@@ -47,6 +47,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         workers=args.workers,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        special_tokens={"eos": args.eos_token, "bos": args.bos_token, "pad": args.pad_token},
     )
     if not written:
         return 0  # prepare said "... already holds this dataset; nothing to do"
@@ -199,7 +200,18 @@ def register(sub) -> None:
         help="text: documents to tokenize (default); megatron: a Megatron-LM / GPT-NeoX indexed dataset, "
         "its ids converted as they are (--tokenizer: the one they came from)",
     )
-    prep.add_argument("--tokenizer", required=True, help="tokenizer directory or tokenizer.model")
+    prep.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a SentencePiece tokenizer.model, a Hugging Face tokenizer.json, or a directory holding one",
+    )
+    for role, example in (("eos", "<|endoftext|>"), ("bos", "<s>"), ("pad", "<pad>")):
+        prep.add_argument(
+            f"--{role}-token",
+            metavar="TOKEN",
+            help=f"a Hugging Face tokenizer's {role.upper()} token (e.g. {example}), where it does not say "
+            "itself (docs/data.md)",
+        )
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument(
         "--val-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)"

@@ -12,7 +12,13 @@ documents from 0) is held out when floor((i+1)·F) > floor(i·F), for F = --val-
 A document longer than PIECE_CHARS characters is tokenized in pieces, each cut after its last
 newline (or hard-cut where a piece holds none), with EOS after the last piece only, so one huge
 document never becomes one huge token list. The pieces decode to the document exactly because our
-tokenizers add no dummy prefix; an older tokenizer that does gets whole documents instead.
+tokenizers add no dummy prefix; an older tokenizer that does gets whole documents instead, and so
+does a Hugging Face tokenizer.json (its pre-tokenizer may cut a text differently at a piece's edge,
+and the ids must be the tokenizer's own for the whole document).
+
+With a Hugging Face tokenizer, its file is copied beside the shards as tokenizer.json with
+tokenizer_meta.json (the special tokens used, `--eos-token` ... included); the manifest's
+tokenizer entry names the file, and the special tokens are part of the recipe.
 
 The output directory is only ever replaced when it is our own dataset or empty: the same recipe
 (source files with their sizes and mtimes, tokenizer, settings) is a no-op while its shards match
@@ -73,12 +79,13 @@ PIECE_CHARS = 1 << 20  # longer documents are tokenized in pieces of at most thi
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(model_path: str) -> None:
+def _init_worker(model_path: str, special_tokens: dict[str, str] | None = None) -> None:
     global _worker_tokenizer
     # Ctrl-C reaches the whole process group: the main process handles it and terminates the pool,
     # so a worker's own KeyboardInterrupt traceback would only be noise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer = Tokenizer.load(model_path)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a Hugging Face tokenizer: one thread per worker
+    _worker_tokenizer = Tokenizer.load(model_path, special_tokens)
 
 
 def tokenize_batch(
@@ -171,7 +178,10 @@ def _tokenized(batches: Iterator[Batch], tokenizer: Tokenizer, workers: int) -> 
     # lost batch.
     context = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_init_worker, initargs=(str(tokenizer.path),)
+        workers,
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(str(tokenizer.path), tokenizer.named_tokens),
     )
     pending: deque = deque()
     try:
@@ -219,7 +229,7 @@ def validation_report(manifest: dict) -> tuple[str, str | None]:
 
 def recipe(source: Source, tokenizer: Tokenizer, val_fraction: float, shard_tokens: int) -> dict:
     """What determines the output: the same recipe gives the same bytes."""
-    return {
+    wanted = {
         "source": source.description,
         "source_stat": source.stat_digest(),  # changes when a source file does
         "text_field": source.text_field,
@@ -227,6 +237,9 @@ def recipe(source: Source, tokenizer: Tokenizer, val_fraction: float, shard_toke
         "val_fraction": val_fraction,
         "shard_tokens": shard_tokens,
     }
+    if tokenizer.file_name != MODEL_FILE:  # a Hugging Face tokenizer: its special tokens are a choice
+        wanted["tokenizer_special_tokens"] = tokenizer.meta()["special_tokens"]
+    return wanted
 
 
 class Prepared(NamedTuple):
@@ -248,15 +261,17 @@ def prepare(
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
+    special_tokens: dict[str, str | None] | None = None,
 ) -> Prepared:
-    """`prepare_dataset`, also telling whether anything was written."""
+    """`prepare_dataset`, also telling whether anything was written. `special_tokens` names a Hugging
+    Face tokenizer's ({"eos": "<|endoftext|>", "bos": ..., "pad": ...}: `--eos-token` ...)."""
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1024:
         raise UserError(f"--shard-tokens {shard_tokens} is too small: use at least 1024")
     if workers < 1:
         raise UserError(f"--workers {workers} must be at least 1")
-    tokenizer = Tokenizer.load(tokenizer_path)
+    tokenizer = Tokenizer.load(tokenizer_path, special_tokens)
     out_dir = Path(out_dir)
     _check_source_outside(source, out_dir)
     wanted = recipe(source, tokenizer, val_fraction, shard_tokens)
@@ -363,7 +378,7 @@ def _write_dataset(
         records = itertools.chain([first] if first is not None else [], records)
         shown = Progress(count_documents(source) if progress else None, enabled=progress)
         # Pieces decode back to the document only when encoding adds no dummy prefix to each.
-        piece_chars = None if tokenizer.adds_dummy_prefix else PIECE_CHARS
+        piece_chars = PIECE_CHARS if tokenizer.encodes_in_pieces else None
         batches = _batches(shown.counted(records), wanted["val_fraction"], stats, piece_chars, origins)
         tokenized = _tokenized(batches, tokenizer, workers)
     try:
@@ -387,7 +402,7 @@ def _write_dataset(
             f"--val-fraction {wanted['val_fraction']} selects no document out of {splits['train']['documents']}: "
             "raise it, or add documents"
         )
-    shutil.copyfile(tokenizer.path, staging / MODEL_FILE)
+    shutil.copyfile(tokenizer.path, staging / tokenizer.file_name)
     atomic.write_json(staging / META_FILE, tokenizer.meta())
     manifest = {
         "format": FORMAT,
@@ -397,6 +412,8 @@ def _write_dataset(
             "sha256": tokenizer.sha256,
             "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id,
+            # (a SentencePiece model: tokenizer.model, unnamed, as in every older dataset)
+            **({"file": tokenizer.file_name} if tokenizer.file_name != MODEL_FILE else {}),
         },
         "dtype": dtype.str,
         "splits": splits,

@@ -23,7 +23,7 @@ from pretrain.data.mixture import MixtureStream
 from pretrain.data.shards import DocumentIndex
 from pretrain.errors import UserError
 from pretrain.faults import FIRED_FILE
-from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.tokenizer import Tokenizer, tokenizer_in
 
 TEXT_CHARS = 160  # of a window's text shown
 # The faults injected into a step's loss (pretrain/faults.py), in the order FaultInjector picks the
@@ -81,7 +81,7 @@ class Provenance:
 
     @functools.cache  # noqa: B019
     def _tokenizer(self, source: int) -> Tokenizer:
-        return Tokenizer.load(self.mixture.streams[source].shards.data_dir / MODEL_FILE)
+        return Tokenizer.load(tokenizer_in(self.mixture.streams[source].shards.data_dir))
 
 
 def documents_or_reason(provenance: Provenance | None, windows: list[int]) -> dict:

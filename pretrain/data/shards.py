@@ -220,7 +220,7 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 def check_tokenizer(data_dir: str | Path, manifest: dict) -> None:
     """The tokenizer beside the shards must be the one they were made with."""
-    path = Path(data_dir) / "tokenizer.model"
+    path = Path(data_dir) / manifest["tokenizer"].get("file", "tokenizer.model")
     if not path.is_file():
         raise UserError(f"{path} is missing: prepare the dataset again")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()

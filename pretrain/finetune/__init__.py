@@ -14,7 +14,8 @@ Tasks (`finetune.task`):
   reports the mean loss per completion token.
 
 The model starts from `finetune.init`: a checkpoint of ours (a run or checkpoint directory) or a
-Hugging Face Llama directory (with its SentencePiece `tokenizer.model`). Data is read with
+Hugging Face Llama directory (with its SentencePiece `tokenizer.model` or a Hugging Face
+`tokenizer.json`, whose special tokens its tokenizer_config.json names). Data is read with
 `datasets` from local CSV/JSONL/parquet files or a Hub dataset, and tokenized with the
 checkpoint's tokenizer; examples longer than `finetune.max_length` (default: the model's
 max_seq_len) are truncated and counted. Checkpoints have the pretraining layout; an sft checkpoint

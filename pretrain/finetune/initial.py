@@ -11,7 +11,7 @@ from pretrain import checkpoint
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
 from pretrain.model import Transformer
-from pretrain.tokenizer import MODEL_FILE, Tokenizer
+from pretrain.tokenizer import HF_FILE, MODEL_FILE, Tokenizer
 
 
 @dataclass
@@ -46,9 +46,9 @@ def find_initial(path: str) -> InitialModel:
     if (directory / "config.json").is_file():
         from pretrain.hf import model_config_from_llama
 
-        if not (directory / MODEL_FILE).is_file():
+        if not any((directory / name).is_file() for name in (MODEL_FILE, HF_FILE)):
             raise UserError(
-                f"{directory} has no {MODEL_FILE}: fine-tuning tokenizes with the model's SentencePiece "
+                f"{directory} has no {MODEL_FILE} or {HF_FILE}: fine-tuning tokenizes with the model's own "
                 "tokenizer; copy it there (`pretrain export-hf` does)"
             )
         cfg = model_config_from_llama(json.loads((directory / "config.json").read_text()), str(directory))

@@ -308,15 +308,16 @@ def test_a_llama_directory_from_elsewhere_works_with_our_tokenizer(tmp_path, tra
     assert result.returncode == 0 and result.stdout.startswith("x")
 
 
-def test_a_directory_without_tokenizer_model_is_one_clear_line(exported, tmp_path, cli):
+def test_a_directory_without_a_tokenizer_is_one_clear_line(exported, tmp_path, cli):
     bare = tmp_path / "bare"
     shutil.copytree(exported, bare)
     (bare / "tokenizer.model").unlink()
+    (bare / "tokenizer.json").unlink()  # (alone, it is a Hugging Face tokenizer: test_hf_tokenizer.py)
     for command in (["generate", "--prompt", "x"], ["attention", "--text", "x", "--out", tmp_path / "a"]):
         result = cli(command[0], "--checkpoint", bare, *command[1:])
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-        assert "has no tokenizer.model" in result.stderr and "export-hf" in result.stderr
+        assert "has no tokenizer.model or tokenizer.json" in result.stderr and "export-hf" in result.stderr
     save_hf(random_weights_model(), tmp_path / "no_tokenizer")  # weights only
-    with pytest.raises(UserError, match="has no tokenizer.model"):
+    with pytest.raises(UserError, match="has no tokenizer.model or tokenizer.json"):
         load_trained(tmp_path / "no_tokenizer")
