@@ -40,13 +40,16 @@ def test_long_documents_are_tokenized_in_pieces_and_round_trip(tmp_path, tokeniz
     source = resolve_source(str(write_jsonl(tmp_path / "long.jsonl", docs)))
     monkeypatch.setattr(prepare_module, "PIECE_CHARS", 10_000)
     longest = []
-    encode_batch = Tokenizer.encode_batch
-    monkeypatch.setattr(
-        Tokenizer,
-        "encode_batch",
-        lambda self, texts: longest.append(max(map(len, texts))) or encode_batch(self, texts),
-    )
     tok = Tokenizer.load(tokenizer_dir)
+    kind = type(tok)  # (SentencePiece's: Tokenizer.load picks the class for the file)
+    encode_batch = kind.encode_batch
+    monkeypatch.setattr(
+        kind,
+        "encode_batch",
+        lambda self, texts, *args, **kwargs: (
+            longest.append(max(map(len, texts))) or encode_batch(self, texts, *args, **kwargs)
+        ),
+    )
     outputs = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
@@ -64,7 +67,7 @@ def test_long_documents_are_tokenized_in_pieces_and_round_trip(tmp_path, tokeniz
     assert outputs[0] == outputs[1]
     assert max(longest) <= 10_000, "one encode call never sees more than a piece"
     # A tokenizer that puts a dummy prefix before every encode call gets whole documents.
-    monkeypatch.setattr(Tokenizer, "adds_dummy_prefix", property(lambda self: True))
+    monkeypatch.setattr(kind, "adds_dummy_prefix", property(lambda self: True))
     longest.clear()
     prepare_dataset(source, tokenizer_dir, tmp_path / "whole", val_fraction=0.2, progress=False)
     assert max(longest) == len(long_doc)

@@ -220,24 +220,28 @@ def worker() -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    """One 2-process job for every variant; each rank's results."""
+    """One 2-process job for every variant, once per test session (shared by the xdist
+    workers); each rank's results."""
     from pretrain.distributed import free_port
+    from tests.conftest import built_once
 
-    out = tmp_path_factory.mktemp("skip_step")
-    command = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "--module",
-        "tests.integration.test_skip_step",
-        str(out),
-    ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    def run(out: Path) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "tests.integration.test_skip_step",
+            str(out),
+        ]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    out = built_once(tmp_path_factory, "skip_step", run)
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
 
 
