@@ -21,6 +21,7 @@ checkpoint past its anomaly is complete, then is released.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from monitoring.config import RESPONSES, ServiceConfig
@@ -78,22 +79,16 @@ class Decision:
         )
 
     def event(self) -> RollbackDecided:
-        return RollbackDecided(
-            decision=self.id,
-            step=self.step,
-            reason=self.reason,
-            finding=self.finding,
-            value=self.value,
-            threshold=self.threshold,
-            target=self.target,
-            seed=self.seed,
-            lr_scale=self.lr_scale,
-            repeat=self.repeat,
-            stage=self.stage,
-            quarantine=self.quarantine,
-            lr_factor=self.lr_factor,
-            lr_factor_steps=self.lr_factor_steps,
-        )
+        """Its `rollback` event: the same fields, `id` named `decision`."""
+        return RollbackDecided(decision=self.id, **{name: getattr(self, name) for name in _SHARED})
+
+    @classmethod
+    def of(cls, event: RollbackDecided) -> Decision:
+        """The decision a `rollback` event records (a service started again reads them back)."""
+        return cls(id=event.decision, **{name: getattr(event, name) for name in _SHARED})
+
+
+_SHARED = tuple(f.name for f in dataclasses.fields(Decision) if f.name != "id")  # with RollbackDecided
 
 
 @dataclass
@@ -422,22 +417,7 @@ class Policy:
                 self.warnings += 1
                 self.warned.append({"step": e.step, "reason": e.reason})
             elif isinstance(e, RollbackDecided) and isinstance(e.decision, int):
-                decision = Decision(
-                    e.decision,
-                    e.step,
-                    e.reason,
-                    e.finding,
-                    e.value,
-                    e.threshold,
-                    e.target,
-                    e.seed,
-                    e.lr_scale,
-                    e.repeat,
-                    e.stage,
-                    e.quarantine,
-                    e.lr_factor,
-                    e.lr_factor_steps,
-                )
+                decision = Decision.of(e)
                 self.decisions.append(decision)
                 self.pending = None if decision.id in resolved else decision
             elif isinstance(e, RollbackApplied):

@@ -13,7 +13,8 @@ from tests.helpers import FAST, TINY
 __all__ = ["FAST", "TINY", "events", "launcher", "metrics", "torchrun", "train", "train_state"]
 
 
-def launcher(nproc: int) -> list[str]:
+def launcher(nproc: int, module: str = "pretrain.train") -> list[str]:
+    """DeepSpeed's launcher starting `nproc` processes of `module` (arguments follow)."""
     return [
         sys.executable,
         "-m",
@@ -23,7 +24,7 @@ def launcher(nproc: int) -> list[str]:
         "--master_port",
         str(free_port()),
         "--module",
-        "pretrain.train",
+        module,
     ]
 
 

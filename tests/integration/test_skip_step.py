@@ -222,22 +222,11 @@ def worker() -> None:
 def ranks(tmp_path_factory) -> list[dict]:
     """One 2-process job for every variant, once per test session (shared by the xdist
     workers); each rank's results."""
-    from pretrain.distributed import free_port
     from tests.conftest import built_once
+    from tests.integration.runs import launcher
 
     def run(out: Path) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "--module",
-            "tests.integration.test_skip_step",
-            str(out),
-        ]
+        command = [*launcher(2, "tests.integration.test_skip_step"), str(out)]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
