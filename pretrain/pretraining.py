@@ -39,7 +39,7 @@ from pretrain.run_builder import RunPlan, run
 from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
 from pretrain.skip_step import SkipGuard
-from pretrain.tokenizer import Tokenizer, check_beside, tokenizer_in
+from pretrain.tokenizer import Tokenizer, check_beside, load_run_tokenizer, run_special_tokens, run_tokenizer
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence, Trainer
 from pretrain.train.monitor_hook import Monitored
@@ -110,7 +110,7 @@ def check_data(cfg: RunConfig, world_size: int) -> list[dict]:
                 f"the data in {data_dir} uses a tokenizer of {vocab} pieces but model.vocab_size={cfg.model.vocab_size}: "
                 f"set model.vocab_size={vocab}"
             )
-        check_beside(data_dir, manifest)  # (tokenizer.model, or the Hugging Face tokenizer.json it names)
+        check_beside(data_dir, manifest, cfg.data.tokenizer)  # data.tokenizer, or the one beside the shards
         if cfg.eval.every > 0:  # each corpus is evaluated on its own
             check_windows(
                 cfg,
@@ -178,6 +178,7 @@ class LanguageModeling:
         self.evaluates = cfg.eval.every > 0
         self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
         self.sampling = cfg.eval
+        self.named_tokenizer = cfg.data.tokenizer
         self.sources = cfg.data.sources()
         stream = MixtureStream(self.sources, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
         self.loader = BatchLoader(stream, plan.micro_batch_size, device)
@@ -262,7 +263,7 @@ class LanguageModeling:
 
     @functools.cached_property
     def _tokenizer(self) -> Tokenizer:
-        return Tokenizer.load(tokenizer_in(self.data_dir))
+        return load_run_tokenizer(self.named_tokenizer, self.data_dir)
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()
@@ -331,14 +332,16 @@ def build_trainer(
     metrics, faults and the monitor link."""
     run_dir = Path(cfg.run.dir)
     task = LanguageModeling(cfg, data_dir, plan, env, engine.device)
+    tokenizer = run_tokenizer(cfg.data.tokenizer, data_dir)
     checkpointer = Checkpointer(
         run_dir,
         env,
         cfg.checkpoint.keep,
         asdict(cfg),
-        tokenizer_in(data_dir),
+        tokenizer,
         config_hash(cfg),
         cfg.checkpoint.save_retries,
+        special_tokens=run_special_tokens(tokenizer, data_dir),
     )
     state = TrainState()
     if resume is not None:

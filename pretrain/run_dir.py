@@ -165,6 +165,7 @@ ADDED_KEYS = {
     "monitor.repeat_lr_steps": 100,
     "logging.precursors_every": 0,
     "logging.precursor_tokens": 256,
+    "data.tokenizer": None,
 }
 
 

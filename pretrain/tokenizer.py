@@ -121,38 +121,75 @@ def tokenizer_in(data_dir: str | Path) -> Path:
     return data_dir / name
 
 
-def check_beside(data_dir: str | Path, manifest: dict) -> None:
-    """The tokenizer beside the shards must be the one they were made with."""
-    path = Path(data_dir) / manifest["tokenizer"].get("file", MODEL_FILE)
-    if not path.is_file():
-        raise UserError(f"{path} is missing: prepare the dataset again")
+def run_tokenizer(named: str | Path | None, data_dir: str | Path) -> Path:
+    """A run's tokenizer file: the one `data.tokenizer` names (a file, or a directory holding one),
+    else the one prepared beside the shards in `data_dir`."""
+    return find_tokenizer_file(named) if named else tokenizer_in(data_dir)
+
+
+def run_special_tokens(path: str | Path, data_dir: str | Path) -> dict | None:
+    """A Hugging Face tokenizer's special tokens as the shards in `data_dir` were made with (their
+    manifest: read from the file or named at `data prepare`), whichever copy of it the run names;
+    None for a SentencePiece model, whose special tokens are fixed."""
+    if stored_name(path) != HF_FILE:
+        return None
+    try:
+        tokens = json.loads((Path(data_dir) / "manifest.json").read_text()).get("tokenizer_special_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tokens if isinstance(tokens, dict) else None
+
+
+def load_run_tokenizer(named: str | Path | None, data_dir: str | Path) -> Tokenizer:
+    """The run's tokenizer (`run_tokenizer`) with the special tokens its shards were made with."""
+    path = run_tokenizer(named, data_dir)
+    return Tokenizer.load(path, run_special_tokens(path, data_dir))
+
+
+def check_beside(data_dir: str | Path, manifest: dict, named: str | Path | None = None) -> None:
+    """The run's tokenizer (`data.tokenizer`, or the one beside the shards) must be the one the
+    shards were made with."""
+    if named:
+        path = find_tokenizer_file(named)
+        what, fix = f"data.tokenizer={named}", "name the tokenizer they were prepared with"
+    else:
+        path = Path(data_dir) / manifest["tokenizer"].get("file", MODEL_FILE)
+        if not path.is_file():
+            raise UserError(
+                f"{path} is missing: prepare the dataset again (or name its tokenizer in data.tokenizer)"
+            )
+        what, fix = str(path), "restore it"
     digest = sha256_file(path)
     if digest != manifest["tokenizer"]["sha256"]:
         raise UserError(
-            f"{path} is not the tokenizer the shards were made with (sha256 {digest[:12]}…, the manifest says "
-            f"{manifest['tokenizer']['sha256'][:12]}…): restore it, or prepare the dataset again with this tokenizer"
+            f"{what} is not the tokenizer the shards in {data_dir} were made with (sha256 {digest[:12]}…, their "
+            f"manifest says {manifest['tokenizer']['sha256'][:12]}…): {fix}, or prepare the dataset again with this tokenizer"
         )
 
 
-def copy_tokenizer(path: str | Path, directory: str | Path) -> None:
+def copy_tokenizer(path: str | Path, directory: str | Path, special_tokens: dict | None = None) -> None:
     """Into a checkpoint: the tokenizer file under its usual name (`stored_name`), and
     `write_special_tokens`."""
     shutil.copyfile(path, Path(directory) / stored_name(path))
-    write_special_tokens(path, directory)
+    write_special_tokens(path, directory, special_tokens)
 
 
-def write_special_tokens(path: str | Path, directory: str | Path) -> None:
+def write_special_tokens(path: str | Path, directory: str | Path, special_tokens: dict | None = None) -> None:
     """Beside a copy of a Hugging Face tokenizer in `directory`: tokenizer_meta.json, the special
-    tokens it is used with. Nothing for a SentencePiece model (its checkpoints hold it alone, as always)."""
+    tokens it is used with (`special_tokens`, else those read beside `path` or from the file).
+    Nothing for a SentencePiece model (its checkpoints hold it alone, as always)."""
     path = Path(path)
     if stored_name(path) == HF_FILE:
         stat = path.stat()
-        atomic.write_json(Path(directory) / META_FILE, _meta_of(str(path), stat.st_mtime_ns, stat.st_size))
+        named = tuple(sorted((special_tokens or {}).items()))
+        atomic.write_json(
+            Path(directory) / META_FILE, _meta_of(str(path), stat.st_mtime_ns, stat.st_size, named)
+        )
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_of(path: str, mtime_ns: int, size: int) -> dict:  # (the file's stat: a changed file is read again)
-    return Tokenizer.load(path).meta()
+def _meta_of(path: str, mtime_ns: int, size: int, named: tuple) -> dict:  # (a changed file is read again)
+    return Tokenizer.load(path, dict(named)).meta()
 
 
 def _visible(text: str) -> str:

@@ -159,9 +159,13 @@ class Checkpointer:
         config_hash: str,
         save_retries: int = 0,
         in_background: bool | None = None,
+        special_tokens: dict | None = None,
     ):
         self.run_dir, self.env, self.keep = Path(run_dir), env, keep
         self.run_config, self.tokenizer, self.config_hash = run_config, Path(tokenizer), config_hash
+        self.special_tokens = (
+            special_tokens  # a Hugging Face tokenizer's, as the run uses it (else read beside it)
+        )
         self.root = layout.checkpoints_dir(run_dir)
         self.save_retries = save_retries
         self.failures = 0  # failed saves in a row
@@ -234,7 +238,9 @@ class Checkpointer:
             if self.env.is_main:
                 atomic.write_json(directory / layout.TRAIN_STATE, train_state)
                 atomic.write_json(directory / layout.RUN_CONFIG, self.run_config)
-                copy_tokenizer(self.tokenizer, directory)  # tokenizer.model (or .json + its special tokens)
+                copy_tokenizer(
+                    self.tokenizer, directory, self.special_tokens
+                )  # (.json: + its special tokens)
         except OSError as exc:
             return _failure(exc)
         return None
@@ -304,7 +310,7 @@ class Checkpointer:
             params = [(n, background.copy_tensor(p, storages)) for n, p in engine.module.named_parameters()]
         main_files = {}
         if self.env.is_main:
-            write_special_tokens(self.tokenizer, directory)  # (a Hugging Face tokenizer's: small, now)
+            write_special_tokens(self.tokenizer, directory, self.special_tokens)  # (small: now)
             main_files = {
                 "train_state": self._train_state(state, data),
                 "run_config": self.run_config,

@@ -5,7 +5,9 @@ pointer, and finding a checkpoint to resume or read.
         step_00001000/            DeepSpeed's files for tag step_00001000, plus ours:
             train_state.json      step, tokens, data-stream state, lr scale, world size, config hash
             run_config.json       the resolved run config (rebuilds the model for export/eval)
-            tokenizer.model       the tokenizer the run trained with
+            tokenizer.model       the tokenizer the run trained with (SentencePiece), or
+            tokenizer.json        a Hugging Face tokenizer, unchanged, with
+            tokenizer_meta.json   the special tokens the run used with it
             rng_rank_00000.json   each rank's RNG states
             complete.json         written last, by rank 0 after every rank finished: an integrity
                                   manifest (every file's size and sha256)

@@ -110,7 +110,9 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is not a run directory (no readable run.json): pass the run's run.dir")
     config = recorded["config"]  # flat keys: "data.dir", "data.mixture", "data.seq_len"
     sources = [(m["name"], m["dir"], m["weight"]) for m in config.get("data.mixture") or []]
-    provenance = Provenance(sources or [("data", config["data.dir"], 1.0)], config["data.seq_len"])
+    provenance = Provenance(
+        sources or [("data", config["data.dir"], 1.0)], config["data.seq_len"], config.get("data.tokenizer")
+    )
     attempts = trained_at(run_dir, args.step)
     if not attempts:
         raise UserError(

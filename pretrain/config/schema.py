@@ -146,6 +146,11 @@ class DataConfig:
     seq_len: int = 2048  # tokens per training window (the stream yields seq_len + 1)
     # attention stays inside each document of a window, and rotary positions restart at its start
     document_masking: bool = False
+    # The run's tokenizer (samples, evaluation text, checkpoints, export): a SentencePiece
+    # tokenizer.model, a Hugging Face tokenizer.json, or a directory holding one. Unset: the one
+    # `pretrain data prepare` put beside the shards. Either way it must be the tokenizer the shards
+    # were made with (the same sha256 as their manifest names).
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len < MIN_PRETRAIN_SEQ_LEN:

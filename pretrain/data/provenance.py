@@ -23,7 +23,7 @@ from pretrain.data.mixture import MixtureStream
 from pretrain.data.shards import DocumentIndex
 from pretrain.errors import UserError
 from pretrain.faults import FIRED_FILE
-from pretrain.tokenizer import Tokenizer, tokenizer_in
+from pretrain.tokenizer import Tokenizer, load_run_tokenizer
 
 TEXT_CHARS = 160  # of a window's text shown
 # The faults injected into a step's loss (pretrain/faults.py), in the order FaultInjector picks the
@@ -41,9 +41,14 @@ LOSS_FAULTS = {
 
 
 class Provenance:
-    def __init__(self, sources: list[tuple[str, str | Path, float]], seq_len: int):
+    def __init__(
+        self, sources: list[tuple[str, str | Path, float]], seq_len: int, tokenizer: str | None = None
+    ):
         self.mixture = MixtureStream(sources, seq_len)
         self.seq_len = seq_len
+        self.named_tokenizer = (
+            tokenizer  # the run's data.tokenizer; unset: each corpus's own, beside its shards
+        )
 
     def window(self, window: int, text: bool = True) -> dict:
         """Where window `window` comes from: its corpus, its tokens [first, last) in the corpus's
@@ -81,7 +86,7 @@ class Provenance:
 
     @functools.cache  # noqa: B019
     def _tokenizer(self, source: int) -> Tokenizer:
-        return Tokenizer.load(tokenizer_in(self.mixture.streams[source].shards.data_dir))
+        return load_run_tokenizer(self.named_tokenizer, self.mixture.streams[source].shards.data_dir)
 
 
 def documents_or_reason(provenance: Provenance | None, windows: list[int]) -> dict:

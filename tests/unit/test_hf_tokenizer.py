@@ -314,6 +314,47 @@ def test_training_samples_and_probes_with_it_and_checkpoints_carry_it(run, hf_di
     assert identity["tokenizer.sha256"] == sha256_file(hf_dirs[kind] / HF_FILE)
 
 
+def test_data_tokenizer_names_the_runs_tokenizer_with_the_shards_special_tokens(
+    prepared, hf_dirs, tmp_path, cli
+):
+    """`data.tokenizer` names the tokenizer (here the trained file's own directory, without the
+    special tokens `data prepare` was told): training needs no copy beside the shards, uses the
+    special tokens the shards were made with (the BPE's end of document was named at prepare), and
+    its checkpoints carry the file unchanged with them. Another tokenizer, or none, is refused."""
+    import shutil
+
+    kind, prepared_dir = prepared
+    data_dir = Path(shutil.copytree(prepared_dir, tmp_path / "data"))
+    (data_dir / HF_FILE).unlink()
+    (data_dir / META_FILE).unlink()
+    run_dir = tmp_path / "run"
+    common = [*FAST, f"model.vocab_size={MODEL_VOCAB}", f"run.dir={run_dir}", f"data.dir={data_dir}"]
+    cfg = load_config(
+        TINY,
+        [*common, f"data.tokenizer={hf_dirs[kind]}", "train.steps=1", "eval.every=0", "checkpoint.every=1"],
+    )
+    trainer = pretraining_trainer(cfg)
+    assert trainer.train()["completed"]
+    assert trainer.task._tokenizer.tokens == EXPECTED[kind]
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    assert (checkpoint / HF_FILE).read_bytes() == (hf_dirs[kind] / HF_FILE).read_bytes()
+    assert json.loads((checkpoint / META_FILE).read_text())["special_tokens"] == EXPECTED[kind]
+    assert Tokenizer.load(checkpoint).eos_id == read_manifest(data_dir)["tokenizer"]["eos_id"]
+
+    other = hf_dirs[next(k for k in KINDS if k != kind)]
+    refused = cli(
+        "train", "--config", TINY, *common, f"data.tokenizer={other}", "run.dir=" + str(tmp_path / "r2")
+    )
+    assert_one_line_error(refused, f"data.tokenizer={other} is not the tokenizer the shards in", "prepare")
+    missing = cli("train", "--config", TINY, *common, f"data.tokenizer={tmp_path / 'nowhere'}")
+    assert_one_line_error(missing, "no tokenizer at")
+    beside = cli(
+        "train", "--config", TINY, *common, "run.dir=" + str(tmp_path / "r3")
+    )  # (none named, none beside)
+    assert_one_line_error(beside, f"{data_dir / HF_FILE} is missing", "data.tokenizer")
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+
+
 def test_generate_decodes_what_the_model_wrote_with_the_tokenizers_library(run):
     kind, _, _, trained = run
     tok, ref = trained.tokenizer, reference(trained.tokenizer.path)

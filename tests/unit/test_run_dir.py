@@ -105,7 +105,7 @@ def test_a_swapped_tokenizer_and_a_short_validation_split_are_refused_before_any
         cli("train", *common, "data.seq_len=100000", "model.max_seq_len=100000"), "the validation split of"
     )
     (data / "tokenizer.model").write_bytes((data / "tokenizer.model").read_bytes() + b"x")
-    assert_one_line_error(cli("train", *common), "is not the tokenizer the shards were made with")
+    assert_one_line_error(cli("train", *common), "is not the tokenizer the shards in", "restore it")
     assert not run_dir.exists()
 
 
