@@ -370,7 +370,7 @@ def _write_dataset(
     if source.kind == "megatron":  # token ids already: converted, not tokenized (pretrain/data/megatron.py)
         from pretrain.data.megatron import converted
 
-        shown = Progress(source.documents if progress else None, enabled=progress)
+        shown = Progress(source.documents if progress else None, enabled=progress, converting=True)
         tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins, shown)
     else:
         records = source.records()

@@ -49,10 +49,14 @@ def _non_blank_lines(path) -> int:
 
 
 class Progress:
-    """Documents read and tokens written while a corpus is tokenized."""
+    """Documents read and tokens written while a corpus is tokenized (or, already token ids, as a
+    Megatron corpus is, converted: `converting=True`)."""
 
-    def __init__(self, total: int | None, enabled: bool = True, stream: TextIO | None = None):
+    def __init__(
+        self, total: int | None, enabled: bool = True, stream: TextIO | None = None, converting: bool = False
+    ):
         self.total, self.enabled = total, enabled
+        self.doing, self.done = ("converting", "converted") if converting else ("tokenizing", "tokenized")
         self.stream = stream or sys.stderr
         self.documents = self.tokens = 0
         self.started = time.monotonic()
@@ -64,7 +68,7 @@ class Progress:
 
             large = total is None or total >= 10_000  # 12.3k docs; below that, exact counts
             self.bar = tqdm(
-                desc="tokenizing",
+                desc=self.doing,
                 total=total,
                 unit="doc",
                 unit_scale=large,
@@ -73,7 +77,7 @@ class Progress:
             )
         elif enabled:
             size = f"{total:,} documents" if total is not None else "documents (count unknown)"
-            self._line(f"tokenizing {size}")
+            self._line(f"{self.doing} {size}")
 
     def counted(self, records: Iterator) -> Iterator:
         """`records`, counting each as it is read."""
@@ -96,7 +100,7 @@ class Progress:
         elif self.enabled:
             elapsed = time.monotonic() - self.started
             self._line(
-                f"tokenized {self.documents:,} documents into {self.tokens:,} tokens in {elapsed:.1f} s"
+                f"{self.done} {self.documents:,} documents into {self.tokens:,} tokens in {elapsed:.1f} s"
             )
 
     def _maybe_line(self) -> None:
@@ -108,12 +112,12 @@ class Progress:
             rate = self.documents / max(now - self.started, 1e-9)
             left = (self.total - self.documents) / max(rate, 1e-9)
             self._line(
-                f"tokenizing: {100 * self.documents // self.total}% ({self.documents:,} of "
+                f"{self.doing}: {100 * self.documents // self.total}% ({self.documents:,} of "
                 f"{self.total:,} documents, {self.tokens:,} tokens, {_clock(left)} left)"
             )
         elif now >= self._next_line_at:
             self._next_line_at = now + LINE_EVERY_SECONDS
-            self._line(f"tokenizing: {self.documents:,} documents, {self.tokens:,} tokens")
+            self._line(f"{self.doing}: {self.documents:,} documents, {self.tokens:,} tokens")
 
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
