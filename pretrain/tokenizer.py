@@ -162,8 +162,9 @@ def check_beside(data_dir: str | Path, manifest: dict, named: str | Path | None 
     digest = sha256_file(path)
     if digest != manifest["tokenizer"]["sha256"]:
         raise UserError(
-            f"{what} is not the tokenizer the shards in {data_dir} were made with (sha256 {digest[:12]}…, their "
-            f"manifest says {manifest['tokenizer']['sha256'][:12]}…): {fix}, or prepare the dataset again with this tokenizer"
+            f"{what} is not the tokenizer the shards in {data_dir} were made with (sha256 {digest[:12]}…, "
+            f"their manifest says {manifest['tokenizer']['sha256'][:12]}…): {fix}, or prepare the dataset "
+            "again with this tokenizer"
         )
 
 

@@ -200,7 +200,9 @@ def test_the_cli_prepares_it_once_and_asks_for_the_format_flag(tmp_path, tokeniz
     assert "train: 90 documents" in result.stdout and "validation: 10 documents" in result.stdout
     again = cli(*prepare_args(prefix, tokenizer_dir, tmp_path / "data", "--val-fraction", "0.1"))
     assert again.returncode == 0 and "already holds this dataset; nothing to do" in again.stderr
-    shown = cli(*prepare_args(prefix, tokenizer_dir, tmp_path / "shown")[:-1])  # with progress (no tty: lines)
+    shown = cli(
+        *prepare_args(prefix, tokenizer_dir, tmp_path / "shown")[:-1]
+    )  # with progress (no tty: lines)
     assert shown.returncode == 0, shown.stderr
     assert "converting 100 documents" in shown.stderr and "converted 100 documents into" in shown.stderr
     assert "tokeniz" not in shown.stderr  # nothing is tokenized
