@@ -100,3 +100,47 @@ def test_hosts_where_the_stop_found_no_launcher_are_read_from_pdshs_lines():
     assert hosts_without_launcher(output) == ["vm", "node-7"]
     assert hosts_without_launcher("down: ssh: connect to host 10.0.0.9 port 22: Connection refused\n") == []
     assert hosts_without_launcher("") == []
+
+
+def test_the_local_launcher_is_ours_and_polls_its_ranks_often(monkeypatch):
+    """DeepSpeed's runner starts `pretrain.cli.deepspeed_launch` on this host (DeepSpeed's launcher,
+    looking at its ranks every 0.1 s, not every second); a pdsh command for other hosts is its own."""
+    import subprocess
+    import time
+    import types
+
+    from pretrain.cli import deepspeed_launch
+    from pretrain.cli.deepspeed_runner import launch_locally_with_our_module
+
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, *a, **k: started.append(cmd))
+    runner = types.SimpleNamespace(subprocess=subprocess)
+    launch_locally_with_our_module(runner)
+    local = [
+        "/usr/bin/python3",
+        "-u",
+        "-m",
+        "deepspeed.launcher.launch",
+        "--world_info=eyJ9",
+        "--module",
+        "x",
+    ]
+    over_pdsh = [
+        "pdsh",
+        "-S",
+        "-f",
+        "1024",
+        "-w",
+        "a,b",
+        "python -u -m deepspeed.launcher.launch --world_info=eyJ9",
+    ]
+    runner.subprocess.Popen(local, env={})
+    runner.subprocess.Popen(over_pdsh, env={})
+    assert started == [[*local[:3], "pretrain.cli.deepspeed_launch", *local[4:]], over_pdsh]
+    assert runner.subprocess.DEVNULL == subprocess.DEVNULL  # the rest of subprocess, as it was
+
+    clock = deepspeed_launch._polling_clock()
+    began = time.monotonic()
+    clock.sleep(1)
+    assert time.monotonic() - began < 0.5 and clock.strftime("%Y", clock.localtime()) == time.strftime("%Y")
+    assert deepspeed_launch.MODULE == deepspeed_launch.__name__
