@@ -1,25 +1,19 @@
 """`checkpoint.async=true` in real 2-process jobs: a kill during a background save leaves the
-previous checkpoint the newest intact one and the resumed run is the synchronous run (losses,
-DeepSpeed's files byte for byte, the weight digests); a rollback the monitor decides while a save is
-in flight waits for it and loads a complete checkpoint. (The slow disk is `faults.slow_save_step`.)"""
+previous checkpoint the newest intact one and the resumed run is the golden run, which saves
+synchronously (losses, DeepSpeed's files byte for byte, the weight digests); a rollback the
+monitor decides while a save is in flight waits for it and loads a complete checkpoint. (The slow
+disk is `faults.slow_save_step`.)"""
 
 import json
 
-import pytest
-
 from pretrain import checkpoint as ck
-from tests.integration.runs import events, launcher, metrics, train, train_state
+from tests.integration.golden import OVERRIDES as GOLDEN
+from tests.integration.runs import events, metrics, torchrun, train, train_state
 from tests.integration.test_monitoring import _start_service
 
-RUN = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep=4", "eval.every=0"]
-
-
-@pytest.fixture(scope="module")
-def sync_run(tmp_path_factory, train_data):
-    """The same run saved in the loop (checkpoint.async=false, the default), uninterrupted."""
-    run_dir = tmp_path_factory.mktemp("sync")
-    train(launcher(2), run_dir, train_data, *RUN)
-    return run_dir
+# The golden run's settings, saved every 5 steps instead of 10: the same computation, so the
+# resumed run must be the golden run (tests/integration/golden.py), saved in the loop.
+RUN = [*GOLDEN, "checkpoint.every=5", "checkpoint.keep=4"]
 
 
 def _manifest(run_dir, step) -> dict:
@@ -28,51 +22,54 @@ def _manifest(run_dir, step) -> dict:
 
 
 def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint_and_resumes_as_sync(
-    tmp_path, sync_run, train_data
+    tmp_path, golden_run, train_data
 ):
-    """Rank 1 is killed (SIGKILL) as step 5 begins, while both ranks are still writing step 4's
-    checkpoint in the background: rank 0 finished its part, but with rank 1's missing step 4 gets
-    no marker, `latest` stays at step 2, and the next start resumes from step 2."""
+    """Rank 1 is killed (SIGKILL) as step 11 begins, while both ranks are still writing step 10's
+    checkpoint in the background: rank 0 finished its part, but with rank 1's missing step 10 gets
+    no marker, `latest` stays at step 5, and the next start resumes from step 5. The run is then
+    the golden run, saved synchronously: its losses, DeepSpeed's files byte for byte, the weights'
+    digests."""
     killed = train(
-        launcher(2),
+        torchrun(2),
         tmp_path,
         train_data,
         *RUN,
         "checkpoint.async=true",
-        "faults.slow_save_step=4",
+        "faults.slow_save_step=10",
         "faults.slow_save_seconds=2",
-        "faults.kill_step=5",
+        "faults.kill_step=11",
         "faults.kill_rank=1",
         check=False,
     )
     assert killed.returncode != 0, killed.stdout[-3000:]
-    assert "checkpoint step_00000002 saved in the background" in killed.stdout
-    assert "checkpoint step_00000004 saved" not in killed.stdout
-    half = ck.checkpoints_dir(tmp_path) / "step_00000004"
+    assert "checkpoint step_00000005 saved in the background" in killed.stdout
+    assert "checkpoint step_00000010 saved" not in killed.stdout
+    half = ck.checkpoints_dir(tmp_path) / "step_00000010"
     assert (half / background_record(0)).is_file()  # rank 0 wrote and hashed all of its part
     assert not (half / background_record(1)).exists()  # rank 1 did not
     assert not (half / ck.COMPLETE).exists()
-    assert ck.read_latest(tmp_path) == "step_00000002"
-    assert ck.newest_intact(tmp_path, read_only=True, log=lambda line: None) == "step_00000002"
+    assert ck.read_latest(tmp_path) == "step_00000005"
+    assert ck.newest_intact(tmp_path, read_only=True, log=lambda line: None) == "step_00000005"
 
-    resumed = train(launcher(2), tmp_path, train_data, *RUN, "checkpoint.async=true")
-    assert "resumed from step_00000002" in resumed.stdout
-    assert "step_00000004: no completion marker" in resumed.stderr
-    ours, theirs = metrics(tmp_path), metrics(sync_run)
-    for step in range(1, 9):
+    resumed = train(torchrun(2), tmp_path, train_data, *RUN, "checkpoint.async=true")
+    assert "resumed from step_00000005" in resumed.stdout
+    assert "step_00000010: no completion marker" in resumed.stderr
+    ours, theirs = metrics(tmp_path), metrics(golden_run)
+    for step in range(1, 21):
         assert ours[step]["train/loss"] == theirs[step]["train/loss"], step
         assert ours[step]["train/grad_norm"] == theirs[step]["train/grad_norm"], step
-    for step in (4, 6, 8):
-        ours_files, theirs_files = _manifest(tmp_path, step), _manifest(sync_run, step)
+    for step in (10, 20):
+        ours_files, theirs_files = _manifest(tmp_path, step), _manifest(golden_run, step)
         deepspeed_files = sorted(name for name in theirs_files if name.endswith(".pt"))
         assert deepspeed_files and [ours_files[n] for n in deepspeed_files] == [
             theirs_files[n] for n in deepspeed_files
         ], step  # byte for byte what the loop writes
         for key in ("tokens", "data", "params_sha256", "weights_sha256"):
-            assert train_state(tmp_path, step)[key] == train_state(sync_run, step)[key], (step, key)
+            assert train_state(tmp_path, step)[key] == train_state(golden_run, step)[key], (step, key)
+    for step in (10, 15, 20):
         assert ck.verify(ck.checkpoints_dir(tmp_path) / ck.tag_for(step)) is None
         assert not list((ck.checkpoints_dir(tmp_path) / ck.tag_for(step)).glob(".saved_rank_*"))
-    assert ck.read_latest(tmp_path) == "step_00000008"
+    assert ck.read_latest(tmp_path) == "step_00000020"
 
 
 def background_record(rank: int) -> str:
@@ -89,7 +86,7 @@ def test_a_rollback_decided_while_a_save_is_in_flight_waits_for_it(tmp_path, tra
     service, _, _ = _start_service(tmp_path, "monitor.warmup=4", "monitor.window=16")
     try:
         result = train(
-            launcher(2),
+            torchrun(2),
             tmp_path,
             train_data,
             "train.steps=12",

@@ -11,7 +11,7 @@ import pytest
 
 from pretrain.config import load_config
 from pretrain.schedules import schedule_for
-from tests.integration.runs import FAST, TINY, events, launcher, train, train_state
+from tests.integration.runs import FAST, TINY, events, launcher, torchrun, train, train_state
 from tests.integration.test_monitoring import _start_service, request
 
 SERVICE = [
@@ -40,7 +40,7 @@ def _stop(process) -> None:
 def test_repeated_spikes_climb_the_ladder_across_a_restart_of_the_service_and_the_job(tmp_path, train_data):
     service, url, _ = _start_service(tmp_path, *SERVICE)
     try:
-        first = train(launcher(2), tmp_path, train_data, *JOB, "train.stop_at_step=13")
+        first = train(torchrun(2), tmp_path, train_data, *JOB, "train.stop_at_step=13")
     finally:
         _stop(service)
     assert "reached train.stop_at_step: saved step_00000013" in first.stdout
@@ -63,6 +63,7 @@ def test_repeated_spikes_climb_the_ladder_across_a_restart_of_the_service_and_th
     (tmp_path / "monitor" / "endpoint.json").unlink()  # (the stopped one's: wait for the new one's)
     service, url, _ = _start_service(tmp_path, *SERVICE)
     try:
+        # (DeepSpeed's launcher: it passes the ranks' exit status on, as `pretrain launch` reads it)
         second = train(launcher(2), tmp_path, train_data, *JOB, "checkpoint.resume=auto", check=False)
         status = json.loads(request(url, "/status")[1])
     finally:

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from tests.integration.runs import events, launcher, train
+from tests.integration.runs import events, torchrun, train
 from tests.integration.runs import metrics as step_metrics
 from tests.unit.test_monitor import fake_checkpoint, metrics
 
@@ -139,7 +139,7 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     url, _, run_dir = service
     pid = json.loads((run_dir / "monitor" / "endpoint.json").read_text())["pid"]
     runner, done = _train_in_background(
-        launcher(2),
+        torchrun(2),
         run_dir,
         train_data,
         "train.steps=16",
@@ -358,15 +358,15 @@ def _send(address, raw: bytes) -> int | None:
 
 
 def test_the_service_answers_every_malformed_request_and_the_run_is_unchanged(tmp_path, train_data):
-    """The golden run, with the monitor on, while a fuzzer sends 2,000 malformed and random requests
-    to its service: every request is answered with a 4xx, none is a traceback, and the run's
-    losses, gradient norms and learning rates are bit for bit the golden ones."""
+    """The golden run (under torchrun), with the monitor on, while a fuzzer sends 2,000 malformed
+    and random requests to its service: every request is answered with a 4xx, none is a traceback,
+    and the run's losses, gradient norms and learning rates are bit for bit the golden ones."""
     from tests.integration.golden import OVERRIDES, assert_matches_golden, summarize
 
     process, url, token = _start_service(tmp_path)
     try:
         runner, done = _train_in_background(
-            launcher(2), tmp_path, train_data, *OVERRIDES, "monitor.enabled=true"
+            torchrun(2), tmp_path, train_data, *OVERRIDES, "monitor.enabled=true"
         )
         _wait_for_step(tmp_path, 1, runner)
         host, port = url.removeprefix("http://").split(":")

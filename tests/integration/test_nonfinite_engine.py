@@ -9,7 +9,7 @@ import pytest
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from tests.integration.runs import launcher, metrics, train, train_state
+from tests.integration.runs import metrics, torchrun, train, train_state
 
 OVERFLOW = "[deepspeed] OVERFLOW! Skipping step. Gradients are non-finite, weights were not updated."
 
@@ -35,7 +35,7 @@ def optimizer_tensors(checkpoint) -> dict[str, torch.Tensor]:
 def test_a_nan_gradient_is_skipped_and_leaves_weights_and_optimizer_unchanged(tmp_path, train_data, stage):
     """Step 2's loss is NaN (so is every gradient); checkpoints after steps 1, 2 and 3."""
     result = train(
-        launcher(2),
+        torchrun(2),
         tmp_path,
         train_data,
         "train.steps=3",

@@ -99,7 +99,7 @@ def test_resume_with_another_world_size(tmp_path, golden_run, train_data):
     partial.mkdir()
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"half-written")
     result = train(
-        launcher(1),
+        torchrun(1),
         tmp_path,
         train_data,
         *GOLDEN,

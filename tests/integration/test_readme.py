@@ -6,8 +6,8 @@ demo`, built once by the `readme_dir` fixture); each later block is one test, an
 in the README's order within a worker. What the test adds to a command, and why:
 
 - fewer steps, where the command takes an override (`FEWER_STEPS`); a command that states its
-  own `train.steps` (the drill: its faults are placed by step) keeps them, on smaller
-  micro-batches (`LESS_WORK`);
+  own `train.steps` (the drill: its faults are placed by step) keeps them, with less work per step
+  (`LESS_WORK`);
 - the files a command names as its input (`corpus/*.jsonl`, `train.csv`, `val.csv`), made here
   from the built-in corpus and the test's sentiment splits;
 - for a config sized for GPUs (the GPT-3 presets), a CPU shape (`CPU_SHAPE`): the same command
@@ -34,7 +34,9 @@ from tests.conftest import built_once
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
-LESS_WORK = ["train.micro_batch_size=2"]  # for a command that fixes its own steps (the drill)
+# For a command that fixes its own steps (the drill): smaller batches, half the layers, and no
+# attention maps drawn at its evaluations (about 0.8 s each; the golden run draws them).
+LESS_WORK = ["train.micro_batch_size=2", "model.n_layers=2", "eval.batches=1", "eval.attention_probe=null"]
 FEWER_STEPS = {
     ("pretrain", "demo"): ["--steps", "8"],
     ("pretrain", "launch"): ["train.steps=2"],

@@ -11,7 +11,7 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from monitoring.protocol import UpdateSkipped, read_events
-from tests.integration.runs import launcher, metrics, train, train_state
+from tests.integration.runs import metrics, torchrun, train, train_state
 
 SKIP = [
     "monitor.skip_step=true",
@@ -26,7 +26,7 @@ SKIP = [
 def skipped_run(tmp_path_factory, train_data):
     run_dir = tmp_path_factory.mktemp("skip") / "run"
     train(
-        launcher(2),
+        torchrun(2),
         run_dir,
         train_data,
         *SKIP,
@@ -59,7 +59,7 @@ def test_the_levels_survive_a_resume(skipped_run, train_data):
     """With the levels back from step 10's checkpoint, a spike at step 11 is skipped at once;
     with empty levels (8 values needed first) it would have landed."""
     train(
-        launcher(2),
+        torchrun(2),
         skipped_run,
         train_data,
         *SKIP,

@@ -5,8 +5,8 @@ chosen steps: a loss spike, a gradient-norm spike, a NaN loss, a NaN gradient. E
 a step updates — each rank's bf16 weights (its shards under ZeRO-3), fp32 master partitions and
 Adam's exp_avg, exp_avg_sq and step — is compared, bit for bit, before and after each step.
 
-Run by pytest, this file launches itself: `python -m deepspeed.launcher.runner --num_gpus 2
---module tests.integration.test_skip_step OUT_DIR` runs `worker()` on each rank, which writes
+Run by pytest, this file launches itself: `python -m torch.distributed.run --nproc_per_node 2
+-m tests.integration.test_skip_step OUT_DIR` runs `worker()` on each rank, which writes
 OUT_DIR/rank_N.json for the tests to read.
 """
 
@@ -203,7 +203,7 @@ def worker() -> None:
 
     from pretrain.distributed import DistEnv, init_distributed
 
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # (the launcher adds it)
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # (DeepSpeed's launcher adds it)
     out = Path(args[0])
     variants = args[1].split(",") if len(args) > 1 else list(VARIANTS)
     env = DistEnv.from_environ()
@@ -223,10 +223,10 @@ def ranks(tmp_path_factory) -> list[dict]:
     """One 2-process job for every variant, once per test session (shared by the xdist
     workers); each rank's results."""
     from tests.conftest import built_once
-    from tests.integration.runs import launcher
+    from tests.integration.runs import torchrun
 
     def run(out: Path) -> None:
-        command = [*launcher(2, "tests.integration.test_skip_step"), str(out)]
+        command = [*torchrun(2, "tests.integration.test_skip_step"), str(out)]
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
