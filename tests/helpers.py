@@ -1,5 +1,8 @@
 """What both test tiers share: the small training config and assertions."""
 
+import json
+from pathlib import Path
+
 from pretrain.config import REPO_CONFIG_DIR
 
 TINY = str(REPO_CONFIG_DIR / "train" / "tiny.yaml")
@@ -31,3 +34,9 @@ def assert_one_line_error(result, *fragments: str) -> None:
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     assert result.stdout == ""
+
+
+def metrics_by_step(run_dir) -> dict[int, dict]:
+    """metrics.jsonl per step, the last record of each (a resumed run appends)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}

@@ -17,13 +17,17 @@ POLL_SECONDS = 0.1
 MODULE = "pretrain.cli.deepspeed_launch"
 
 
-def _polling_clock() -> types.SimpleNamespace:
+def module_with(module: types.ModuleType, **replaced) -> types.ModuleType:
+    """A copy of `module` for one importer's global name, with `replaced` attributes in place of its
+    own: the module itself, and every other importer, are left as they are."""
+    copy = types.ModuleType(module.__name__)
+    copy.__dict__.update(vars(module), **replaced)
+    return copy
+
+
+def _polling_clock() -> types.ModuleType:
     """`time` as the launcher uses it (its wait loop's `time.sleep(1)`), with shorter sleeps."""
-    clock = types.SimpleNamespace(
-        **{name: getattr(time, name) for name in dir(time) if not name.startswith("__")}
-    )
-    clock.sleep = lambda seconds: time.sleep(min(seconds, POLL_SECONDS))
-    return clock
+    return module_with(time, sleep=lambda seconds: time.sleep(min(seconds, POLL_SECONDS)))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 from pretrain.console import deepspeed_log_level, quiet_libraries
 
@@ -58,17 +57,12 @@ def launch_locally_with_our_module(runner) -> None:
     DeepSpeed's, looking at its ranks every 0.1 s instead of every second (that module says why)."""
     from pretrain.cli import deepspeed_launch
 
-    class _Subprocess(types.ModuleType):
-        def __getattr__(self, name):
-            return getattr(subprocess, name)
+    def started(cmd, *args, **kwargs):
+        if isinstance(cmd, list) and cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]:
+            cmd = [*cmd[:3], deepspeed_launch.MODULE, *cmd[4:]]
+        return subprocess.Popen(cmd, *args, **kwargs)
 
-        @staticmethod
-        def Popen(cmd, *args, **kwargs):
-            if isinstance(cmd, list) and cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]:
-                cmd = [*cmd[:3], deepspeed_launch.MODULE, *cmd[4:]]
-            return subprocess.Popen(cmd, *args, **kwargs)
-
-    runner.subprocess = _Subprocess("subprocess")
+    runner.subprocess = deepspeed_launch.module_with(subprocess, Popen=started)
 
 
 def stop_command(hosts: str, port: int) -> list[str]:

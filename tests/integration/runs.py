@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pretrain.distributed import free_port
-from tests.helpers import FAST, TINY
+from tests.helpers import FAST, TINY, metrics_by_step
 
 __all__ = ["FAST", "TINY", "events", "launcher", "metrics", "torchrun", "train", "train_state"]
 
@@ -54,10 +54,7 @@ def train(command, run_dir, data_dir, *overrides, check=True) -> subprocess.Comp
     return result
 
 
-def metrics(run_dir) -> dict[int, dict]:
-    """Per step, the last record written (a resumed run appends)."""
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records}
+metrics = metrics_by_step  # per step, the last record written (a resumed run appends)
 
 
 def train_state(run_dir, step) -> dict:

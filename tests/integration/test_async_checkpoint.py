@@ -7,6 +7,7 @@ disk is `faults.slow_save_step`.)"""
 import json
 
 from pretrain import checkpoint as ck
+from pretrain.checkpoint.background import record_file
 from tests.integration.golden import OVERRIDES as GOLDEN
 from tests.integration.runs import events, metrics, torchrun, train, train_state
 from tests.integration.test_monitoring import _start_service
@@ -45,8 +46,8 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint_and_resum
     assert "checkpoint step_00000005 saved in the background" in killed.stdout
     assert "checkpoint step_00000010 saved" not in killed.stdout
     half = ck.checkpoints_dir(tmp_path) / "step_00000010"
-    assert (half / background_record(0)).is_file()  # rank 0 wrote and hashed all of its part
-    assert not (half / background_record(1)).exists()  # rank 1 did not
+    assert (half / record_file(0)).is_file()  # rank 0 wrote and hashed all of its part
+    assert not (half / record_file(1)).exists()  # rank 1 did not
     assert not (half / ck.COMPLETE).exists()
     assert ck.read_latest(tmp_path) == "step_00000005"
     assert ck.newest_intact(tmp_path, read_only=True, log=lambda line: None) == "step_00000005"
@@ -70,12 +71,6 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint_and_resum
         assert ck.verify(ck.checkpoints_dir(tmp_path) / ck.tag_for(step)) is None
         assert not list((ck.checkpoints_dir(tmp_path) / ck.tag_for(step)).glob(".saved_rank_*"))
     assert ck.read_latest(tmp_path) == "step_00000020"
-
-
-def background_record(rank: int) -> str:
-    from pretrain.checkpoint.background import record_file
-
-    return record_file(rank)
 
 
 def test_a_rollback_decided_while_a_save_is_in_flight_waits_for_it(tmp_path, train_data):

@@ -27,6 +27,7 @@ from pretrain import checkpoint as ck
 from pretrain.config import load_config
 from pretrain.monitor_link import broadcast_action
 from tests.helpers import FAST, TINY
+from tests.helpers import metrics_by_step as records
 from tests.unit.fakes import pretraining_trainer
 from tests.unit.test_monitor import fake_checkpoint
 
@@ -316,11 +317,6 @@ def config(run_dir, data_dir, *overrides):
             *overrides,
         ],
     )
-
-
-def records(run_dir) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
 
 
 def hooks_at(run_dir, step) -> dict:

@@ -15,6 +15,7 @@ from pretrain.checkpoint import checkpoints_dir, newest_complete, read_latest
 from pretrain.config import load_config
 from pretrain.train.loop import layer_grad_squares
 from tests.helpers import FAST, TINY
+from tests.helpers import metrics_by_step as records
 from tests.unit.fakes import pretraining_trainer
 
 
@@ -31,12 +32,6 @@ def config(run_dir, data_dir, *overrides):
             *overrides,
         ],
     )
-
-
-def records(run_dir) -> dict[int, dict]:
-    """metrics.jsonl per step, the last record of each (a resumed run appends)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
 
 
 def state_of(run_dir, step) -> dict:
