@@ -117,7 +117,9 @@ CPU = Mode(
     budget=400.0,
     budgets={"versions": 30, "fused_adam": 30, "pytest": 90, "launch": 150, "bench tiny": 90, "profile": 60},
     order=("versions", "fused_adam", "pytest", "launch", "bench tiny", "profile"),
-    pytest="-n 0",
+    # the GPU tier's file only: collecting the whole suite to deselect it costs the check (itself a
+    # test of the suite) about 5 s, and on a CPU every GPU test skips anyway
+    pytest="-n 0 tests/integration/test_gpu.py",
     bench={"tiny": "--seq-len 128 --micro-batch-size 2 --no-compile --steps 2 --warmup 1"},
     profile={"tiny": "--seq-len 128 --micro-batch-size 2 --no-compile --steps 1 --warmup 1"},
     drill=Drill(
