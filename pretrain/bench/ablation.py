@@ -20,11 +20,10 @@ import itertools
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from monitoring.protocol import SUMMARY_FILE
+from pretrain.bench.runs import finished, run_once
 from pretrain.config import config_dir, load_config
 from pretrain.errors import UserError
 from pretrain.flops import flops_per_token
@@ -48,28 +47,17 @@ def train_run(
     arm: str, lr: float, run_dir: Path, data_dir: Path, steps: int | None, eval_every: int | None
 ) -> list[dict]:
     """One `pretrain train` process (unless it already finished); returns its evaluation curve."""
-    summary = run_dir / SUMMARY_FILE
-    if not (summary.is_file() and json.loads(summary.read_text()).get("completed")):
-        overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", f"optim.lr={lr}"]
-        if steps is not None:
-            overrides.append(f"train.steps={steps}")
-        if eval_every is not None:
-            overrides.append(f"eval.every={eval_every}")
-        print(f"  {arm} lr={lr:g} -> {run_dir}", file=sys.stderr, flush=True)
-        log = run_dir.parent / f"{run_dir.name}.log"
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as out:
-            code = subprocess.call(
-                [sys.executable, "-m", "pretrain", "train", "--config", str(arm_config(arm)), *overrides],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        if code != 0 or not summary.is_file():
-            print(
-                f"    exited with status {code} (see {log}); counted as diverged", file=sys.stderr, flush=True
-            )
-            return []
-    return json.loads(summary.read_text())["eval"]
+    overrides = [f"data.dir={data_dir}", f"optim.lr={lr}"]
+    if steps is not None:
+        overrides.append(f"train.steps={steps}")
+    if eval_every is not None:
+        overrides.append(f"eval.every={eval_every}")
+    run_once("train", arm_config(arm), run_dir, overrides, f"{arm} lr={lr:g}")
+    summary = finished(run_dir)
+    if summary is None:
+        print(f"    {run_dir} did not complete: counted as diverged", file=sys.stderr, flush=True)
+        return []
+    return summary["eval"]
 
 
 def final_loss(curve: list[list[float]]) -> float:

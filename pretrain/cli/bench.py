@@ -1,5 +1,5 @@
-"""`pretrain bench data / masking / monitor / detection / train / profile / ablation`: benchmarks that
-print figures."""
+"""`pretrain bench data / masking / monitor / detection / train / profile / ablation /
+stability`: benchmarks that print figures."""
 
 from __future__ import annotations
 
@@ -87,6 +87,27 @@ def cmd_bench_ablation(args: argparse.Namespace) -> int:
         steps=args.steps,
         eval_every=args.eval_every,
         as_json=args.json,
+    )
+    return 0
+
+
+def cmd_bench_stability(args: argparse.Namespace) -> int:
+    from pretrain.bench.ablation import parse_lrs
+    from pretrain.bench.stability import run
+
+    run(
+        tuple(c for c in args.corpora.split(",") if c),
+        args.out,
+        parse_lrs(args.lrs),
+        parts=tuple(p for p in args.parts.split(",") if p),
+        escalation_lr=args.escalation_lr,
+        calibration_dirs=tuple(args.calibration),
+        as_json=args.json,
+        steps=args.steps,
+        warmup=args.warmup,
+        micro_batch_size=args.micro_batch_size,
+        eval_every=args.eval_every,
+        precursors_every=args.precursors_every,
     )
     return 0
 
@@ -184,6 +205,41 @@ def register(sub) -> None:
     ablation.add_argument("--eval-every", type=int, help="steps between evaluations (default: the configs')")
     ablation.add_argument("--json", action="store_true", help="print one JSON object")
     ablation.set_defaults(handler=cmd_bench_ablation)
+
+    stability = whats.add_parser(
+        "stability",
+        help="the stability ladder's evidence: loss against learning rate with and without qk_norm + z_loss, "
+        "precursor lead, escalation, the calibration's faults with skip_step off and on",
+    )
+    stability.add_argument(
+        "--corpora", default="builtin:pydoc", help="comma-separated corpora (default builtin:pydoc)"
+    )
+    stability.add_argument("--out", default="runs/stability", help="runs and results go here")
+    stability.add_argument(
+        "--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1,3e-1", help="peak learning rates (comma-separated)"
+    )
+    stability.add_argument(
+        "--parts", default="sweep,escalation,calibration", help="which parts (default: all three)"
+    )
+    stability.add_argument(
+        "--escalation-lr", type=float, help="the diverging rate of the escalation runs (default: the largest)"
+    )
+    stability.add_argument(
+        "--calibration",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="directories of scripts/monitor_calibration.py runs (clean, and faults with skip_step off and on)",
+    )
+    stability.add_argument("--steps", type=int, help="training steps per run (default 200)")
+    stability.add_argument("--warmup", type=int, help="learning-rate warm-up steps (default 100)")
+    stability.add_argument("--micro-batch-size", type=int, help="sequences per step (default 4)")
+    stability.add_argument("--eval-every", type=int, help="steps between evaluations (default 50)")
+    stability.add_argument(
+        "--precursors-every", type=int, help="steps between precursor measurements (default 2)"
+    )
+    stability.add_argument("--json", action="store_true", help="print one JSON object")
+    stability.set_defaults(handler=cmd_bench_stability)
 
 
 def add_step_arguments(parser) -> None:

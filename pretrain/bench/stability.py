@@ -1,0 +1,512 @@
+"""`pretrain bench stability`: the evidence for the stability ladder (docs/monitoring.md), from
+real runs on this machine. Three parts (`--parts`, all by default):
+
+* **sweep**, the proxy experiment of Wortsman et al. 2023: the small model of
+  `configs/ablation/transformer_pp.yaml` trained at each learning rate of `--lrs` on each corpus
+  of `--corpora`, as it is (`baseline`) and with `model.qk_norm=true loss.z_loss=1e-4`
+  (`qk_norm+z_loss`); one `pretrain train` process per run, no monitor, nothing to stop it. The
+  final evaluation loss against the learning rate. Each run measures the instability precursors
+  every `--precursors-every` steps; its recorded series (metrics.jsonl) is then judged by the
+  service's own `Policy`, with its default bands and every finding only warned, step by step as
+  the service would have: the first step the loss spikes (non-finite, or above `SPIKE_RATIO` ×
+  the lowest loss so far) and how many steps before it the first `instability_precursor`
+  warning came.
+* **escalation**: the baseline at `--escalation-lr` (a rate that diverges) under
+  `pretrain launch` (the monitoring service, rollbacks), once with the monitor's defaults and once
+  with `monitor.on_repeat=[quarantine,lower_lr,stop]`: how each ended, its rollbacks and
+  learning-rate cuts, and its final loss against the sweep's best stable rate's.
+* **calibration**: the run directories of `scripts/monitor_calibration.py` given with
+  `--calibration` (its `clean` runs and its `faults` runs, with `monitor.skip_step` off and on):
+  the precursors' warnings on the clean runs (false ones), and per injected fault with the skip
+  off and on, the rollbacks, steps retrained, updates skipped and final loss.
+
+Runs that finished are not repeated, so an interrupted bench continues where it stopped. Writes
+OUT/stability.json and OUT/stability.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+from monitoring.config import FINDINGS, ServiceConfig
+from monitoring.policy import Policy
+from monitoring.protocol import (
+    PRECURSORS,
+    LrLowered,
+    RepeatsStopped,
+    RollbackApplied,
+    RollbackDecided,
+    StepMetrics,
+    UpdateSkipped,
+    WarningRaised,
+    read_events,
+    strict_json,
+)
+from pretrain.bench.ablation import arm_config, corpus_name
+from pretrain.bench.runs import finished, run_once
+from pretrain.errors import UserError
+
+ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e-4"]}
+DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+PARTS = ("sweep", "escalation", "calibration")
+SPIKE_RATIO = 2.0  # a loss this many times the lowest loss so far is the run's loss spike
+ESCALATION = ["monitor.on_repeat=[quarantine,lower_lr,stop]"]
+PRECURSOR_PREFIX = "stability/"
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def sweep_overrides(data_dir: Path, lr: float, settings: dict) -> list[str]:
+    return [
+        f"data.dir={data_dir}",
+        f"optim.lr={lr}",
+        f"train.steps={settings['steps']}",
+        f"schedule.warmup_steps={settings['warmup']}",
+        f"train.micro_batch_size={settings['micro_batch_size']}",
+        f"eval.every={settings['eval_every']}",
+        "logging.every=1",
+        f"logging.precursors_every={settings['precursors_every']}",
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _number(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def first_spike(rows: list[dict], ratio: float = SPIKE_RATIO) -> int | None:
+    """The first step whose loss is non-finite or above `ratio` × the lowest loss before it."""
+    lowest = math.inf
+    for row in rows:
+        loss = _number(row["train/loss"])
+        if not math.isfinite(loss) or loss > ratio * lowest:
+            return row["step"]
+        lowest = min(lowest, loss)
+    return None
+
+
+def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
+    """Each step's findings as the service's `Policy` (default bands) finds them, every response
+    turned into a warning so that the series is judged to its end as it was recorded."""
+    config = ServiceConfig(**{f"on_{finding}": "warn" for finding in FINDINGS})
+    judged = []
+    with tempfile.TemporaryDirectory() as empty:
+        policy = Policy(config, empty)
+        for row in rows:
+            precursors = {
+                name: _number(row[PRECURSOR_PREFIX + name])
+                for name in PRECURSORS
+                if PRECURSOR_PREFIX + name in row
+            }
+            verdict = policy.observe(
+                StepMetrics(
+                    step=row["step"],
+                    loss=_number(row["train/loss"]),
+                    grad_norm=_number(row["train/grad_norm"]),
+                    lr=float(row.get("train/lr") or 0.0),
+                    step_time=0.0,
+                    tokens=0,
+                    precursors=precursors,
+                )
+            )
+            judged.append((row["step"], [f.kind for f in verdict.findings]))
+    return judged
+
+
+def analyse_run(run_dir: Path) -> dict:
+    """A sweep run's figures: its final loss (inf when it did not finish or ended non-finite), its
+    loss spike and what the precursors said before it."""
+    summary = finished(run_dir)
+    rows = read_metrics(run_dir)
+    evals = (summary or {}).get("eval") or []
+    final = evals[-1]["loss"] if evals else math.inf
+    final = final if final is not None and math.isfinite(final) else math.inf
+    judged = judge_series(rows)
+    warned = [step for step, kinds in judged if "instability_precursor" in kinds]
+    measured = sum(any(PRECURSOR_PREFIX + name in row for name in PRECURSORS) for row in rows)
+    spike = first_spike(rows)
+    before = [step for step in warned if spike is not None and step <= spike]
+    losses = [_number(r["train/loss"]) for r in rows]
+    return {
+        "completed": summary is not None,
+        "final_loss": final,
+        "max_loss": max((v for v in losses if math.isfinite(v)), default=None),
+        "spike_step": spike,
+        "precursor_measurements": measured,
+        "precursor_warnings": len(warned),
+        "first_precursor_warning": warned[0] if warned else None,
+        "precursor_lead_steps": spike - before[0] if before else None,
+        "attn_logit_max": max(
+            (
+                _number(r[PRECURSOR_PREFIX + "attn_logit_max"])
+                for r in rows
+                if PRECURSOR_PREFIX + "attn_logit_max" in r
+            ),
+            default=None,
+        ),
+        "curve": [[r["step"], _number(r["train/loss"])] for r in rows],
+    }
+
+
+def sweep(corpora: list[str], lrs: tuple[float, ...], out: Path, settings: dict) -> dict:
+    from pretrain.data import prepare_corpus
+
+    result = {}
+    for spec in corpora:
+        name = corpus_name(spec)
+        _, data_dir = prepare_corpus(
+            spec, out / "corpora" / name, announce=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+        arms = {}
+        for arm, extra in ARMS.items():
+            runs = {}
+            for lr in lrs:
+                run_dir = out / "sweep" / name / arm / f"lr{lr:g}"
+                overrides = sweep_overrides(data_dir, lr, settings) + extra
+                run_once("train", arm_config("transformer_pp"), run_dir, overrides, f"{name} {arm} lr={lr:g}")
+                runs[f"{lr:g}"] = analyse_run(run_dir)
+            arms[arm] = runs
+        result[name] = {"source": spec, "data_dir": str(data_dir), "arms": arms}
+    return result
+
+
+def best_stable(sweep_result: dict, corpus: str) -> tuple[float, float] | None:
+    """(lr, final loss) of the baseline's lowest final loss on `corpus`."""
+    runs = sweep_result[corpus]["arms"]["baseline"]
+    finite = [(float(lr), r["final_loss"]) for lr, r in runs.items() if math.isfinite(r["final_loss"])]
+    return min(finite, key=lambda item: item[1]) if finite else None
+
+
+# --------------------------------------------------------------------------- escalation
+
+
+def launched_run(run_dir: Path, code: int) -> dict:
+    """How a `pretrain launch` run ended, from its exit status, summary and events."""
+    events = read_events(run_dir)
+    summary = finished(run_dir)
+    evals = (summary or {}).get("eval") or []
+    stopped = [e for e in events if isinstance(e, RepeatsStopped)]
+    return {
+        "exit_status": code,
+        "completed": summary is not None,
+        "final_loss": evals[-1]["loss"] if summary is not None and evals else None,
+        "rollbacks": sum(isinstance(e, RollbackDecided) for e in events),
+        "rollbacks_applied": sum(isinstance(e, RollbackApplied) for e in events),
+        "lr_lowered": [
+            {"step": e.step, "factor": e.factor, "until": e.until} for e in events if isinstance(e, LrLowered)
+        ],
+        "diagnosis": stopped[0].diagnosis if stopped else None,
+        "stopped_by": _stop_reason(run_dir) if summary is None else None,
+        "curve": [[r["step"], _number(r["train/loss"])] for r in read_metrics(run_dir)],
+    }
+
+
+def _stop_reason(run_dir: Path) -> str | None:
+    """The last line of the launch's log that says why it ended."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    lines = (
+        [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if log.is_file()
+        else []
+    )
+    return lines[-1][:300] if lines else None
+
+
+def escalation(data_dir: Path, lr: float, out: Path, settings: dict) -> dict:
+    common = [
+        *sweep_overrides(data_dir, lr, settings),
+        f"checkpoint.every={settings['checkpoint_every']}",
+        "checkpoint.keep=4",
+        "checkpoint.resume=fresh",
+    ]
+    result = {"lr": lr}
+    for label, extra in (("defaults", []), ("on_repeat", ESCALATION)):
+        run_dir = out / "escalation" / label
+        code = run_once(
+            "launch", arm_config("transformer_pp"), run_dir, common + extra, f"escalation {label} lr={lr:g}"
+        )
+        result[label] = launched_run(run_dir, code)
+    return result
+
+
+# --------------------------------------------------------------------------- the calibration's runs
+
+
+def calibration(directories: list[Path]) -> dict:
+    """Clean runs: precursor warnings (false ones) among the judged precursor measurements.
+    Fault runs: per fault and skip_step setting, rollbacks, steps retrained, skips, final loss."""
+    clean = {
+        "runs": 0,
+        "steps": 0,
+        "rollbacks": 0,
+        "warnings": 0,
+        "precursor_measurements": 0,
+        "precursor_warnings": 0,
+    }
+    faults = []
+    for directory in directories:
+        for run_dir in sorted(p for p in directory.glob("*") if (p / "run.json").is_file()):
+            flat = json.loads((run_dir / "run.json").read_text())["config"]
+            events = read_events(run_dir)
+            summary = finished(run_dir)
+            rows = read_metrics(run_dir)
+            if not any(flat.get(f"faults.{k}") for k in ("spike_steps", "grad_spike_steps", "nan_steps")):
+                warnings = [e for e in events if isinstance(e, WarningRaised)]
+                clean["runs"] += 1
+                clean["steps"] += len(rows)
+                clean["rollbacks"] += sum(isinstance(e, RollbackDecided) for e in events)
+                clean["warnings"] += len(warnings)
+                clean["precursor_measurements"] += sum(PRECURSOR_PREFIX + "attn_logit_max" in r for r in rows)
+                clean["precursor_warnings"] += sum("instability_precursor" in w.findings for w in warnings)
+                continue
+            applied = [e for e in events if isinstance(e, RollbackApplied)]
+            evals = (summary or {}).get("eval") or []
+            faults.append(
+                {
+                    "run": run_dir.name,
+                    "skip_step": bool(flat.get("monitor.skip_step")),
+                    "fault": _fault_label(flat),
+                    "completed": summary is not None,
+                    "rollbacks": len(applied),
+                    "steps_retrained": sum((e.decided_at or e.step) - e.step for e in applied),
+                    "updates_skipped": [e.step for e in events if isinstance(e, UpdateSkipped)],
+                    "final_loss": evals[-1]["loss"] if evals else None,
+                }
+            )
+    return {"clean": clean, "faults": faults}
+
+
+def _fault_label(flat: dict) -> str:
+    if flat.get("faults.nan_steps"):
+        return "nan"
+    if flat.get("faults.spike_steps"):
+        return f"loss x{flat.get('faults.spike_factor', 50):g}"
+    return f"grad x{flat.get('faults.grad_spike_factor', 50):g}"
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+DEFAULTS = {
+    "steps": 200,
+    "warmup": 100,
+    "micro_batch_size": 4,
+    "eval_every": 50,
+    "precursors_every": 2,
+    "checkpoint_every": 10,
+}
+
+
+def run(
+    corpora: tuple[str, ...] = ("builtin:pydoc",),
+    out: str | Path = "runs/stability",
+    lrs: tuple[float, ...] = DEFAULT_LRS,
+    parts: tuple[str, ...] = PARTS,
+    escalation_lr: float | None = None,
+    calibration_dirs: tuple[str, ...] = (),
+    as_json: bool = False,
+    **settings,
+) -> dict:
+    settings = DEFAULTS | {k: v for k, v in settings.items() if v is not None}
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise UserError(f"--parts {','.join(sorted(unknown))}: choose among {','.join(PARTS)}")
+    if not lrs or any(not (math.isfinite(lr) and lr > 0) for lr in lrs):
+        raise UserError("--lrs: give one or more positive learning rates")
+    for key, value in settings.items():
+        if not (isinstance(value, int) and value >= 1):
+            raise UserError(f"--{key.replace('_', '-')} {value}: must be a whole number >= 1")
+    if "calibration" in parts and not calibration_dirs:
+        raise UserError(
+            "the calibration part reads runs: pass --calibration DIR (or leave it out of --parts)"
+        )
+    missing = [d for d in calibration_dirs if not Path(d).is_dir()]
+    if missing:
+        raise UserError(f"--calibration {missing[0]}: no such directory")
+    out = Path(out)
+    result: dict = {"settings": settings | {"lrs": list(lrs), "corpora": list(corpora)}, "arms": ARMS}
+    if "sweep" in parts or "escalation" in parts:
+        result["sweep"] = sweep(list(corpora), lrs, out, settings)
+        result["precursor_lead"] = lead_table(result["sweep"])
+    if "escalation" in parts:
+        first = corpus_name(corpora[0])
+        lr = escalation_lr if escalation_lr is not None else max(lrs)
+        esc = escalation(Path(result["sweep"][first]["data_dir"]), lr, out, settings)
+        stable = best_stable(result["sweep"], first)
+        esc["stable"] = {"lr": stable[0], "final_loss": stable[1]} if stable else None
+        result["escalation"] = esc
+    if "calibration" in parts:
+        result["calibration"] = calibration([Path(d) for d in calibration_dirs])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stability.json").write_text(json.dumps(strict_json(result), indent=1) + "\n")
+    if "sweep" in result:
+        plot(result, out / "stability.png")
+    print(json.dumps(strict_json(result)) if as_json else report(result))
+    return result
+
+
+def lead_table(sweep_result: dict) -> list[dict]:
+    """Every sweep run whose loss spiked: where, and how many steps earlier a precursor warned."""
+    rows = []
+    for corpus, data in sweep_result.items():
+        for arm, runs in data["arms"].items():
+            for lr, r in runs.items():
+                if r["spike_step"] is not None:
+                    rows.append(
+                        {
+                            "corpus": corpus,
+                            "arm": arm,
+                            "lr": float(lr),
+                            "spike_step": r["spike_step"],
+                            "first_precursor_warning": r["first_precursor_warning"],
+                            "lead_steps": r["precursor_lead_steps"],
+                        }
+                    )
+    return rows
+
+
+# --------------------------------------------------------------------------- what it shows
+
+
+def report(result: dict) -> str:
+    lines = []
+    for data in result.get("sweep", {}).values():
+        lrs = list(next(iter(data["arms"].values())))
+        lines.append(f"final evaluation loss on {data['source']} ({result['settings']['steps']} steps)")
+        lines.append(f"  {'learning rate':<16}" + "".join(f"{lr:>10}" for lr in lrs))
+        for arm, runs in data["arms"].items():
+            lines.append(f"  {arm:<16}" + "".join(f"{_loss(runs[lr]['final_loss']):>10}" for lr in lrs))
+        lines.append("")
+    if result.get("precursor_lead"):
+        lines.append(
+            "loss spikes (loss non-finite or above 2x its lowest so far) and the first precursor warning"
+        )
+        for r in result["precursor_lead"]:
+            lead = r["lead_steps"]
+            said = f"{lead} steps before" if lead is not None else "no precursor warning before it"
+            lines.append(
+                f"  {r['corpus']} {r['arm']} lr={r['lr']:g}: spike at step {r['spike_step']}, {said}"
+            )
+        lines.append("")
+    esc = result.get("escalation")
+    if esc:
+        lines.append(f"a diverging learning rate ({esc['lr']:g}) under the monitor")
+        for label in ("defaults", "on_repeat"):
+            r = esc[label]
+            ended = "completed" if r["completed"] else f"stopped (exit {r['exit_status']})"
+            lines.append(
+                f"  {label:<10} {ended}, {r['rollbacks']} rollbacks, "
+                f"{len(r['lr_lowered'])} learning-rate cuts, final loss {_loss(r['final_loss'])}"
+            )
+        if esc.get("stable"):
+            lines.append(
+                f"  the best stable rate ({esc['stable']['lr']:g}): final loss {_loss(esc['stable']['final_loss'])}"
+            )
+        lines.append("")
+    cal = result.get("calibration")
+    if cal:
+        c = cal["clean"]
+        lines.append(
+            f"clean calibration runs: {c['runs']} runs, {c['steps']} steps, {c['rollbacks']} rollbacks, "
+            f"{c['precursor_warnings']} precursor warnings in {c['precursor_measurements']} measurements"
+        )
+        for f in cal["faults"]:
+            lines.append(
+                f"  {f['fault']:<10} skip_step {'on ' if f['skip_step'] else 'off'}: {f['rollbacks']} rollbacks, "
+                f"{f['steps_retrained']} steps retrained, {len(f['updates_skipped'])} skipped, "
+                f"final loss {_loss(f['final_loss'])}"
+            )
+    return "\n".join(lines).rstrip()
+
+
+def _loss(value) -> str:
+    return "-" if value is None else "diverged" if not math.isfinite(value) else f"{value:.3f}"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (sweep_ax, lead_ax, esc_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    styles = {"baseline": ("tab:red", "o-"), "qk_norm+z_loss": ("tab:blue", "s--")}
+    ceiling = 0.0
+    for data in result["sweep"].values():
+        for runs in data["arms"].values():
+            finite = [r["final_loss"] for r in runs.values() if math.isfinite(r["final_loss"])]
+            ceiling = max([ceiling, *finite])
+    for i, (corpus, data) in enumerate(result["sweep"].items()):
+        for arm, runs in data["arms"].items():
+            color, style = styles[arm]
+            lrs = [float(lr) for lr in runs]
+            losses = [
+                r["final_loss"] if math.isfinite(r["final_loss"]) else ceiling * 1.05 for r in runs.values()
+            ]
+            sweep_ax.plot(lrs, losses, style, color=color, alpha=1 - 0.45 * i, label=f"{arm}, {corpus}")
+    sweep_ax.set(
+        xscale="log",
+        xlabel="peak learning rate",
+        ylabel="final evaluation loss",
+        title="the proxy: loss against learning rate",
+    )
+    sweep_ax.legend(fontsize=7)
+
+    spiked = [r for r in result.get("precursor_lead", []) if r["arm"] == "baseline"]
+    if spiked:
+        pick = max(spiked, key=lambda r: (r["lead_steps"] is not None, -r["lr"]))
+        run = result["sweep"][pick["corpus"]]["arms"]["baseline"][f"{pick['lr']:g}"]
+        steps, losses = zip(*run["curve"], strict=True)
+        lead_ax.plot(
+            steps, losses, color="tab:red", label=f"baseline loss, lr {pick['lr']:g}, {pick['corpus']}"
+        )
+        lead_ax.axvline(
+            pick["spike_step"], color="black", linestyle=":", label=f"loss spike (step {pick['spike_step']})"
+        )
+        if pick["first_precursor_warning"] is not None:
+            lead_ax.axvline(
+                pick["first_precursor_warning"],
+                color="tab:orange",
+                label=f"first precursor warning (step {pick['first_precursor_warning']})",
+            )
+        lead_ax.set(
+            xlabel="step",
+            ylabel="training loss",
+            yscale="log",
+            title="a precursor's warning before the spike",
+        )
+        lead_ax.legend(fontsize=7)
+
+    esc = result.get("escalation")
+    if esc:
+        for label, color in (("defaults", "tab:red"), ("on_repeat", "tab:green")):
+            curve = esc[label]["curve"]
+            if curve:
+                steps, losses = zip(*curve, strict=True)
+                ended = "completed" if esc[label]["completed"] else "stopped"
+                esc_ax.plot(steps, losses, color=color, label=f"lr {esc['lr']:g}, {label} ({ended})")
+        if esc.get("stable"):
+            esc_ax.axhline(
+                esc["stable"]["final_loss"],
+                color="gray",
+                linestyle=":",
+                label=f"stable lr {esc['stable']['lr']:g}: final eval loss",
+            )
+        esc_ax.set(
+            xlabel="step", ylabel="training loss", yscale="log", title="escalation when rollbacks repeat"
+        )
+        esc_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
