@@ -17,8 +17,10 @@ real runs on this machine. Three parts (`--parts`, all by default):
   learning-rate cuts, and its final loss against the sweep's best stable rate's.
 * **calibration**: the run directories of `scripts/monitor_calibration.py` given with
   `--calibration` (its `clean` runs and its `faults` runs, with `monitor.skip_step` off and on):
-  the precursors' warnings on the clean runs (false ones), and per injected fault with the skip
-  off and on, the rollbacks, steps retrained, updates skipped and final loss.
+  the precursors' warnings on the clean runs (false ones), the steps `monitor.skip_step` would have
+  skipped on them (the trainer's own guard replayed on their series: false skips), and per
+  injected fault with the skip off and on, the rollbacks, steps retrained, updates skipped and
+  final loss.
 
 Runs that finished are not repeated, so an interrupted bench continues where it stopped. Writes
 OUT/stability.json and OUT/stability.png.
@@ -124,6 +126,27 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
     return judged
 
 
+def would_skip(rows: list[dict], config: ServiceConfig | None = None) -> list[int]:
+    """The steps `monitor.skip_step` (its defaults unless `config`) would have skipped on this
+    recorded series: the trainer's own guard (pretrain/skip_step.py) judging each step's loss and
+    gradient norm, told not to act."""
+    import torch
+
+    from pretrain.skip_step import SkipGuard, SkipOutcome
+
+    config = config or ServiceConfig()
+    guard = SkipGuard(
+        config.skip_ratio, window=config.skip_window, min_count=min(16, config.skip_window), act=False
+    )
+    steps = []
+    for row in rows:
+        guard.set_loss(torch.tensor(_number(row["train/loss"]), dtype=torch.float64))
+        guard.judge(torch.tensor(_number(row["train/grad_norm"]), dtype=torch.float64))
+        if SkipOutcome.of(guard.outcome().tolist()).outlier:
+            steps.append(row["step"])
+    return steps
+
+
 def analyse_run(run_dir: Path) -> dict:
     """A sweep run's figures: its final loss (inf when it did not finish or ended non-finite), its
     loss spike and what the precursors said before it."""
@@ -147,6 +170,7 @@ def analyse_run(run_dir: Path) -> dict:
         "precursor_warnings": len(warned),
         "first_precursor_warning": warned[0] if warned else None,
         "precursor_lead_steps": spike - before[0] if before else None,
+        "would_skip": would_skip(rows),
         "attn_logit_max": max(
             (
                 _number(r[PRECURSOR_PREFIX + "attn_logit_max"])
@@ -244,8 +268,9 @@ def escalation(data_dir: Path, lr: float, out: Path, settings: dict) -> dict:
 
 
 def calibration(directories: list[Path]) -> dict:
-    """Clean runs: precursor warnings (false ones) among the judged precursor measurements.
-    Fault runs: per fault and skip_step setting, rollbacks, steps retrained, skips, final loss."""
+    """Clean runs: precursor warnings (false ones) among the judged precursor measurements, and
+    the steps `monitor.skip_step` would have skipped (false skips). Fault runs: per fault and
+    skip_step setting, rollbacks, steps retrained, skips, final loss."""
     clean = {
         "runs": 0,
         "steps": 0,
@@ -253,6 +278,7 @@ def calibration(directories: list[Path]) -> dict:
         "warnings": 0,
         "precursor_measurements": 0,
         "precursor_warnings": 0,
+        "would_skip": {},
     }
     faults = []
     for directory in directories:
@@ -269,6 +295,7 @@ def calibration(directories: list[Path]) -> dict:
                 clean["warnings"] += len(warnings)
                 clean["precursor_measurements"] += sum(PRECURSOR_PREFIX + "attn_logit_max" in r for r in rows)
                 clean["precursor_warnings"] += sum("instability_precursor" in w.findings for w in warnings)
+                clean["would_skip"][run_dir.name] = would_skip(rows)
                 continue
             applied = [e for e in events if isinstance(e, RollbackApplied)]
             evals = (summary or {}).get("eval") or []
@@ -418,8 +445,13 @@ def report(result: dict) -> str:
     if cal:
         c = cal["clean"]
         lines.append(
-            f"clean calibration runs: {c['runs']} runs, {c['steps']} steps, {c['rollbacks']} rollbacks, "
+            f"clean calibration runs: {c['runs']} runs, {c['steps']} steps, {c['rollbacks']} rollbacks, {c['warnings']} warnings, "
             f"{c['precursor_warnings']} precursor warnings in {c['precursor_measurements']} measurements"
+        )
+        would = {name: steps for name, steps in c["would_skip"].items() if steps}
+        lines.append(
+            f"  skip_step (defaults) would have skipped {sum(map(len, would.values()))} of their steps"
+            + (": " + "; ".join(f"{name} {steps}" for name, steps in would.items()) if would else "")
         )
         for f in cal["faults"]:
             lines.append(

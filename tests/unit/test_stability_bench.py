@@ -20,7 +20,14 @@ from monitoring.protocol import (
     WarningRaised,
     append_event,
 )
-from pretrain.bench.stability import analyse_run, calibration, first_spike, judge_series, read_metrics
+from pretrain.bench.stability import (
+    analyse_run,
+    calibration,
+    first_spike,
+    judge_series,
+    read_metrics,
+    would_skip,
+)
 from tests.helpers import assert_one_line_error
 
 DIVERGING = Path(__file__).parent / "data" / "diverging_run.jsonl"
@@ -141,6 +148,7 @@ def test_the_calibrations_runs_give_false_warnings_and_the_cost_of_each_fault(tm
         "warnings": 1,
         "precursor_measurements": 10,
         "precursor_warnings": 1,
+        "would_skip": {"clean-tiny-code": []},
     }
     faults = {(f["fault"], f["skip_step"]): f for f in result["faults"]}
     assert faults["loss x50", False] | {"run": None} == {
@@ -168,3 +176,13 @@ def test_bad_input_is_one_line(cli, tmp_path):
     ):
         assert_one_line_error(cli("bench", "stability", "--out", str(tmp_path / "out"), *args), fragment)
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_would_skip_is_the_trainers_guard_on_the_recorded_series():
+    """An outlier after the guard's 16 values is skipped, one before it is not; a NaN always is."""
+    rows = [{"step": s, "train/loss": 3.0, "train/grad_norm": 1.0 + 0.01 * (s % 3)} for s in range(1, 41)]
+    rows[9]["train/grad_norm"] = 5.0  # step 10: before min_count, judged only for being finite
+    rows[24]["train/grad_norm"] = 3.5  # step 25: 3.5 > 3 × its median
+    rows[29]["train/loss"] = 8.0  # step 30: 2.7 × its median, under the ratio
+    rows[34]["train/loss"] = math.nan  # step 35
+    assert would_skip(rows) == [25, 35]
