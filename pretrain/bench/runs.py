@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from monitoring.protocol import SUMMARY_FILE
+from pretrain.errors import ExitCode
 
 
 def finished(run_dir: Path) -> dict | None:
@@ -22,11 +23,23 @@ def finished(run_dir: Path) -> dict | None:
     return None
 
 
+def ended(run_dir: Path) -> dict | None:
+    """The run's train_summary.json once it completed or the monitor stopped it, else None."""
+    path = run_dir / SUMMARY_FILE
+    if path.is_file():
+        summary = json.loads(path.read_text())
+        if summary.get("completed") or summary.get("stopped_by_monitor"):
+            return summary
+    return None
+
+
 def run_once(command: str, config: Path | str, run_dir: Path, overrides: list[str], label: str) -> int:
     """`pretrain COMMAND --config CONFIG run.dir=RUN_DIR OVERRIDES...` unless the run already
-    completed; returns its exit status (0 for a run found complete)."""
-    if finished(run_dir) is not None:
-        return 0
+    completed or was stopped by the monitor; returns its exit status (0 for a run found complete,
+    3 for one found stopped)."""
+    summary = ended(run_dir)
+    if summary is not None:
+        return ExitCode.DONE if summary.get("completed") else ExitCode.STOPPED_BY_MONITOR
     print(f"  {label} -> {run_dir}", file=sys.stderr, flush=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{run_dir.name}.log"

@@ -10,8 +10,8 @@ real runs on this machine. Three parts (`--parts`, all by default):
   service's own `Policy`, with its default bands and every finding only warned, step by step as
   the service would have: the first step the loss spikes (non-finite, or above `SPIKE_RATIO` ×
   the lowest loss so far) and how many steps before it the first `instability_precursor`
-  warning came.
-* **escalation**: the baseline at `--escalation-lr` (a rate that diverges) under
+  warning of the `LEAD_WINDOW` steps before it came.
+* **escalation**: the baseline at each of `--escalation-lrs` (rates that diverge) under
   `pretrain launch` (the monitoring service, rollbacks), once with the monitor's defaults and once
   with `monitor.on_repeat=[quarantine,lower_lr,stop]`: how each ended, its rollbacks and
   learning-rate cuts, and its final loss against the sweep's best stable rate's.
@@ -56,6 +56,7 @@ ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e
 DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 PARTS = ("sweep", "escalation", "calibration")
 SPIKE_RATIO = 2.0  # a loss this many times the lowest loss so far is the run's loss spike
+LEAD_WINDOW = 50  # a precursor warning counts as the spike's when at most this many steps before it
 ESCALATION = ["monitor.on_repeat=[quarantine,lower_lr,stop]"]
 PRECURSOR_PREFIX = "stability/"
 
@@ -159,7 +160,7 @@ def analyse_run(run_dir: Path) -> dict:
     warned = [step for step, kinds in judged if "instability_precursor" in kinds]
     measured = sum(any(PRECURSOR_PREFIX + name in row for name in PRECURSORS) for row in rows)
     spike = first_spike(rows)
-    before = [step for step in warned if spike is not None and step <= spike]
+    before = [step for step in warned if spike is not None and spike - LEAD_WINDOW <= step <= spike]
     losses = [_number(r["train/loss"]) for r in rows]
     return {
         "completed": summary is not None,
@@ -254,9 +255,9 @@ def escalation(data_dir: Path, lr: float, out: Path, settings: dict) -> dict:
         "checkpoint.keep=4",
         "checkpoint.resume=fresh",
     ]
-    result = {"lr": lr}
+    result = {}
     for label, extra in (("defaults", []), ("on_repeat", ESCALATION)):
-        run_dir = out / "escalation" / label
+        run_dir = out / "escalation" / f"lr{lr:g}" / label
         code = run_once(
             "launch", arm_config("transformer_pp"), run_dir, common + extra, f"escalation {label} lr={lr:g}"
         )
@@ -340,7 +341,7 @@ def run(
     out: str | Path = "runs/stability",
     lrs: tuple[float, ...] = DEFAULT_LRS,
     parts: tuple[str, ...] = PARTS,
-    escalation_lr: float | None = None,
+    escalation_lrs: tuple[float, ...] = (),
     calibration_dirs: tuple[str, ...] = (),
     as_json: bool = False,
     **settings,
@@ -351,6 +352,8 @@ def run(
         raise UserError(f"--parts {','.join(sorted(unknown))}: choose among {','.join(PARTS)}")
     if not lrs or any(not (math.isfinite(lr) and lr > 0) for lr in lrs):
         raise UserError("--lrs: give one or more positive learning rates")
+    if any(not (math.isfinite(lr) and lr > 0) for lr in escalation_lrs):
+        raise UserError("--escalation-lrs: give positive learning rates")
     for key, value in settings.items():
         if not (isinstance(value, int) and value >= 1):
             raise UserError(f"--{key.replace('_', '-')} {value}: must be a whole number >= 1")
@@ -368,11 +371,15 @@ def run(
         result["precursor_lead"] = lead_table(result["sweep"])
     if "escalation" in parts:
         first = corpus_name(corpora[0])
-        lr = escalation_lr if escalation_lr is not None else max(lrs)
-        esc = escalation(Path(result["sweep"][first]["data_dir"]), lr, out, settings)
+        data_dir = Path(result["sweep"][first]["data_dir"])
         stable = best_stable(result["sweep"], first)
-        esc["stable"] = {"lr": stable[0], "final_loss": stable[1]} if stable else None
-        result["escalation"] = esc
+        result["escalation"] = {
+            "corpus": first,
+            "stable": {"lr": stable[0], "final_loss": stable[1]} if stable else None,
+            "runs": {
+                f"{lr:g}": escalation(data_dir, lr, out, settings) for lr in escalation_lrs or (max(lrs),)
+            },
+        }
     if "calibration" in parts:
         result["calibration"] = calibration([Path(d) for d in calibration_dirs])
     out.mkdir(parents=True, exist_ok=True)
@@ -428,14 +435,15 @@ def report(result: dict) -> str:
         lines.append("")
     esc = result.get("escalation")
     if esc:
-        lines.append(f"a diverging learning rate ({esc['lr']:g}) under the monitor")
-        for label in ("defaults", "on_repeat"):
-            r = esc[label]
-            ended = "completed" if r["completed"] else f"stopped (exit {r['exit_status']})"
-            lines.append(
-                f"  {label:<10} {ended}, {r['rollbacks']} rollbacks, "
-                f"{len(r['lr_lowered'])} learning-rate cuts, final loss {_loss(r['final_loss'])}"
-            )
+        lines.append(f"diverging learning rates under the monitor ({esc['corpus']}, the baseline)")
+        for lr, runs in esc["runs"].items():
+            for label in ("defaults", "on_repeat"):
+                r = runs[label]
+                ended = "completed" if r["completed"] else f"stopped (exit {r['exit_status']})"
+                lines.append(
+                    f"  lr {lr:<6} {label:<10} {ended}, {r['rollbacks']} rollbacks, "
+                    f"{len(r['lr_lowered'])} learning-rate cuts, final loss {_loss(r['final_loss'])}"
+                )
         if esc.get("stable"):
             lines.append(
                 f"  the best stable rate ({esc['stable']['lr']:g}): final loss {_loss(esc['stable']['final_loss'])}"
@@ -522,12 +530,19 @@ def plot(result: dict, path: Path) -> None:
 
     esc = result.get("escalation")
     if esc:
-        for label, color in (("defaults", "tab:red"), ("on_repeat", "tab:green")):
-            curve = esc[label]["curve"]
-            if curve:
-                steps, losses = zip(*curve, strict=True)
-                ended = "completed" if esc[label]["completed"] else "stopped"
-                esc_ax.plot(steps, losses, color=color, label=f"lr {esc['lr']:g}, {label} ({ended})")
+        for i, (lr, runs) in enumerate(esc["runs"].items()):
+            for label, color in (("defaults", "tab:red"), ("on_repeat", "tab:green")):
+                curve = runs[label]["curve"]
+                if curve:
+                    steps, losses = zip(*curve, strict=True)
+                    ended = "completed" if runs[label]["completed"] else "stopped"
+                    esc_ax.plot(
+                        steps,
+                        losses,
+                        color=color,
+                        linestyle=("-", "--", ":")[i % 3],
+                        label=f"lr {lr}, {label} ({ended})",
+                    )
         if esc.get("stable"):
             esc_ax.axhline(
                 esc["stable"]["final_loss"],

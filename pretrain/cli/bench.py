@@ -100,7 +100,7 @@ def cmd_bench_stability(args: argparse.Namespace) -> int:
         args.out,
         parse_lrs(args.lrs),
         parts=tuple(p for p in args.parts.split(",") if p),
-        escalation_lr=args.escalation_lr,
+        escalation_lrs=parse_lrs(args.escalation_lrs) if args.escalation_lrs else (),
         calibration_dirs=tuple(args.calibration),
         as_json=args.json,
         steps=args.steps,
@@ -222,7 +222,8 @@ def register(sub) -> None:
         "--parts", default="sweep,escalation,calibration", help="which parts (default: all three)"
     )
     stability.add_argument(
-        "--escalation-lr", type=float, help="the diverging rate of the escalation runs (default: the largest)"
+        "--escalation-lrs",
+        help="diverging rates for the escalation runs, comma-separated (default: the largest)",
     )
     stability.add_argument(
         "--calibration",

@@ -77,7 +77,10 @@ def test_a_diverging_run_reads_as_its_spike_and_the_warnings_lead(tmp_path):
     spike = result["spike_step"]
     assert losses[spike - 1] > 2 * min(losses[: spike - 1])  # a spike ...
     assert all(losses[i] <= 2 * min(losses[:i]) for i in range(1, spike - 1))  # ... the first
-    assert result["precursor_lead_steps"] == spike - result["first_precursor_warning"] > 0
+    warned = [step for step, kinds in judge_series(rows) if "instability_precursor" in kinds]
+    assert result["first_precursor_warning"] == warned[0] < spike - 50  # an early warning, not the spike's
+    near = [step for step in warned if spike - 50 <= step <= spike]
+    assert result["precursor_lead_steps"] == spike - near[0] > 0  # the first of the 50 steps before it
     assert result["completed"] is False and result["final_loss"] == math.inf  # it never finished
     assert result["precursor_measurements"] == len(rows)  # measured at every step
     assert result["attn_logit_max"] == max(r["stability/attn_logit_max"] for r in rows)
