@@ -189,3 +189,21 @@ def test_would_skip_is_the_trainers_guard_on_the_recorded_series():
     rows[29]["train/loss"] = 8.0  # step 30: 2.7 × its median, under the ratio
     rows[34]["train/loss"] = math.nan  # step 35
     assert would_skip(rows) == [25, 35]
+
+
+def test_a_run_that_completed_or_that_the_monitor_stopped_is_not_run_again(tmp_path):
+    from pretrain.bench.runs import ended, run_once
+
+    cases = {
+        "completed": {"completed": True, "step": 10},
+        "stopped": {"completed": False, "step": 7, "stopped_by_monitor": "rollbacks kept repeating"},
+        "interrupted": {"completed": False, "step": 5},  # (saved and stopped by a signal: resumed)
+    }
+    for name, summary in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train_summary.json").write_text(json.dumps(summary))
+    assert ended(tmp_path / "completed")["step"] == 10 and ended(tmp_path / "stopped")["step"] == 7
+    assert ended(tmp_path / "interrupted") is None and ended(tmp_path / "missing") is None
+    # (no process is started for these two: the unit tier refuses subprocesses)
+    assert run_once("train", "tiny", tmp_path / "completed", [], "") == 0
+    assert run_once("launch", "tiny", tmp_path / "stopped", [], "") == 3
