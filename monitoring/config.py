@@ -101,7 +101,7 @@ class ServiceConfig:
     # stages' measures (quarantine: its windows set aside; lower_lr: the learning rate times
     # repeat_lr_factor for repeat_lr_steps steps; stop: the run ends with a diagnosis); a rollback
     # after a quiet window starts over. Empty: off.
-    on_repeat: list[str] = field(default_factory=list)
+    on_repeat: list[str] = field(default_factory=lambda: ["quarantine", "lower_lr"])
     repeat_window: int = 100
     repeat_lr_factor: float = 0.5
     repeat_lr_steps: int = 100

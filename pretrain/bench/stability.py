@@ -57,7 +57,13 @@ DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 PARTS = ("sweep", "escalation", "calibration")
 SPIKE_RATIO = 2.0  # a loss this many times the lowest loss so far is the run's loss spike
 LEAD_WINDOW = 50  # a precursor warning counts as the spike's when at most this many steps before it
-ESCALATION = ["monitor.on_repeat=[quarantine,lower_lr,stop]"]
+# The escalation's arms: monitor.on_repeat off, the default ladder, and the ladder ending in a stop.
+ESCALATION = {
+    "off": "[]",
+    "quarantine_lower_lr": "[quarantine,lower_lr]",
+    "quarantine_lower_lr_stop": "[quarantine,lower_lr,stop]",
+}
+ESCALATION_COLORS = ("tab:red", "tab:green", "tab:orange")
 PRECURSOR_PREFIX = "stability/"
 
 
@@ -86,6 +92,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def _number(value) -> float:
     return math.nan if value is None else float(value)
+
+
+def _point(step: int, value) -> list:
+    """A curve's point, to 5 significant digits (the curves are most of the JSON)."""
+    value = _number(value)
+    return [step, float(f"{value:.5g}") if math.isfinite(value) else value]
 
 
 def first_spike(rows: list[dict], ratio: float = SPIKE_RATIO) -> int | None:
@@ -180,7 +192,12 @@ def analyse_run(run_dir: Path) -> dict:
             ),
             default=None,
         ),
-        "curve": [[r["step"], _number(r["train/loss"])] for r in rows],
+        "curve": [_point(r["step"], r["train/loss"]) for r in rows],
+        "attn_logit_curve": [
+            _point(r["step"], r[PRECURSOR_PREFIX + "attn_logit_max"])
+            for r in rows
+            if PRECURSOR_PREFIX + "attn_logit_max" in r
+        ],
     }
 
 
@@ -233,7 +250,7 @@ def launched_run(run_dir: Path, code: int) -> dict:
         ],
         "diagnosis": stopped[0].diagnosis if stopped else None,
         "stopped_by": _stop_reason(run_dir) if summary is None else None,
-        "curve": [[r["step"], _number(r["train/loss"])] for r in read_metrics(run_dir)],
+        "curve": [_point(r["step"], r["train/loss"]) for r in read_metrics(run_dir)],
     }
 
 
@@ -256,7 +273,8 @@ def escalation(data_dir: Path, lr: float, out: Path, settings: dict) -> dict:
         "checkpoint.resume=fresh",
     ]
     result = {}
-    for label, extra in (("defaults", []), ("on_repeat", ESCALATION)):
+    for label, stages in ESCALATION.items():
+        extra = [f"monitor.on_repeat={stages}"]
         run_dir = out / "escalation" / f"lr{lr:g}" / label
         code = run_once(
             "launch", arm_config("transformer_pp"), run_dir, common + extra, f"escalation {label} lr={lr:g}"
@@ -383,7 +401,7 @@ def run(
     if "calibration" in parts:
         result["calibration"] = calibration([Path(d) for d in calibration_dirs])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "stability.json").write_text(json.dumps(strict_json(result), indent=1) + "\n")
+    (out / "stability.json").write_text(json.dumps(strict_json(result), separators=(",", ":")) + "\n")
     if "sweep" in result:
         plot(result, out / "stability.png")
     print(json.dumps(strict_json(result)) if as_json else report(result))
@@ -437,11 +455,11 @@ def report(result: dict) -> str:
     if esc:
         lines.append(f"diverging learning rates under the monitor ({esc['corpus']}, the baseline)")
         for lr, runs in esc["runs"].items():
-            for label in ("defaults", "on_repeat"):
+            for label in ESCALATION:
                 r = runs[label]
                 ended = "completed" if r["completed"] else f"stopped (exit {r['exit_status']})"
                 lines.append(
-                    f"  lr {lr:<6} {label:<10} {ended}, {r['rollbacks']} rollbacks, "
+                    f"  lr {lr:<6} {label:<26} {ended}, {r['rollbacks']} rollbacks, "
                     f"{len(r['lr_lowered'])} learning-rate cuts, final loss {_loss(r['final_loss'])}"
                 )
         if esc.get("stable"):
@@ -514,12 +532,14 @@ def plot(result: dict, path: Path) -> None:
         lead_ax.axvline(
             pick["spike_step"], color="black", linestyle=":", label=f"loss spike (step {pick['spike_step']})"
         )
-        if pick["first_precursor_warning"] is not None:
-            lead_ax.axvline(
-                pick["first_precursor_warning"],
-                color="tab:orange",
-                label=f"first precursor warning (step {pick['first_precursor_warning']})",
-            )
+        if run.get("attn_logit_curve"):
+            logits = lead_ax.twinx()
+            steps, values = zip(*run["attn_logit_curve"], strict=True)
+            logits.plot(steps, values, color="tab:purple", alpha=0.6, linewidth=1)
+            logits.set(yscale="log", ylabel="largest attention logit (purple)")
+        if pick["lead_steps"] is not None:
+            warned = pick["spike_step"] - pick["lead_steps"]
+            lead_ax.axvline(warned, color="tab:orange", label=f"its first precursor warning (step {warned})")
         lead_ax.set(
             xlabel="step",
             ylabel="training loss",
@@ -531,7 +551,7 @@ def plot(result: dict, path: Path) -> None:
     esc = result.get("escalation")
     if esc:
         for i, (lr, runs) in enumerate(esc["runs"].items()):
-            for label, color in (("defaults", "tab:red"), ("on_repeat", "tab:green")):
+            for label, color in zip(ESCALATION, ESCALATION_COLORS, strict=True):
                 curve = runs[label]["curve"]
                 if curve:
                     steps, losses = zip(*curve, strict=True)

@@ -206,6 +206,10 @@ def register(sub) -> None:
     ablation.add_argument("--json", action="store_true", help="print one JSON object")
     ablation.set_defaults(handler=cmd_bench_ablation)
 
+    add_stability_parser(whats)
+
+
+def add_stability_parser(whats) -> None:
     stability = whats.add_parser(
         "stability",
         help="the stability ladder's evidence: loss against learning rate with and without qk_norm + z_loss, "

@@ -178,7 +178,7 @@ def test_a_cancelled_rollback_is_not_a_step_up_the_ladder(tmp_path):
 
 
 def test_without_on_repeat_rollbacks_are_what_they_were(tmp_path):
-    state = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16))
+    state = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16, on_repeat=[]))
     trainer = FakeTrainer(tmp_path, [10, 12, 14, 16])
     trainer.run(state, 30)
     assert [a["step"] for a in trainer.rollbacks()] == [10, 12, 14, 16] and trainer.step == 30
@@ -186,6 +186,22 @@ def test_without_on_repeat_rollbacks_are_what_they_were(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert not any(NEW_FIELDS & set(line) for line in lines if line["type"] == "rollback")
     assert state.status()["escalation"] is None
+
+
+def test_by_default_repeats_are_quarantined_then_keep_lowering_the_rate_and_never_stop_the_run(tmp_path):
+    """monitor.on_repeat's default, [quarantine, lower_lr] (chosen from `pretrain bench stability`:
+    docs/monitoring.md): the first repeat quarantines, each later one also halves the rate; no stop
+    stage (the circuit breaker is still there for rollbacks that make no progress)."""
+    assert MonitorConfig().on_repeat == ["quarantine", "lower_lr"]
+    state = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16))
+    trainer = FakeTrainer(tmp_path, [10, 12, 14, 16])
+    assert trainer.run(state, 30)["action"] == "continue" and trainer.step == 30
+    assert [(a["step"], a.get("stage"), a.get("lr_factor")) for a in trainer.rollbacks()] == [
+        (10, None, None),
+        (12, "quarantine", None),
+        (14, "lower_lr", 0.5),
+        (16, "lower_lr", 0.5),
+    ]
 
 
 def test_the_circuit_breaker_still_stops_first_and_names_what_the_chain_tried(tmp_path):
