@@ -11,7 +11,7 @@ real runs on this machine. Three parts (`--parts`, all by default):
   the service would have: the first step the loss spikes (non-finite, or above `SPIKE_RATIO` ×
   the lowest loss so far) and how many steps before it the first `instability_precursor`
   warning of the `LEAD_WINDOW` steps before it came.
-* **escalation**: the baseline at each of `--escalation-lrs` (rates that diverge) under
+* **escalation**: the baseline at each of `--escalation-lrs` (rates that diverge; default 2) under
   `pretrain launch` (the monitoring service, rollbacks), once with the monitor's defaults and once
   with `monitor.on_repeat=[quarantine,lower_lr,stop]`: how each ended, its rollbacks and
   learning-rate cuts, and its final loss against the sweep's best stable rate's.
@@ -53,7 +53,8 @@ from pretrain.bench.runs import finished, run_once
 from pretrain.errors import UserError
 
 ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e-4"]}
-DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+DEFAULT_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+DEFAULT_ESCALATION_LRS = (2.0,)  # the rate where the ladder made the difference (docs/monitoring.md)
 PARTS = ("sweep", "escalation", "calibration")
 SPIKE_RATIO = 2.0  # a loss this many times the lowest loss so far is the run's loss spike
 LEAD_WINDOW = 50  # a precursor warning counts as the spike's when at most this many steps before it
@@ -395,7 +396,8 @@ def run(
             "corpus": first,
             "stable": {"lr": stable[0], "final_loss": stable[1]} if stable else None,
             "runs": {
-                f"{lr:g}": escalation(data_dir, lr, out, settings) for lr in escalation_lrs or (max(lrs),)
+                f"{lr:g}": escalation(data_dir, lr, out, settings)
+                for lr in escalation_lrs or DEFAULT_ESCALATION_LRS
             },
         }
     if "calibration" in parts:

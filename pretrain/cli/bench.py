@@ -99,7 +99,9 @@ def cmd_bench_stability(args: argparse.Namespace) -> int:
         tuple(c for c in args.corpora.split(",") if c),
         args.out,
         parse_lrs(args.lrs),
-        parts=tuple(p for p in args.parts.split(",") if p),
+        parts=tuple(p for p in args.parts.split(",") if p)
+        if args.parts is not None
+        else ("sweep", "escalation", *(("calibration",) if args.calibration else ())),
         escalation_lrs=parse_lrs(args.escalation_lrs) if args.escalation_lrs else (),
         calibration_dirs=tuple(args.calibration),
         as_json=args.json,
@@ -220,14 +222,15 @@ def add_stability_parser(whats) -> None:
     )
     stability.add_argument("--out", default="runs/stability", help="runs and results go here")
     stability.add_argument(
-        "--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1,3e-1", help="peak learning rates (comma-separated)"
+        "--lrs", default="3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1,1", help="peak learning rates (comma-separated)"
     )
     stability.add_argument(
-        "--parts", default="sweep,escalation,calibration", help="which parts (default: all three)"
+        "--parts",
+        help="which of sweep,escalation,calibration (default: the first two, and calibration with --calibration)",
     )
     stability.add_argument(
         "--escalation-lrs",
-        help="diverging rates for the escalation runs, comma-separated (default: the largest)",
+        help="diverging rates for the escalation runs, comma-separated (default: 2)",
     )
     stability.add_argument(
         "--calibration",

@@ -176,6 +176,7 @@ def test_bad_input_is_one_line(cli, tmp_path):
         (["--steps", "0", "--parts", "sweep"], "--steps 0: must be a whole number >= 1"),
         (["--parts", "calibration"], "pass --calibration DIR"),
         (["--parts", "calibration", "--calibration", str(tmp_path / "none")], "no such directory"),
+        (["--calibration", str(tmp_path / "none")], "no such directory"),  # (then a default part)
     ):
         assert_one_line_error(cli("bench", "stability", "--out", str(tmp_path / "out"), *args), fragment)
     assert not (tmp_path / "out").exists()  # nothing written
