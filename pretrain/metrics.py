@@ -28,6 +28,18 @@ from pathlib import Path
 
 from pretrain.wandb_sink import WandbSink, check_available
 
+METRICS_FILE = "metrics.jsonl"  # RUN_DIR/metrics.jsonl: one JSON object per logged step
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """RUN_DIR/metrics.jsonl, a dict per logged step in the order written (empty: no such file).
+    A step re-run after a rollback or restart appears again, where it was re-run."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 # The monitor's TensorBoard tags, named here once: the verdict marks (1 at a judged step that was
 # warned about or rolled back, else 0), and each judged series' value, level and threshold.
 MARK_TAGS = ("monitor/rollback", "monitor/warning")
@@ -56,7 +68,7 @@ class MetricsWriter:
         self.wandb: WandbSink | None = None
         self._start_time: float | None = None
         self._start_step = 0
-        self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self._jsonl = open(Path(run_dir) / METRICS_FILE, "a") if enabled else None  # noqa: SIM115
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -441,13 +441,14 @@ def drill_report(run_dir: Path, drill: Drill, first: Finished, second: Finished)
     """What the two launches did, from the run directory's events, metrics and summary, and the
     checks that say it did what it does on CPU."""
     from monitoring.protocol import Restart, RollbackApplied, RollbackDecided, read_events
+    from pretrain.metrics import read_metrics
 
     events = read_events(run_dir)
     rollbacks = [e.to_json() for e in events if isinstance(e, RollbackDecided)]
     applied = [e.to_json() for e in events if isinstance(e, RollbackApplied)]
     restarts = [e.to_json() for e in events if isinstance(e, Restart)]
     summary = json.loads((run_dir / "train_summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     total = drill.steps + drill.more_steps
     newest_before_spike = (drill.spike_step - 1) // drill.checkpoint_every * drill.checkpoint_every
     resumed = re.search(r"resumed from (step_\d+)", second.stdout)

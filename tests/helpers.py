@@ -1,8 +1,5 @@
 """What both test tiers share: the small training config and assertions."""
 
-import json
-from pathlib import Path
-
 from pretrain.config import REPO_CONFIG_DIR
 
 TINY = str(REPO_CONFIG_DIR / "train" / "tiny.yaml")
@@ -38,5 +35,6 @@ def assert_one_line_error(result, *fragments: str) -> None:
 
 def metrics_by_step(run_dir) -> dict[int, dict]:
     """metrics.jsonl per step, the last record of each (a resumed run appends)."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
+    from pretrain.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(run_dir)}

@@ -35,6 +35,7 @@ from monitoring.protocol import (
     read_events,
 )
 from pretrain.errors import UserError
+from pretrain.metrics import read_metrics
 
 FACTORS = (1.5, 2.0, 3.0, 5.0, 50.0)
 
@@ -65,7 +66,7 @@ def _has_faults(flat: dict) -> bool:
 
 
 def _series(run_dir: Path) -> list[tuple[float, float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     return [
         (float(r["train/loss"]), float(r["train/grad_norm"] if r["train/grad_norm"] is not None else "nan"))
         for r in rows

@@ -51,6 +51,8 @@ from monitoring.protocol import (
 from pretrain.bench.ablation import arm_config, corpus_name
 from pretrain.bench.runs import finished, run_once
 from pretrain.errors import UserError
+from pretrain.metrics import read_metrics
+from pretrain.precursors import PREFIX
 
 ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e-4"]}
 DEFAULT_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
@@ -65,7 +67,6 @@ ESCALATION = {
     "quarantine_lower_lr_stop": "[quarantine,lower_lr,stop]",
 }
 ESCALATION_COLORS = ("tab:red", "tab:green", "tab:orange")
-PRECURSOR_PREFIX = "stability/"
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -82,13 +83,6 @@ def sweep_overrides(data_dir: Path, lr: float, settings: dict) -> list[str]:
         "logging.every=1",
         f"logging.precursors_every={settings['precursors_every']}",
     ]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _number(value) -> float:
@@ -120,11 +114,7 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
     with tempfile.TemporaryDirectory() as empty:
         policy = Policy(config, empty)
         for row in rows:
-            precursors = {
-                name: _number(row[PRECURSOR_PREFIX + name])
-                for name in PRECURSORS
-                if PRECURSOR_PREFIX + name in row
-            }
+            precursors = {name: _number(row[PREFIX + name]) for name in PRECURSORS if PREFIX + name in row}
             verdict = policy.observe(
                 StepMetrics(
                     step=row["step"],
@@ -171,7 +161,7 @@ def analyse_run(run_dir: Path) -> dict:
     final = final if final is not None and math.isfinite(final) else math.inf
     judged = judge_series(rows)
     warned = [step for step, kinds in judged if "instability_precursor" in kinds]
-    measured = sum(any(PRECURSOR_PREFIX + name in row for name in PRECURSORS) for row in rows)
+    measured = sum(any(PREFIX + name in row for name in PRECURSORS) for row in rows)
     spike = first_spike(rows)
     before = [step for step in warned if spike is not None and spike - LEAD_WINDOW <= step <= spike]
     losses = [_number(r["train/loss"]) for r in rows]
@@ -186,18 +176,12 @@ def analyse_run(run_dir: Path) -> dict:
         "precursor_lead_steps": spike - before[0] if before else None,
         "would_skip": would_skip(rows),
         "attn_logit_max": max(
-            (
-                _number(r[PRECURSOR_PREFIX + "attn_logit_max"])
-                for r in rows
-                if PRECURSOR_PREFIX + "attn_logit_max" in r
-            ),
+            (_number(r[PREFIX + "attn_logit_max"]) for r in rows if PREFIX + "attn_logit_max" in r),
             default=None,
         ),
         "curve": [_point(r["step"], r["train/loss"]) for r in rows],
         "attn_logit_curve": [
-            _point(r["step"], r[PRECURSOR_PREFIX + "attn_logit_max"])
-            for r in rows
-            if PRECURSOR_PREFIX + "attn_logit_max" in r
+            _point(r["step"], r[PREFIX + "attn_logit_max"]) for r in rows if PREFIX + "attn_logit_max" in r
         ],
     }
 
@@ -313,7 +297,7 @@ def calibration(directories: list[Path]) -> dict:
                 clean["steps"] += len(rows)
                 clean["rollbacks"] += sum(isinstance(e, RollbackDecided) for e in events)
                 clean["warnings"] += len(warnings)
-                clean["precursor_measurements"] += sum(PRECURSOR_PREFIX + "attn_logit_max" in r for r in rows)
+                clean["precursor_measurements"] += sum(PREFIX + "attn_logit_max" in r for r in rows)
                 clean["precursor_warnings"] += sum("instability_precursor" in w.findings for w in warnings)
                 clean["would_skip"][run_dir.name] = would_skip(rows)
                 continue

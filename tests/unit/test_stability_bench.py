@@ -25,9 +25,9 @@ from pretrain.bench.stability import (
     calibration,
     first_spike,
     judge_series,
-    read_metrics,
     would_skip,
 )
+from pretrain.metrics import read_metrics
 from tests.helpers import assert_one_line_error
 
 DIVERGING = Path(__file__).parent / "data" / "diverging_run.jsonl"
