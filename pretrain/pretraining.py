@@ -382,9 +382,7 @@ def build_trainer(
             )
         )
     if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
-        guard = SkipGuard(
-            cfg.monitor.skip_ratio, window=cfg.monitor.skip_window, min_count=min(16, cfg.monitor.skip_window)
-        )
+        guard = SkipGuard.for_run(cfg.monitor.skip_ratio, cfg.monitor.skip_window)
         hooks.append(SkipBadUpdates(guard, engine, env, run_dir, writer))
     if monitor is not None:
         hooks.append(

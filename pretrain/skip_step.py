@@ -92,6 +92,9 @@ REASONS = {
 _ARMED = "_skip_guard_original"  # the attribute an armed optimizer keeps its own method under
 
 
+MIN_COUNT = 16  # values a signal needs before `monitor.skip_step` judges it against its level
+
+
 class SkipUnsupported(RuntimeError):
     """The engine's optimizer is not one the guard knows how to skip inside."""
 
@@ -221,6 +224,12 @@ class SkipGuard:
         self._decided = False  # a decision since the last outcome()
         self._outcome = torch.full((OUTCOME_SIZE,), math.nan, dtype=torch.float64, device=device)
         self._optimizer = None
+
+    @classmethod
+    def for_run(cls, ratio: float, window: int, act: bool = True) -> SkipGuard:
+        """The guard `monitor.skip_step` runs with (monitor.skip_ratio, monitor.skip_window): the
+        ratio test starts once a signal has MIN_COUNT values (or a whole, smaller window)."""
+        return cls(ratio, window=window, min_count=min(MIN_COUNT, window), act=act)
 
     # ------------------------------------------------------------------ per step
 

@@ -40,7 +40,7 @@ from pretrain.metrics import read_metrics
 FACTORS = (1.5, 2.0, 3.0, 5.0, 50.0)
 
 
-def _run_config(run_dir: Path) -> dict:
+def run_config(run_dir: Path) -> dict:
     path = run_dir / "run.json"
     if not path.is_file():
         raise UserError(f"{run_dir} has no run.json: give run directories of `pretrain launch` runs")
@@ -61,7 +61,7 @@ def _monitor_config(flat: dict) -> MonitorConfig:
         raise UserError(f"a run's run.json: {exc}") from None
 
 
-def _has_faults(flat: dict) -> bool:
+def has_faults(flat: dict) -> bool:
     return any(flat.get(f"faults.{key}") for key in ("spike_steps", "grad_spike_steps", "nan_steps"))
 
 
@@ -135,9 +135,9 @@ def run(run_dirs: list[str], every: int = 5, as_json: bool = False, defaults: bo
     result = {"runs": {}, "replay": {}}
     for name in run_dirs:
         run_dir = Path(name)
-        flat = _run_config(run_dir)
+        flat = run_config(run_dir)
         observed = _observed(run_dir)
-        observed["clean"] = not _has_faults(flat)
+        observed["clean"] = not has_faults(flat)
         if not observed["clean"]:
             observed["fault_factors"] = {
                 "spike": flat.get("faults.spike_factor"),

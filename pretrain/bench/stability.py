@@ -1,5 +1,6 @@
 """`pretrain bench stability`: the evidence for the stability ladder (docs/monitoring.md), from
-real runs on this machine. Three parts (`--parts`, all by default):
+real runs on this machine. Three parts (`--parts`; by default the first two, and the third when
+`--calibration` names runs):
 
 * **sweep**, the proxy experiment of Wortsman et al. 2023: the small model of
   `configs/ablation/transformer_pp.yaml` trained at each learning rate of `--lrs` on each corpus
@@ -12,9 +13,9 @@ real runs on this machine. Three parts (`--parts`, all by default):
   the lowest loss so far) and how many steps before it the first `instability_precursor`
   warning of the `LEAD_WINDOW` steps before it came.
 * **escalation**: the baseline at each of `--escalation-lrs` (rates that diverge; default 2) under
-  `pretrain launch` (the monitoring service, rollbacks), once with the monitor's defaults and once
-  with `monitor.on_repeat=[quarantine,lower_lr,stop]`: how each ended, its rollbacks and
-  learning-rate cuts, and its final loss against the sweep's best stable rate's.
+  `pretrain launch` (the monitoring service, rollbacks), once per arm of `ESCALATION`
+  (`monitor.on_repeat` off, the default ladder, the ladder ending in a stop): how each ended, its
+  rollbacks and learning-rate cuts, and its final loss against the sweep's best stable rate's.
 * **calibration**: the run directories of `scripts/monitor_calibration.py` given with
   `--calibration` (its `clean` runs and its `faults` runs, with `monitor.skip_step` off and on):
   the precursors' warnings on the clean runs (false ones), the steps `monitor.skip_step` would have
@@ -49,6 +50,7 @@ from monitoring.protocol import (
     strict_json,
 )
 from pretrain.bench.ablation import arm_config, corpus_name
+from pretrain.bench.detection import has_faults, run_config
 from pretrain.bench.runs import finished, run_once
 from pretrain.errors import UserError
 from pretrain.metrics import read_metrics
@@ -139,9 +141,7 @@ def would_skip(rows: list[dict], config: ServiceConfig | None = None) -> list[in
     from pretrain.skip_step import SkipGuard, SkipOutcome
 
     config = config or ServiceConfig()
-    guard = SkipGuard(
-        config.skip_ratio, window=config.skip_window, min_count=min(16, config.skip_window), act=False
-    )
+    guard = SkipGuard.for_run(config.skip_ratio, config.skip_window, act=False)
     steps = []
     for row in rows:
         guard.set_loss(torch.tensor(_number(row["train/loss"]), dtype=torch.float64))
@@ -227,7 +227,7 @@ def launched_run(run_dir: Path, code: int) -> dict:
     return {
         "exit_status": code,
         "completed": summary is not None,
-        "final_loss": evals[-1]["loss"] if summary is not None and evals else None,
+        "final_loss": evals[-1]["loss"] if evals else None,
         "rollbacks": sum(isinstance(e, RollbackDecided) for e in events),
         "rollbacks_applied": sum(isinstance(e, RollbackApplied) for e in events),
         "lr_lowered": [
@@ -287,11 +287,11 @@ def calibration(directories: list[Path]) -> dict:
     faults = []
     for directory in directories:
         for run_dir in sorted(p for p in directory.glob("*") if (p / "run.json").is_file()):
-            flat = json.loads((run_dir / "run.json").read_text())["config"]
+            flat = run_config(run_dir)
             events = read_events(run_dir)
             summary = finished(run_dir)
             rows = read_metrics(run_dir)
-            if not any(flat.get(f"faults.{k}") for k in ("spike_steps", "grad_spike_steps", "nan_steps")):
+            if not has_faults(flat):
                 warnings = [e for e in events if isinstance(e, WarningRaised)]
                 clean["runs"] += 1
                 clean["steps"] += len(rows)
