@@ -193,8 +193,52 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
     if engine.compile:
         compile_blocks(model)
     optimizer = make_optimizer(model, optim, ds)
+    import_deepspeed_muon_compiling_lazily()
     wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return wrapped, optimizer
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def import_deepspeed_muon_compiling_lazily() -> None:
+    """Import DeepSpeed's Muon kernels with their `torch.compile` put off to their first call.
+
+    DeepSpeed imports its Muon optimizer at `deepspeed.initialize` (to list it among ZeRO's
+    optimizers) and in ZeRO-1/2's gradient reduction, whichever optimizer trains; that module
+    decorates three kernels with `torch.compile` (`deepspeed.runtime.compiler.compile()`) as it is
+    imported, and building those wrappers imports inductor's compiler: about 0.8 s of CPU in every
+    rank's start-up, for an optimizer this project never builds. Here the decorator builds the
+    same `torch.compile` wrapper when a kernel is first called instead, so a Muon run compiles as
+    before and everything else skips the cost. The decorator is DeepSpeed's again once the module
+    is imported."""
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+    compiler.compile = lambda: _compiled_at_first_call
+    try:
+        __import__(MUON_MODULE)
+    except ImportError:  # a DeepSpeed without Muon: nothing to put off
+        pass
+    finally:
+        compiler.compile = eager
+
+
+def _compiled_at_first_call(fn: Callable) -> Callable:
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -112,3 +112,34 @@ def test_activation_checkpointing_keeps_names_and_numbers():
     torch.testing.assert_close(loss2, loss)
     for name in names:
         torch.testing.assert_close(grads2[name], grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import(monkeypatch):
+    """`deepspeed.initialize` imports DeepSpeed's Muon module on every rank; its kernels'
+    `torch.compile` wrappers are built when one is first called (a Muon run compiles them as
+    before), not at that import (0.8 s of CPU per rank start-up), and DeepSpeed's decorator is its
+    own again afterwards."""
+    import sys
+
+    import deepspeed.runtime.zero.muon as package
+    import torch
+    from deepspeed.runtime import compiler
+
+    from pretrain.engine import MUON_MODULE, import_deepspeed_muon_compiling_lazily
+
+    for name in [MUON_MODULE, "deepspeed.runtime.zero.muon.muon_optimizer"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)  # imported afresh, restored after
+    monkeypatch.setattr(package, "original_muon", getattr(package, "original_muon", None), raising=False)
+    built = []
+    monkeypatch.setattr(torch, "compile", lambda fn: built.append(fn.__name__) or fn)
+    decorator = compiler.compile
+
+    import_deepspeed_muon_compiling_lazily()
+    muon = sys.modules[MUON_MODULE]
+    assert built == [] and compiler.compile is decorator
+    grad = torch.randn(8, 4)
+    eager = muon.muon_update.__wrapped__(grad.clone(), torch.zeros(8, 4))
+    assert torch.equal(muon.muon_update(grad.clone(), torch.zeros(8, 4)), eager)
+    muon.muon_update(grad.clone(), torch.zeros(8, 4))
+    # each kernel once, at its first call (muon_update calls a Newton-Schulz kernel)
+    assert "muon_update" in built and len(built) == len(set(built)) == 2, built
