@@ -234,6 +234,8 @@ def _compiled_at_first_call(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
+        if compiled is None and torch.compiler.is_compiling():
+            return fn(*args, **kwargs)  # traced inside an outer graph, as a compiled kernel would be
         if compiled is None:
             compiled = torch.compile(fn)
         return compiled(*args, **kwargs)

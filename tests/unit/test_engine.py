@@ -138,6 +138,10 @@ def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import(monke
     muon = sys.modules[MUON_MODULE]
     assert built == [] and compiler.compile is decorator
     grad = torch.randn(8, 4)
+    with monkeypatch.context() as inside:  # called while an outer graph is traced: no wrapper of its own
+        inside.setattr(torch.compiler, "is_compiling", lambda: True)
+        muon.muon_update(grad.clone(), torch.zeros(8, 4))
+    assert built == []
     eager = muon.muon_update.__wrapped__(grad.clone(), torch.zeros(8, 4))
     assert torch.equal(muon.muon_update(grad.clone(), torch.zeros(8, 4)), eager)
     muon.muon_update(grad.clone(), torch.zeros(8, 4))
