@@ -129,7 +129,8 @@ def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import(monke
 
     for name in [MUON_MODULE, "deepspeed.runtime.zero.muon.muon_optimizer"]:
         monkeypatch.delitem(sys.modules, name, raising=False)  # imported afresh, restored after
-    monkeypatch.setattr(package, "original_muon", getattr(package, "original_muon", None), raising=False)
+    for name in ("original_muon", "muon_optimizer"):
+        monkeypatch.setattr(package, name, getattr(package, name, None), raising=False)
     built = []
     monkeypatch.setattr(torch, "compile", lambda fn: built.append(fn.__name__) or fn)
     decorator = compiler.compile
