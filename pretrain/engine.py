@@ -216,9 +216,13 @@ def import_deepspeed_muon_compiling_lazily() -> None:
 
     if MUON_MODULE in sys.modules:
         return
-    from deepspeed.runtime import compiler
-
-    eager = compiler.compile
+    try:
+        from deepspeed.runtime import compiler
+    except ImportError:  # another DeepSpeed layout: its own import, at its own cost
+        return
+    eager = getattr(compiler, "compile", None)
+    if eager is None:
+        return
     compiler.compile = lambda: _compiled_at_first_call
     try:
         __import__(MUON_MODULE)
