@@ -74,8 +74,12 @@ def cpu_threads_per_rank() -> int | None:
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(local, 1))
+    return max(1, usable_cores() // max(local, 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def init_distributed(env: DistEnv) -> None:

@@ -57,8 +57,9 @@ def share_the_cores(workers: int) -> None:
     share (`pretrain.distributed.cpu_threads_per_rank` gives way to OMP_NUM_THREADS when it is
     set): one thread each, as before, for the two ranks of a job, the golden run's included.
     Measured on this machine: the unit tier alone in 31 s against 68 s (docs/performance.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // max(workers, 1))
+    from pretrain.distributed import usable_cores
+
+    threads = max(1, usable_cores() // max(workers, 1))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
