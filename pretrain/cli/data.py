@@ -28,7 +28,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from pretrain.data.prepare import prepare, validation_report
+    from pretrain.data.prepare import prepare, skipped_report, validation_report
     from pretrain.data.sources import resolve_source
 
     if args.format == "megatron":  # token ids already (pretrain/data/megatron.py)
@@ -55,6 +55,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         print(
             f"{name}: {split['documents']:,} documents, {split['tokens']:,} tokens in {len(split['shards'])} shard(s)"
         )
+    skipped = skipped_report(manifest, source)
+    if skipped:
+        print(skipped)
     windows, warning = validation_report(manifest)
     print(windows)
     if warning:
@@ -165,7 +168,10 @@ def register(sub) -> None:
     train = actions.add_parser("train", help="train a byte-fallback SentencePiece model")
     inputs = train.add_mutually_exclusive_group(required=True)
     inputs.add_argument(
-        "--input", nargs="+", metavar="PATH", help="text files or globs (.txt, .jsonl, .parquet)"
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="files, globs or directories (.txt, .jsonl, .parquet, ..., also compressed: docs/data.md)",
     )
     inputs.add_argument(
         "--source", nargs="+", metavar="SRC", help="files/globs, a Hub dataset name, or builtin:pydoc"

@@ -242,6 +242,18 @@ def recipe(source: Source, tokenizer: Tokenizer, val_fraction: float, shard_toke
     return wanted
 
 
+def skipped_report(manifest: dict, source: Source) -> str | None:
+    """`data prepare`'s line on what it skipped (the manifest's `stats`): empty files, by name, and
+    blank documents; None when nothing was."""
+    stats = manifest.get("stats", {})
+    blank = stats.get("skipped_blank_documents", 0)
+    empty = source.skipped_line if source.kind == "files" else None
+    parts = [empty] if empty else []
+    if blank:
+        parts.append(f"skipped {blank:,} blank document{'s' if blank > 1 else ''} (empty or whitespace only)")
+    return "; ".join(parts) or None
+
+
 class Prepared(NamedTuple):
     manifest: dict
     written: bool  # False: the output already held this dataset, and nothing was written
@@ -366,6 +378,8 @@ def _write_dataset(
     }
     index = {split: DocumentIndexWriter(staging, split) for split in SPLITS}
     stats = {"skipped_blank_documents": 0}
+    if source.kind == "files":  # files with no records, skipped (pretrain/data/sources.py)
+        stats["skipped_empty_files"] = len(source.empty_files)
     origins: dict[str, int] = {}
     if source.kind == "megatron":  # token ids already: converted, not tokenized (pretrain/data/megatron.py)
         from pretrain.data.megatron import converted
@@ -447,7 +461,7 @@ def prepare_corpus(spec: str, out: Path, vocab_size: int = 4096, announce=print)
     source = resolve_source(spec)
     tokenizer_dir, data_dir = out / "tokenizer", out / "data"
     if not (tokenizer_dir / MODEL_FILE).is_file():
-        announce(f"training a {vocab_size}-piece tokenizer on {source.description} -> {tokenizer_dir}")
+        announce(f"training a {vocab_size}-piece tokenizer on {source.summary} -> {tokenizer_dir}")
         train_tokenizer(source.documents(), tokenizer_dir, vocab_size=vocab_size)
     else:
         announce(f"tokenizer: {tokenizer_dir} (exists)")

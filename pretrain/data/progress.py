@@ -4,8 +4,9 @@ batch job) plain lines, one per stage and one per tenth of the corpus (or per mi
 is unknown), so a log tells the same story without carriage returns.
 
 The total is counted before tokenizing where that is cheap: a text file is one document, a JSON
-Lines file one per non-blank line, a Parquet file the rows its footer records. A JSON array file or
-a Hub dataset has no cheap count: the bar then shows counts and rates without a percentage.
+Lines file one per non-blank line (compressed: decompressed to count), a Parquet file the rows its
+footer records, an empty file none. A JSON array file or a Hub dataset has no cheap count: the bar
+then shows counts and rates without a percentage.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
-from pretrain.data.sources import PARQUET_SUFFIXES, TEXT_SUFFIXES, Source
+from pretrain.data.sources import (
+    PARQUET_SUFFIXES,
+    TEXT_SUFFIXES,
+    Source,
+    content_suffix,
+    decompression_errors,
+    open_file,
+)
 
 COUNT_CHUNK = 1 << 24
 LINE_EVERY_SECONDS = 60.0
@@ -25,13 +33,19 @@ def count_documents(source: Source) -> int | None:
     """The number of records `source.records()` yields, or None when it cannot be known cheaply."""
     if source.kind != "files":
         return None
-    total = 0
+    total, empty = 0, set(source.empty_files)
     for path in source.files:
-        if path.suffix in TEXT_SUFFIXES:
+        if path in empty:
+            continue
+        suffix = content_suffix(path)
+        if suffix in TEXT_SUFFIXES:
             total += 1
-        elif path.suffix == ".jsonl":
-            total += _non_blank_lines(path)
-        elif path.suffix in PARQUET_SUFFIXES:
+        elif suffix == ".jsonl":
+            try:
+                total += _non_blank_lines(path)
+            except decompression_errors():  # damaged past the part checked: reading it says so, in one line
+                return None
+        elif suffix in PARQUET_SUFFIXES:
             import pyarrow.parquet as pq
 
             total += pq.ParquetFile(path).metadata.num_rows
@@ -42,7 +56,7 @@ def count_documents(source: Source) -> int | None:
 
 def _non_blank_lines(path) -> int:
     count = 0
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         for line in f:
             count += bool(line.strip())
     return count

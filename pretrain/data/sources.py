@@ -1,7 +1,8 @@
 """Where documents come from: local files, a Hugging Face Hub dataset, or a built-in corpus.
 
-    local files or globs   .txt (one document per file), .jsonl/.json and .parquet (a text field),
-                           read through `datasets` in streaming mode, files in sorted order
+    local files or globs   .txt/.text/.md (one document per file), .jsonl/.json and .parquet (a
+                           text field), read through `datasets` in streaming mode, files in sorted
+                           order; text and JSON files also compressed (.gz, .bz2, .xz, .zst)
     a Hub dataset name     the same streaming code path (`load_dataset(name, streaming=True)`)
     builtin:pydoc          the local Python installation's documentation: the `pydoc_data` topics
                            and the docstrings of the standard library, read with `ast` (nothing
@@ -14,6 +15,11 @@ mark (U+FEFF) at the very start of a document is dropped; anywhere else it is ke
 A record whose text field is missing, null or not a string is refused, naming the source and the
 record's index; documents that are empty or whitespace-only are skipped (and counted).
 
+A compressed file is read as it is (`datasets` decompresses by suffix, and so do the checks here,
+`open_file`): the same text compressed or not gives the same documents. An empty file (no bytes once
+decompressed, a JSON file of blank lines only, a Parquet file of no rows) holds no record: it is
+skipped and counted (`Source.empty_files`), and a source whose files are all empty is refused.
+
 A directory source takes the known file types below it, in sorted order, except hidden paths
 (a component starting with ".") and prepared datasets (a directory holding our manifest.json),
 so a dataset written inside its own source directory never feeds back into it.
@@ -22,11 +28,16 @@ so a dataset written inside its own source directory never feeds back into it.
 from __future__ import annotations
 
 import ast
+import bz2
 import glob
+import gzip
 import hashlib
+import io
 import itertools
 import json
+import lzma
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,10 +47,20 @@ from pretrain.data.shards import is_prepared_dataset
 from pretrain.errors import UserError
 
 BUILTIN_PYDOC = "builtin:pydoc"
-TEXT_SUFFIXES = (".txt", ".text", ".md")
-JSON_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
+# The files a source takes, by suffix: the one definition (refusals name it; docs/data.md's table
+# lists it, and a test holds the two together).
+TEXT_SUFFIXES = (".txt", ".text", ".md")  # one document per file
+JSON_SUFFIXES = (".jsonl", ".json")  # a record per line, its text field
+PARQUET_SUFFIXES = (".parquet",)  # a record per row (Parquet compresses inside itself)
 KNOWN_SUFFIXES = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+# Text and JSON files may also be compressed: suffix -> the format's name.
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+COMPRESSIBLE_SUFFIXES = TEXT_SUFFIXES + JSON_SUFFIXES
+ACCEPTED_SUFFIXES = KNOWN_SUFFIXES + tuple(s + c for s in COMPRESSIBLE_SUFFIXES for c in COMPRESSIONS)
+ACCEPTED = (
+    f"{'/'.join(TEXT_SUFFIXES)}, {'/'.join(JSON_SUFFIXES)} (each also {'/'.join(COMPRESSIONS)}), "
+    f"{'/'.join(PARQUET_SUFFIXES)}"
+)
 SNIFF_BYTES = 64 * 1024
 MAX_INVALID_FRACTION = 0.01
 BOM = "\ufeff"
@@ -54,6 +75,25 @@ class Source:
     files: list[Path] = field(default_factory=list)
     name: str | None = None
     text_field: str = "text"
+    empty_files: list[Path] = field(default_factory=list)  # of `files`: no records, skipped
+
+    @property
+    def summary(self) -> str:
+        """The description, short enough for a line: a directory of thousands of files is a count
+        and the first few (the recipe keeps every path)."""
+        if self.kind != "files" or len(self.files) <= 3:
+            return self.description
+        return f"{len(self.files):,} files ({_names(self.files)})"
+
+    @property
+    def skipped_line(self) -> str | None:
+        """A line naming the empty files skipped, for the commands' reports (None: none)."""
+        if not self.empty_files:
+            return None
+        count = len(self.empty_files)
+        return (
+            f"skipped {count} empty file{'s' if count > 1 else ''} (no records): {_names(self.empty_files)}"
+        )
 
     def documents(self) -> Iterator[str]:
         for _, _, doc in self.records():
@@ -70,7 +110,8 @@ class Source:
                 (f"hub:{self.name}", index, doc) for index, doc in _hub_documents(self.name, self.text_field)
             )
         else:
-            records = _file_records(self.files, self.text_field)
+            empty = set(self.empty_files)
+            records = _file_records([p for p in self.files if p not in empty], self.text_field)
         for origin, index, doc in records:
             # An editor's byte-order mark says how the file is encoded; it is not text.
             yield origin, index, doc[1:] if doc.startswith(BOM) else doc
@@ -99,17 +140,75 @@ def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
     if len(specs) == 1 and _looks_like_hub_name(specs[0]):
         return Source("hub", f"hub:{specs[0]}", name=specs[0], text_field=text_field)
     files = _expand_files(specs)
-    for path in files:
-        _check_file(path, text_field)
+    empty = [path for path in files if _check_file(path, text_field)]
+    if empty and len(empty) == len(files):
+        if len(files) == 1:
+            raise UserError(f"{files[0]} is empty (no records): pass a file that holds documents")
+        raise UserError(
+            f"every source file is empty (no records): {_names(files)}; pass files that hold documents"
+        )
     # Resolved paths: the same files named from another directory are the same recipe.
     description = "files:" + ",".join(str(p.resolve()) for p in files)
-    return Source("files", description, files=files, text_field=text_field)
+    return Source("files", description, files=files, text_field=text_field, empty_files=empty)
+
+
+def _names(paths: list[Path], shown: int = 3) -> str:
+    more = f" and {len(paths) - shown:,} more" if len(paths) > shown else ""
+    return ", ".join(str(p) for p in paths[:shown]) + more
+
+
+def file_type(path: Path) -> str:
+    """The suffix that says how a file is read: ".jsonl" for a.jsonl, ".jsonl.gz" for a.jsonl.gz."""
+    if path.suffix in COMPRESSIONS and len(path.suffixes) > 1:
+        return "".join(path.suffixes[-2:])
+    return path.suffix
+
+
+def content_suffix(path: Path) -> str:
+    """The suffix of the file's content, compressed or not: ".jsonl" for a.jsonl and a.jsonl.gz."""
+    kind = file_type(path)
+    return kind[: -len(path.suffix)] if path.suffix in COMPRESSIONS else kind
+
+
+def open_file(path: Path):
+    """The file's content as a binary file object, decompressed as its suffix says. A .zst file
+    needs the zstandard package (as `datasets` does): without it, one line saying to install it."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix == ".bz2":
+        return bz2.open(path, "rb")
+    if path.suffix == ".xz":
+        return lzma.open(path, "rb")
+    if path.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(
+                f"{path} is zstd-compressed, which needs the zstandard package: pip install zstandard"
+            ) from None
+        # Buffered: whole reads of a size and lines, as the other formats' readers give.
+        return io.BufferedReader(
+            zstandard.ZstdDecompressor().stream_reader(
+                open(path, "rb"), read_across_frames=True, closefd=True
+            )
+        )
+    return open(path, "rb")
+
+
+def decompression_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged compressed file raises (a truncated one: EOFError)."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, lzma.LZMAError)
+    zstandard = sys.modules.get("zstandard")
+    return (*errors, zstandard.ZstdError) if zstandard is not None else errors
 
 
 def _looks_like_hub_name(spec: str) -> bool:
     path = Path(spec)
     return not (
-        path.exists() or glob.has_magic(spec) or path.suffix in KNOWN_SUFFIXES or spec.startswith((".", "/"))
+        path.exists()
+        or glob.has_magic(spec)
+        or path.suffix in KNOWN_SUFFIXES + tuple(COMPRESSIONS)
+        or spec.startswith((".", "/"))
     )
 
 
@@ -124,15 +223,15 @@ def _expand_files(specs: list[str]) -> list[Path]:
         elif Path(spec).is_dir():
             matches = _directory_files(Path(spec))
             if not matches:
-                raise UserError(f"{spec} holds no {'/'.join(KNOWN_SUFFIXES)} files")
+                raise UserError(f"{spec} holds no {ACCEPTED} files")
             files.extend(matches)
         elif Path(spec).is_file():
             files.append(Path(spec))
         else:
             raise UserError(f"{spec} does not exist: check the path")
     for path in files:
-        if path.suffix not in KNOWN_SUFFIXES:
-            raise UserError(f"{path}: unsupported file type {path.suffix!r}; use {', '.join(KNOWN_SUFFIXES)}")
+        if file_type(path) not in ACCEPTED_SUFFIXES:
+            raise UserError(f"{path}: unsupported file type {file_type(path)!r}; use {ACCEPTED}")
     return files
 
 
@@ -146,45 +245,89 @@ def _directory_files(root: Path) -> list[Path]:
             subdirs.clear()
             continue
         subdirs[:] = [d for d in subdirs if not d.startswith(".")]
-        found += [here / n for n in names if not n.startswith(".") and Path(n).suffix in KNOWN_SUFFIXES]
+        found += [
+            here / n for n in names if not n.startswith(".") and file_type(Path(n)) in ACCEPTED_SUFFIXES
+        ]
     return sorted(found)
 
 
-def _check_file(path: Path, text_field: str) -> None:
-    """Refuse, by name, a file that is not what its suffix says, before anything is written."""
-    with open(path, "rb") as f:
-        head = f.read(SNIFF_BYTES)
-    if path.suffix in PARQUET_SUFFIXES:
-        import pyarrow.parquet as pq
-
-        if not head.startswith(b"PAR1"):
-            raise UserError(f"{path} is not a Parquet file")
-        names = pq.read_schema(path).names
-        if text_field not in names:
-            raise UserError(
-                f"{path} has no field {text_field!r} (fields: {', '.join(names)}): pass --text-field NAME"
-            )
-        return
+def _check_file(path: Path, text_field: str) -> bool:
+    """Refuse, by name, a file that is not what its suffix says, before anything is written; return
+    whether it is empty (no records: `datasets` cannot read such a JSON or Parquet file)."""
+    if path.stat().st_size == 0:
+        return True
+    if _kind(path) == "parquet":
+        return _check_parquet(path, text_field)
+    head = _head(path)
+    if not head:
+        return True
     if b"\x00" in head or _invalid_fraction(head) > MAX_INVALID_FRACTION:
         raise UserError(f"{path} is not text (binary or not UTF-8): remove it from the source")
-    if path.suffix in JSON_SUFFIXES:
-        first = next(
-            (line for line in head.decode("utf-8", errors="replace").splitlines() if line.strip()), None
-        )
-        if first is None:
-            return  # empty file: contributes no documents
+    if _kind(path) == "json":
+        return _check_json(path, head, text_field)
+    return False
+
+
+def _head(path: Path) -> bytes:
+    """The first SNIFF_BYTES of the file's content (all of it, when shorter)."""
+    return next(_blocks(path, SNIFF_BYTES), b"")
+
+
+def _blocks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+    """The file's content in blocks of `size` bytes (the last one shorter); a compressed file that
+    does not decompress is refused by name."""
+    with open_file(path) as f:
         try:
-            record = json.loads(first)
-        except json.JSONDecodeError:
-            if len(head) == SNIFF_BYTES and "\n" not in head.decode("utf-8", errors="replace"):
-                return  # a first line longer than the sniff window: let the reader judge it
-            raise UserError(f"{path} is not JSON lines (the first line does not parse)") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path}: each line must be a JSON object with a {text_field!r} field")
-        if text_field not in record:
+            while block := f.read(size):
+                yield block
+        except decompression_errors() as exc:
+            if path.suffix not in COMPRESSIONS:
+                raise
             raise UserError(
-                f"{path} has no field {text_field!r} (fields: {', '.join(record)}): pass --text-field NAME"
-            )
+                f"{path} does not decompress as {COMPRESSIONS[path.suffix]} ({_first_line(exc)}): replace it "
+                "with a whole copy, or remove it from the source"
+            ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _check_parquet(path: Path, text_field: str) -> bool:
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"PAR1":
+            raise UserError(f"{path} is not a Parquet file")
+    names = pq.read_schema(path).names
+    if text_field not in names:
+        raise UserError(
+            f"{path} has no field {text_field!r} (fields: {', '.join(names)}): pass --text-field NAME"
+        )
+    return pq.ParquetFile(path).metadata.num_rows == 0
+
+
+def _check_json(path: Path, head: bytes, text_field: str) -> bool:
+    first = next((line for line in head.decode("utf-8", errors="replace").splitlines() if line.strip()), None)
+    if first is None:  # blank lines only, so far
+        return len(head) < SNIFF_BYTES or _blank_to_the_end(path)
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        if len(head) == SNIFF_BYTES and "\n" not in head.decode("utf-8", errors="replace"):
+            return False  # a first line longer than the sniff window: let the reader judge it
+        raise UserError(f"{path} is not JSON lines (the first line does not parse)") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: each line must be a JSON object with a {text_field!r} field")
+    if text_field not in record:
+        raise UserError(
+            f"{path} has no field {text_field!r} (fields: {', '.join(record)}): pass --text-field NAME"
+        )
+    return False
+
+
+def _blank_to_the_end(path: Path) -> bool:
+    return not any(block.strip() for block in _blocks(path))
 
 
 def _invalid_fraction(data: bytes) -> float:
@@ -215,9 +358,10 @@ def _file_records(files: list[Path], text_field: str) -> Iterator[tuple[str, int
 
 
 def _kind(path: Path) -> str:
-    if path.suffix in TEXT_SUFFIXES:
+    suffix = content_suffix(path)
+    if suffix in TEXT_SUFFIXES:
         return "text"
-    return "json" if path.suffix in JSON_SUFFIXES else "parquet"
+    return "json" if suffix in JSON_SUFFIXES else "parquet"
 
 
 def _stream_files(files: list[Path], text_field: str) -> Iterator[tuple[int, str]]:
@@ -248,13 +392,13 @@ def _stream_files_quietly(files: list[Path], text_field: str) -> Iterator[tuple[
     where = f"{', '.join(data_files[:3])}{'...' if len(files) > 3 else ''}"
     # One reader streams all the files, so a record's index counts across them.
     record_of = f"of {where}" if len(files) == 1 else f"(counting across {where} in order)"
-    dataset = datasets.load_dataset(kind, data_files=data_files, split="train", streaming=True, **options)
     try:
+        dataset = datasets.load_dataset(kind, data_files=data_files, split="train", streaming=True, **options)
         for index, record in enumerate(dataset):
             yield index, _text_of(record, field_name, index, record_of)
-    except (ValueError, TypeError, OSError) as exc:  # a record the reader cannot parse
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"could not read {where}: {first}") from None
+    # A record the reader cannot parse, or a compressed file damaged past the part checked.
+    except (ValueError, TypeError, *decompression_errors()) as exc:
+        raise UserError(f"could not read {where}: {_first_line(exc)}") from None
 
 
 def _text_of(record: dict, field_name: str, index: int, record_of: str) -> str:

@@ -2,7 +2,9 @@ import json
 import logging
 import math
 import os
+import re
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +15,12 @@ import pytest
 import pretrain.data.prepare as prepare_module
 from pretrain.data import prepare_dataset, resolve_source
 from pretrain.data.prepare import prepare
+from pretrain.data.progress import count_documents
 from pretrain.data.shards import DocumentIndex, ShardWriter, token_dtype
 from pretrain.data.sources import Source
 from pretrain.errors import UserError
 from pretrain.tokenizer import Tokenizer
+from tests.helpers import assert_one_line_error
 
 DOCS = [
     "The first document.\nIt has two lines.",
@@ -130,7 +134,7 @@ def test_invalid_utf8_is_replaced(tmp_path, tokenizer_dir):
     assert doc.endswith("valid text \ufffd\ufffd more text")
 
 
-def test_bad_inputs(tmp_path, tokenizer_dir):
+def test_bad_inputs(tmp_path, tokenizer_dir, monkeypatch):
     def prepare(spec, field="text", **kw):
         return prepare_dataset(
             resolve_source(spec, field), tokenizer_dir, tmp_path / "out", progress=False, **kw
@@ -158,6 +162,12 @@ def test_bad_inputs(tmp_path, tokenizer_dir):
         prepare(str(tmp_path / "*.nothing"))
     with pytest.raises(UserError, match="does not exist"):
         prepare(str(tmp_path / "missing.jsonl"))
+    monkeypatch.chdir(tmp_path)  # a relative path, not a Hub dataset's name
+    with pytest.raises(UserError, match="missing.jsonl.gz does not exist"):
+        prepare("missing.jsonl.gz")
+    (tmp_path / "CREDITS.gz").write_bytes(b"")
+    with pytest.raises(UserError, match=r"CREDITS.gz: unsupported file type '.gz'; use .txt/.text/.md, "):
+        prepare(str(tmp_path / "CREDITS.gz"))
     with pytest.raises(UserError, match="selects no document"):
         prepare(str(write_jsonl(tmp_path / "few.jsonl", DOCS[:3])), val_fraction=0.2)
     assert not (tmp_path / "out").exists(), "a failed prepare leaves no output"
@@ -485,3 +495,144 @@ def test_a_version_1_dataset_still_trains_and_naming_its_documents_asks_to_prepa
     assert len(next(stream)) == 513
     with pytest.raises(UserError, match=r"has no document index \(format version 1\): prepare it again"):
         Provenance([("data", tmp_path / "old", 1.0)], 512).window(0)
+
+
+# --------------------------------------------------------------------------- compressed and empty files
+
+
+def compress(data: bytes, suffix: str) -> bytes:
+    import bz2
+    import gzip
+    import lzma
+
+    if suffix == ".zst":
+        return pytest.importorskip("zstandard").ZstdCompressor().compress(data)
+    return {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[suffix](data)
+
+
+def test_compressed_files_give_the_same_tokens_as_uncompressed(tmp_path, tokenizer_dir):
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    files = {  # each kind of content under each compression
+        "a.jsonl": (".gz", "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:16])),
+        "b.txt": (".bz2", "a text file\r\nwith CRLF line ends\r\n"),
+        "c.md": (".xz", "# a heading\n\nmarkdown text\n"),
+        "d.json": (".zst", "".join(json.dumps({"text": d}) + "\n" for d in DOCS[16:])),
+        "e.text": (".gz", "\ufeffa byte-order mark, then text"),
+    }
+    for name, (suffix, text) in files.items():
+        (plain / name).write_bytes(text.encode())
+        (packed / (name + suffix)).write_bytes(compress(text.encode(), suffix))
+    manifests = [
+        prepare_dataset(
+            resolve_source(str(d)),
+            tokenizer_dir,
+            tmp_path / f"out-{d.name}",
+            val_fraction=0.1,
+            progress=False,
+        )
+        for d in (plain, packed)
+    ]
+    assert manifests[0]["fingerprint"] == manifests[1]["fingerprint"]
+    assert manifests[0]["splits"] == manifests[1]["splits"]  # the same shards, token for token
+    assert manifests[1]["stats"] == {"skipped_blank_documents": 0, "skipped_empty_files": 0}
+    docs = list(resolve_source(str(packed)).documents())
+    assert docs == list(resolve_source(str(plain)).documents()) and len(docs) == len(DOCS) + 3
+    # The progress bar's total: a line per JSON Lines record (a .json file is not counted).
+    counted = resolve_source(sorted(str(p) for p in packed.iterdir() if ".json." not in p.name))
+    assert count_documents(counted) == 16 + 3
+
+
+def test_a_zst_source_without_zstandard_is_one_line(tmp_path, tokenizer_dir, cli, monkeypatch):
+    (tmp_path / "a.jsonl.zst").write_bytes(b"(not read: the package is missing)")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # `import zstandard` raises ImportError
+    for args in (
+        ["data", "prepare", "--source", tmp_path, "--tokenizer", tokenizer_dir, "--out", tmp_path / "o"],
+        ["tokenizer", "train", "--source", tmp_path, "--vocab-size", "400", "--out", tmp_path / "t"],
+    ):
+        assert_one_line_error(cli(*args), "a.jsonl.zst", "pip install zstandard")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t").exists()
+
+
+def test_a_damaged_compressed_file_is_refused_by_name(tmp_path, tokenizer_dir):
+    records = "".join(json.dumps({"text": f"record {i} " * 20}) + "\n" for i in range(3000)).encode()
+    whole = compress(records, ".gz")
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:200])  # cut inside the part checked up front
+    (tmp_path / "late.jsonl.gz").write_bytes(whole[: len(whole) // 2])  # cut after it
+    (tmp_path / "plain.txt.xz").write_bytes(b"not xz at all")
+    for name, fragment in (
+        ("cut.jsonl.gz", r"cut.jsonl.gz does not decompress as gzip \(Compressed file ended"),
+        ("plain.txt.xz", r"plain.txt.xz does not decompress as xz"),
+        ("late.jsonl.gz", r"could not read .*late.jsonl.gz: Compressed file ended"),
+    ):
+        with pytest.raises(UserError, match=fragment):
+            prepare_dataset(
+                resolve_source(str(tmp_path / name)), tokenizer_dir, tmp_path / "o", progress=False
+            )
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+def write_empty_files(directory: Path) -> list[Path]:
+    """One empty file of each kind: no bytes, an empty gzip stream, blank lines, no Parquet rows."""
+    directory.mkdir(exist_ok=True)
+    for name in ("empty.jsonl", "empty.json", "empty.txt", "zero.jsonl.gz"):
+        (directory / name).write_bytes(b"")
+    (directory / "empty.jsonl.gz").write_bytes(compress(b"", ".gz"))
+    (directory / "blank.jsonl").write_text("\n  \n\n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), directory / "zero.parquet")
+    return sorted(directory.iterdir())
+
+
+def test_empty_files_are_skipped_and_counted(tmp_path, cli):
+    corpus = tmp_path / "corpus"
+    empty = write_empty_files(corpus)
+    write_jsonl(corpus / "good.jsonl", DOCS * 10)
+    source = resolve_source(str(corpus))
+    assert source.empty_files == empty and list(source.documents()) == DOCS * 10
+    assert count_documents(source) == len(DOCS) * 10
+    result = cli("tokenizer", "train", "--source", corpus, "--vocab-size", "400", "--out", tmp_path / "tok")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert (
+        f"skipped 7 empty files (no records): {empty[0]}, {empty[1]}, {empty[2]} and 4 more" in result.stderr
+    )
+    args = ["--tokenizer", tmp_path / "tok", "--workers", "1", "--val-fraction", "0.1"]
+    result = cli("data", "prepare", "--source", corpus, "--out", tmp_path / "data", *args)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "train: 360 documents" in result.stdout and "skipped 7 empty files (no records)" in result.stdout
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["stats"] == {"skipped_blank_documents": 0, "skipped_empty_files": 7}
+
+
+def test_a_source_of_empty_files_only_is_refused_by_name(tmp_path, tokenizer_dir, cli):
+    empty = write_empty_files(tmp_path / "corpus")
+    result = cli(
+        "data",
+        "prepare",
+        "--source",
+        tmp_path / "corpus",
+        "--tokenizer",
+        tokenizer_dir,
+        "--out",
+        tmp_path / "o",
+    )
+    assert_one_line_error(result, "every source file is empty (no records)", str(empty[0]), "and 4 more")
+    for path in empty:  # each alone, in either command
+        for args in (
+            ["data", "prepare", "--tokenizer", tokenizer_dir, "--out", tmp_path / "o"],
+            ["tokenizer", "train", "--vocab-size", "400", "--out", tmp_path / "t"],
+        ):
+            assert_one_line_error(cli(*args, "--source", path), f"{path} is empty (no records)")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t").exists()
+
+
+def test_the_docs_list_exactly_the_accepted_suffixes():
+    """docs/data.md's table of suffixes, and the refusals, say what resolve_source takes."""
+    from pretrain.data.sources import ACCEPTED, ACCEPTED_SUFFIXES, COMPRESSIONS, KNOWN_SUFFIXES
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    section = text[text.index("**Sources.**") : text.index("**Text policy.**")]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `.")]
+    listed = [suffix for row in rows for suffix in re.findall(r"`(\.[a-z0-9.]+)`", row)]
+    assert sorted(listed) == sorted(ACCEPTED_SUFFIXES) and len(set(listed)) == len(listed)
+    assert all(s in ACCEPTED for s in (*KNOWN_SUFFIXES, *COMPRESSIONS))
