@@ -12,13 +12,16 @@ Each subcommand parses its arguments, calls one library function and prints. Bad
     inspect.py      config show, flops
     bench.py        bench data / monitor / train / ablation
     launch.py       what `pretrain launch` wires together
+    arguments.py    the config argument: CONFIG or --config, the same on every command
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from pretrain.cli import bench, checkpoints, data, inspect, training
+from pretrain.cli.arguments import resolve_config_argument
 from pretrain.console import quiet_libraries, set_verbose
 from pretrain.errors import CommandParser, run_main
 
@@ -35,6 +38,11 @@ def build_parser() -> CommandParser:
     for group in (inspect, data, bench, training, checkpoints):
         group.register(sub)
     return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """A command line's arguments as its handler gets them (the config settled: CONFIG or --config)."""
+    return resolve_config_argument(build_parser().parse_args(argv))
 
 
 def _without_local_rank(argv: list[str]) -> list[str]:
@@ -69,5 +77,5 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in argv if a not in ("--debug", "--verbose")]
     # Launchers append --local_rank=N or --local_rank N (it is in LOCAL_RANK too, which is read).
     argv = _without_local_rank(argv)
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     return run_main(lambda: args.handler(args), debug=debug)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pretrain.cli.arguments import add_config_argument
 from pretrain.errors import CommandParser
 
 
@@ -127,7 +128,7 @@ def register(sub) -> None:
     masking = whats.add_parser(
         "masking", help="training step time with document masking against without (same model and batch)"
     )
-    masking.add_argument("config", metavar="CONFIG", help="model preset (configs/model/*.yaml) or run config")
+    add_config_argument(masking, "model preset (configs/model/*.yaml) or run config")
     masking.add_argument("--seq-len", type=int, help="tokens per window (default: the config's)")
     masking.add_argument("--micro-batch-size", type=int, help="windows per step (default: the config's)")
     masking.add_argument(
@@ -252,10 +253,9 @@ def add_stability_parser(whats) -> None:
 
 def add_step_arguments(parser) -> None:
     """What `bench train` and `bench profile` share: the config and the step they run."""
-    parser.add_argument(
-        "config",
-        metavar="CONFIG",
-        help="a packaged config's name (tiny, gpt3-125m, model/gpt3-1.3b), a run config or a model preset file",
+    add_config_argument(
+        parser,
+        "a packaged config's name (tiny, gpt3-125m, model/gpt3-1.3b), a run config or a model preset file",
     )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pretrain.cli.arguments import add_config_argument
 from pretrain.errors import CommandParser
 
 
@@ -72,17 +73,17 @@ def register(sub) -> None:
         dest="config_command", required=True, parser_class=CommandParser, metavar="ACTION"
     )
     show = actions.add_parser("show", help="print the resolved config (defaults ← preset ← file ← overrides)")
-    show.add_argument(
-        "config", help="a config name (`pretrain config list`) or file: run, fine-tuning or model preset"
+    add_config_argument(
+        show,
+        "a config name (`pretrain config list`) or file: run, fine-tuning or model preset",
+        overrides=True,
     )
-    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
     show.set_defaults(handler=cmd_config_show)
     listing = actions.add_parser("list", help="the packaged configs, by the name --config takes")
     listing.set_defaults(handler=cmd_config_list)
 
     flops = sub.add_parser("flops", help="parameter counts, training FLOPs per token, and MFU")
-    flops.add_argument("config", help="run config or model preset")
-    flops.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=12")
+    add_config_argument(flops, "a run config or model preset, by name or file", overrides=True)
     flops.add_argument(
         "--seq-len", type=int, help="sequence length (default: data.seq_len, or the preset's max_seq_len)"
     )
