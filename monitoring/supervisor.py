@@ -16,6 +16,12 @@ when it
 at most `monitor.max_restarts` times. Each restart is an event `restart` in RUN_DIR/events.jsonl, is
 listed by GET /status and counted by `pretrain_restarts` in GET /metrics.
 
+A rank that died is a death, not a hang, whichever the supervisor notices first: when the hang
+watch fires while a rank has left the job (its process gone, or its record saying why it stopped:
+`departed_ranks`), the job is failing, not hung, and the supervisor waits for the launcher's exit
+(DeepSpeed's launcher stops the other ranks, up to its own 30 s for them) and names the death from
+it. A launcher that does not exit within that is stopped, and the death is still the reason.
+
 Several nodes: with a hostfile the DeepSpeed launcher reaches every host over ssh (pdsh), and
 this one supervisor stops and restarts all of them. Its ranks are then not its descendants: it
 asks them to stop through the launcher (SIGTERM: it signals this job's launcher on every host
@@ -39,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,7 +59,7 @@ from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, JobStopped, Resta
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.errors import ExitCode
-from pretrain.lifeline import clear_rank_records, describe_failure, owner_tag, wait_for_ranks
+from pretrain.lifeline import clear_rank_records, describe_failure, owner_tag, rank_records, wait_for_ranks
 from pretrain.run_dir import OWNER_ENV, RunLock
 
 NOT_RESTARTED = {
@@ -98,6 +105,36 @@ class HangWatch:
             return None
         what = "no step" if self.last_step_at is not None else "no first step"
         return f"hang: {what} for {since:.0f} s (limit {self.limit():.0f} s)"
+
+
+LAUNCHER_RANKS_SECONDS = 30.0  # DeepSpeed's launcher: how long it waits for its ranks after SIGTERM
+
+
+def departed_ranks(run_dir: str | Path) -> list[dict]:
+    """The records of the job's ranks that have left it early (RUN_DIR/monitor/ranks,
+    `pretrain/lifeline.py`): marked exited with a reason (bad input it found, another rank it
+    lost), or, on this host, unmarked with the process gone (killed by a signal, crashed; a zombie
+    its launcher has not yet reaped counts as gone). A rank that exited cleanly is not one; ranks
+    on other hosts are seen only through their marks."""
+    import psutil
+
+    here = socket.gethostname()
+    departed = []
+    for record in rank_records(run_dir):
+        if record.get("exited"):
+            gone = bool(record.get("why"))
+        elif record.get("host") == here and isinstance(record.get("pid"), int):
+            try:
+                gone = psutil.Process(record["pid"]).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            except psutil.Error:
+                gone = False
+        else:
+            gone = False
+        if gone:
+            departed.append(record)
+    return departed
 
 
 JOB_STDERR = "launcher.stderr"  # over ssh: the job's stderr, this attempt's (in RUN_DIR/monitor/)
@@ -410,6 +447,7 @@ class Supervisor:
 
     def _watch_until_done(self, job: Job, interrupt: Interrupt) -> tuple[str, int | str]:
         asked_to_stop = False
+        failing_since = None  # when the hang watch fired with a rank already gone: a death, not a hang
         while True:
             code = job.poll()
             if code is not None:
@@ -445,7 +483,25 @@ class Supervisor:
                     )
                     job.stop(self.config.stop_grace_seconds)
                     return "exit", ExitCode.DONE
-                if hung:
+                departed = departed_ranks(self.run_dir) if hung else []
+                if departed:
+                    # A rank has left the job: it is failing, not hung, and its launcher's exit
+                    # (soon: it stops the other ranks) says how; the death is the reason either way.
+                    if failing_since is None:
+                        failing_since = time.monotonic()
+                        ranks = ", ".join(str(r.get("rank", "?")) for r in departed)
+                        self.log(
+                            f"launch: {hung}, but rank{'s' if len(departed) > 1 else ''} {ranks} "
+                            f"{'have' if len(departed) > 1 else 'has'} left the job; waiting for its "
+                            "launcher to exit"
+                        )
+                    if time.monotonic() - failing_since > self._launcher_exit_seconds:
+                        self.log(
+                            f"launch: a rank has left the job and its launcher has not exited in "
+                            f"{self._launcher_exit_seconds:.0f} s; stopping the job"
+                        )
+                        return "exit", job.stop(self.config.stop_grace_seconds) or ExitCode.FAILED
+                elif hung:
                     self.log(f"launch: {hung}; stopping the job")
                     job.stop(self.config.stop_grace_seconds)
                     return "hang", hung
@@ -480,7 +536,14 @@ class Supervisor:
     def _ranks_exit_seconds(self) -> float:
         """Over ssh, how long the ranks on every host may take to exit once the job has ended:
         the stop's grace, then DeepSpeed's per-node launcher's own 30 s for its ranks, and a margin."""
-        return self.config.stop_grace_seconds + 35
+        return self.config.stop_grace_seconds + LAUNCHER_RANKS_SECONDS + 5
+
+    @property
+    def _launcher_exit_seconds(self) -> float:
+        """How long a launcher whose rank has left may take to exit: its own wait for the other
+        ranks (they stop at once, or within PEER_REASON_WAIT_S, 3 s, when they lose a collective),
+        and a margin: a safety net for a launcher that is stuck, not a race with a slow one."""
+        return LAUNCHER_RANKS_SECONDS + 5
 
     # --------------------------------------------------------------------------- records
 

@@ -1,7 +1,22 @@
-"""The supervisor's pure parts, and `pretrain launch` refusing bad input before it starts anything
-(in this process: nothing is started)."""
+"""The supervisor's pure parts, its diagnosis of a failed job (around a fake job: nothing is
+started), and `pretrain launch` refusing bad input before it starts anything (in this process)."""
 
-from monitoring.supervisor import HangWatch
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from monitoring import supervisor as sv
+from monitoring.config import MonitorConfig
+from monitoring.protocol import SUMMARY_FILE, read_events
+from monitoring.supervisor import HangWatch, Supervisor
+from pretrain import lifeline
 from tests.helpers import FAST, TINY, assert_one_line_error
 
 
@@ -32,3 +47,104 @@ def test_launch_refuses_bad_input_before_starting_anything(tmp_path, train_data,
         cli("launch", "--nproc", "2", *common, "train.global_batch_size=6"), "global_batch_size"
     )
     assert not run_dir.exists()  # no run directory, token or endpoint that looks like a run
+
+
+DEAD_PID = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a process's
+KILLED = (
+    f"rank 1 ({socket.gethostname()}, pid {DEAD_PID}) was killed by SIGKILL during step 5 (exit status 247)"
+)
+
+
+@dataclass
+class FakeJob:
+    """What the supervisor sees of a job: the launcher's exit status from the `exits_after`-th poll
+    on (None: never, until stopped), and what `stop` gets from it."""
+
+    exits_after: int | None
+    status: int
+    stopped_with: int = 247  # DeepSpeed's launcher, SIGTERMed after a rank died: that rank's status
+    attempt: int = 0
+    started_at: float = field(default_factory=time.time)
+    over_ssh: bool = False
+    node_exits: list = field(default_factory=list)
+    polls: int = 0
+    stopped: bool = False
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        if self.stopped:
+            return self.stopped_with
+        return self.status if self.exits_after is not None and self.polls >= self.exits_after else None
+
+    def stop(self, grace: float) -> int:
+        self.stopped = True
+        return self.stopped_with
+
+
+def write_record(run_dir, rank, **fields):
+    path = run_dir / lifeline.RANK_RECORDS / f"rank-{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "node": 0, "host": socket.gethostname()} | fields))
+
+
+def first_restart(tmp_path, monkeypatch, first: FakeJob, ranks) -> tuple[str, list[str]]:
+    """The supervisor over a first job whose hang watch is already overdue (its last step 10 s
+    ago, hang_min_seconds=1) when it is first looked at, with `ranks(run_dir)` written as the job's
+    rank records; the second job completes the run. The first restart's reason, and the log."""
+
+    def start(command, attempt, **kwargs):
+        if attempt == 0:
+            supervisor.state.watch.step(time.monotonic() - 10)
+            ranks(tmp_path)
+            return first
+        (tmp_path / SUMMARY_FILE).write_text(json.dumps({"completed": True, "step": 10}))
+        return FakeJob(exits_after=1, status=0, attempt=attempt)
+
+    monkeypatch.setattr(sv.Job, "start", start)
+    log: list[str] = []
+    config = MonitorConfig(hang_min_seconds=1, stop_grace_seconds=1)
+    supervisor = Supervisor(lambda: ["train"], tmp_path, config, poll_seconds=0.01, log=log.append)
+    assert supervisor.run() == 0
+    restarts = [e for e in read_events(tmp_path) if e.type == "restart"]
+    assert len(restarts) == 1, log
+    return restarts[0].reason, log
+
+
+def killed_rank_1(run_dir):
+    """Rank 1 killed by SIGKILL as step 5 began (its record unmarked, its process gone); rank 0
+    lost it in a collective and is leaving, saying so."""
+    write_record(run_dir, 0, pid=os.getpid(), step=5, why="lost another rank during step 5", exited=True)
+    write_record(run_dir, 1, pid=DEAD_PID)
+
+
+def test_a_dead_rank_seen_when_the_hang_watch_fires_is_the_reason_not_a_hang(tmp_path, monkeypatch):
+    """At the same check the hang watch is overdue and a rank is dead: the supervisor waits for the
+    launcher's exit (here the third poll) and names the death, whichever it noticed first."""
+    job = FakeJob(exits_after=3, status=247)
+    reason, log = first_restart(tmp_path, monkeypatch, job, killed_rank_1)
+    assert reason == KILLED and not job.stopped and job.polls == 3, log
+    assert log[1] == (
+        "launch: hang: no step for 10 s (limit 1 s), but ranks 0, 1 have left the job; "
+        "waiting for its launcher to exit"
+    ), log
+
+
+def test_a_launcher_that_never_exits_after_a_death_is_stopped_and_the_death_is_the_reason(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(Supervisor, "_launcher_exit_seconds", 0.05)
+    job = FakeJob(exits_after=None, status=247)
+    reason, log = first_restart(tmp_path, monkeypatch, job, killed_rank_1)
+    assert reason == KILLED and job.stopped, log
+    assert "launch: a rank has left the job and its launcher has not exited in 0 s; stopping the job" in log
+
+
+@pytest.mark.parametrize("exited", [False, True])
+def test_a_hang_with_every_rank_alive_or_cleanly_exited_is_a_hang(tmp_path, monkeypatch, exited):
+    def ranks(run_dir):  # alive (this process), or one marked exited with no reason: done, not dead
+        write_record(run_dir, 0, pid=os.getpid())
+        write_record(run_dir, 1, pid=DEAD_PID if exited else os.getpid(), exited=exited or None)
+
+    job = FakeJob(exits_after=None, status=1, stopped_with=143)
+    reason, log = first_restart(tmp_path, monkeypatch, job, ranks)
+    assert reason.startswith("hang: no step for 10 s (limit 1 s)") and job.stopped, log
