@@ -12,6 +12,8 @@ import os
 import random
 import signal
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.console import without_printed_chatter
+from pretrain.deepspeed_ops import announced_builds, without_shm_all_reduce
 
 
 @dataclass(frozen=True)
@@ -85,24 +88,44 @@ def usable_cores() -> int:
 def init_distributed(env: DistEnv) -> None:
     """The process group (NCCL on GPUs, gloo on CPU), for training and fine-tuning alike.
 
-    On CPU, DeepSpeed's shared-memory all-reduce makes a 66 MB /dev/shm/deepspeed_allreduce_buffer_*
-    per rank and never unlinks it, so every job leaves them behind until the machine runs out of
-    memory. Once every rank has mapped its peers' buffers (they do so while the group starts; the
-    barrier waits for all), each rank unlinks its own name: the mappings stay valid, and the memory
-    goes when the processes exit, however they exit."""
+    On CPU, DeepSpeed's shared-memory all-reduce, which training never uses, is neither built nor
+    loaded (`pretrain.deepspeed_ops`). Where DeepSpeed builds it anyway (another layout), it makes
+    a 66 MB /dev/shm/deepspeed_allreduce_buffer_* per rank and never unlinks it, so every job would
+    leave them behind until the machine runs out of memory: once every rank has mapped its peers'
+    buffers (they do so while the group starts; the barrier waits for all), each rank unlinks its
+    own name: the mappings stay valid, and the memory goes when the processes exit."""
     import deepspeed
 
-    threads = None if torch.cuda.is_available() else cpu_threads_per_rank()
+    on_gpu = torch.cuda.is_available()
+    threads = None if on_gpu else cpu_threads_per_rank()
     if threads is not None:
         torch.set_num_threads(threads)
-    with without_printed_chatter():  # DeepSpeed print()s a note as it opens the group on CPU
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
+    # (DeepSpeed print()s a note as it opens the group on CPU)
+    with (
+        without_printed_chatter(),
+        announced_builds(say_once_per_node(env)),
+        without_shm_all_reduce() as skipped,
+    ):
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    if on_gpu:
         torch.cuda.set_device(env.local_rank)
+        return
+    if skipped:
         return
     dist.barrier()
     name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{env.rank}"
     Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def say_once_per_node(env: DistEnv) -> Callable[[str], None]:
+    """A console line from the first rank of each node (what each node does once, such as building
+    a compiled op); the other ranks say nothing."""
+
+    def say(line: str) -> None:
+        if env.local_rank == 0:
+            print(f"pretrain: {line}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def _group_or_single() -> bool:

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from pretrain.config import EngineConfig, OptimConfig, RunSection, TrainConfig, config_dir
-from pretrain.distributed import DistEnv, configure_determinism, init_distributed
+from pretrain.deepspeed_ops import announced_builds
+from pretrain.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.errors import ConfigError
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -192,9 +193,10 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
         apply_activation_checkpointing(model)
     if engine.compile:
         compile_blocks(model)
-    optimizer = make_optimizer(model, optim, ds)
-    import_deepspeed_muon_compiling_lazily()
-    wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    with announced_builds(say_once_per_node(DistEnv.from_environ())):  # fused / CPU Adam: a JIT build
+        optimizer = make_optimizer(model, optim, ds)
+        import_deepspeed_muon_compiling_lazily()
+        wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     return wrapped, optimizer
 
 
