@@ -489,10 +489,11 @@ class Supervisor:
                     # (soon: it stops the other ranks) says how; the death is the reason either way.
                     if failing_since is None:
                         failing_since = time.monotonic()
-                        ranks = ", ".join(str(r.get("rank", "?")) for r in departed)
+                        gone = [r for r in departed if not r.get("exited")] or departed  # (the dead first)
+                        ranks = ", ".join(str(r.get("rank", "?")) for r in gone)
                         self.log(
-                            f"launch: {hung}, but rank{'s' if len(departed) > 1 else ''} {ranks} "
-                            f"{'have' if len(departed) > 1 else 'has'} left the job; waiting for its "
+                            f"launch: {hung}, but rank{'s' if len(gone) > 1 else ''} {ranks} "
+                            f"{'have' if len(gone) > 1 else 'has'} left the job; waiting for its "
                             "launcher to exit"
                         )
                     if time.monotonic() - failing_since > self._launcher_exit_seconds:

@@ -124,7 +124,7 @@ def test_a_dead_rank_seen_when_the_hang_watch_fires_is_the_reason_not_a_hang(tmp
     reason, log = first_restart(tmp_path, monkeypatch, job, killed_rank_1)
     assert reason == KILLED and not job.stopped and job.polls == 3, log
     assert log[1] == (
-        "launch: hang: no step for 10 s (limit 1 s), but ranks 0, 1 have left the job; "
+        "launch: hang: no step for 10 s (limit 1 s), but rank 1 has left the job; "
         "waiting for its launcher to exit"
     ), log
 
