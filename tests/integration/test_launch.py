@@ -60,6 +60,10 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
         "faults.kill_rank=1",
         "faults.hang_step=8",
         "faults.hang_rank=0",
+        # The hang limit: 10 x the longest interval between steps seen, at least 4 s (intervals here:
+        # at most 0.3 s alone, 0.5 s with a busy loop per core). The kill does not race it: a rank
+        # already gone when the hang watch fires makes the supervisor wait for the launcher and name
+        # the death (the launcher exits only after the rank that lost it waited 3 s for a reason).
         "monitor.hang_min_seconds=4",
         "monitor.stop_grace_seconds=1",
         "data.document_masking=true",

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from pretrain import checkpoint as ck
+from pretrain import lifeline
 from pretrain.metrics import tensorboard_dir
 from tests.helpers import assert_one_line_error
 from tests.integration.runs import FAST, TINY, events
@@ -125,7 +126,10 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
     supervisor.kill()  # kill -9: no chance to stop its job
     supervisor.wait()
     killed = time.time()
-    assert wait_for(lambda: not processes_of(tmp_path), timeout=30), [p.info for p in processes_of(tmp_path)]
+    gone_within = lifeline.POLL_SECONDS + lifeline.GRACE_SECONDS + 5  # the lifeline's promise, and a margin
+    assert wait_for(lambda: not processes_of(tmp_path), timeout=gone_within), [
+        p.info for p in processes_of(tmp_path)
+    ]
     print(f"every process of the job was gone {time.time() - killed:.1f} s after the supervisor")
     saved = ck.newest_complete(tmp_path)
     assert ck.step_of(saved) > stopped  # the ranks saved as they stopped
