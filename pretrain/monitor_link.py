@@ -337,16 +337,19 @@ class MonitorLink:
         """Every rank, after the all-reduce said an action waits: rank 0's action (a collective)."""
         return broadcast_action(self.reporter.take() if self.reporter else None, self.device)
 
-    def verdict(self, wait: bool = True, last: bool = False) -> Action:
-        """Every rank, before a checkpoint is saved: wait until every reported step is judged (at
-        most `timeout` seconds, ten times that before the run's last checkpoint, after which no
-        later step would bring the answer; with `wait` false, not at all), then rank 0's action,
-        if any (a collective). So a checkpoint holds only judged steps, unless the service is away."""
+    def verdict(
+        self, wait: bool = True, last: bool = False, going_on: str = "saving the checkpoint"
+    ) -> Action:
+        """Every rank, before a checkpoint is saved or an evaluation runs: wait until every
+        reported step is judged (at most `timeout` seconds, ten times that before the run's last
+        checkpoint, after which no later step would bring the answer; with `wait` false, not at
+        all), then rank 0's action, if any (a collective). So a checkpoint holds, and an evaluation
+        sees, only judged steps, unless the service is away (`going_on`: what then goes ahead)."""
         patience = (10 if last else 1) * self.timeout
         if self.reporter is not None and wait and not self.reporter.drain(patience):
             print(
                 f"warning: the monitor has not judged the last {self.reporter.waiting()} step(s) in "
-                f"{patience:g} s; saving the checkpoint all the same",
+                f"{patience:g} s; {going_on} all the same",
                 file=sys.stderr,
                 flush=True,
             )

@@ -17,6 +17,8 @@ in the order it was given them, at these points:
     after_step(step, metrics, batch_ids, vote) -> Answer
                                 the step is logged; `batch_ids`: this rank's windows or examples in
                                 the step; `vote`: the sum of every rank's vote
+    before_eval(step) -> Answer
+                                an evaluation of the state after `step` is due
     before_checkpoint(step, stopping, last) -> Answer
                                 a checkpoint is due (`stopping`: the ranks agreed to stop after it)
     close()                     as training ends, also on an error
@@ -89,6 +91,9 @@ class StepHook:
         return {}
 
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
+        return CONTINUE
+
+    def before_eval(self, step: int) -> Answer:
         return CONTINUE
 
     def before_checkpoint(self, step: int, stopping: bool, last: bool) -> Answer:

@@ -164,6 +164,11 @@ class Trainer:
             if isinstance(answer, Stop):
                 return answer
             if self.task.evaluates and (step == c.steps or (c.eval_every and step % c.eval_every == 0)):
+                answer = self.ask("before_eval", step)  # (a step rolled back here is not evaluated)
+                if isinstance(answer, Rewind):
+                    continue
+                if isinstance(answer, Stop):
+                    return answer
                 self.evaluate(step)
             if step % c.checkpoint_every == 0 or step == c.steps or stop_requested:
                 last = step == c.steps

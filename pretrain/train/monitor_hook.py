@@ -87,6 +87,11 @@ class Monitored(StepHook):
             self.writer.scalars(step, {LR_FACTOR_TAG: self.lr_factor(step)})
         return self.act(step, self.link.take() if vote > 0 else None)  # about an earlier step
 
+    def before_eval(self, step: int) -> Answer:
+        """An evaluation is of a step the monitor has judged: a rollback of it comes first, and the
+        step's evaluation is left to its re-run."""
+        return self.act(step, self.link.verdict(going_on="evaluating"))
+
     def before_checkpoint(self, step: int, stopping: bool, last: bool) -> Answer:
         """A checkpoint holds only steps the monitor has judged."""
         return self.act(step, self.link.verdict(wait=not stopping, last=last))

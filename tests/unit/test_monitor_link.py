@@ -181,6 +181,33 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     assert "step_00000009" in pinned(tmp_path)  # the monitor pins the next rollback's target
 
 
+def test_a_step_the_monitor_rolls_back_is_not_evaluated(service, tmp_path, train_data, capsys):
+    """The spike at step 8, an evaluation step (not a checkpoint's): the evaluation waits for the
+    verdicts, the rollback comes first, and only the re-run step 8 is evaluated: one line, one
+    entry in the summary, one point on TensorBoard."""
+    summary = pretraining_trainer(
+        config(
+            tmp_path,
+            train_data,
+            "train.steps=10",
+            "checkpoint.every=3",
+            "eval.every=8",
+            "faults.spike_steps=[8]",
+        )
+    ).train()
+    out = capsys.readouterr().out
+    assert summary["rollbacks"] == 1 and "rolling back to step_00000006" in out
+    assert out.count("eval at step 8:") == 1 and out.index("rolling back") < out.index("eval at step 8:")
+    assert [e["step"] for e in summary["eval"]] == [0, 8, 10]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pretrain.metrics import tensorboard_dir
+
+    board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [e.step for e in board.Scalars("eval/loss")] == [0, 8, 10]
+
+
 def test_the_circuit_breaker_stops_the_run_and_nothing_after_the_refused_state_is_saved(
     service, tmp_path, train_data, capsys
 ):
