@@ -1,13 +1,14 @@
 """`GET /`: the monitor's page, one self-contained HTML document (inline CSS and SVG, no script,
 no external asset) rendered from /status. It reloads itself every 10 seconds.
 
-It shows the run's progress (step, total, tokens/s, ETA, counts of warnings, rollbacks applied and
-restarts), the loss and the gradient norm of the last judged steps against their bands (the
-shaded area runs from the robust level to the threshold; orange marks are warnings, red marks
-rollbacks), and the list of events: every rollback decided, applied and cancelled, every restart,
-and the newest warnings. The line is the timeline that went on; the value judged at a step that
-was rolled back is a red mark labelled "VALUE (rolled back)" — at the chart's top edge when it is
-above the normal range, as a spike usually is, so that the rest of the chart keeps its scale.
+It shows the run's progress (step, total, tokens/s over the last 50 steps, ETA, counts of
+warnings, rollbacks applied and restarts), the loss and the gradient norm of the last judged steps
+against their bands (the shaded area runs from the robust level to the threshold; orange marks are
+warnings, red marks rollbacks), and the list of events: every rollback decided, applied and
+cancelled, every restart, and the newest warnings. The line is the timeline that went on; the
+value judged at a step that was rolled back is a red mark labelled "VALUE (rolled back)" — at the
+chart's top edge when it is above the normal range, as a spike usually is, so that the rest of the
+chart keeps its scale.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ th { color: #666; font-weight: normal; border-bottom: 1px solid #ddd; }
 def render_page(status: dict) -> str:
     step, total = status.get("step"), status.get("total_steps")
     done = 100 * step / total if step is not None and total else 0
-    tps = status.get("tokens_per_second")
+    tps = status.get("tokens_per_second_last_50_steps")
     rows = (
         "".join(
             f"<tr><td>{s}</td><td>{html.escape(kind)}</td><td>{html.escape(text)}</td></tr>"
@@ -199,7 +200,7 @@ def render_page(status: dict) -> str:
     pending = status.get("rollback_pending")
     facts = [
         ("step", f"{step if step is not None else '–'} / {total or '?'}"),
-        ("tokens/s", f"{tps:,.0f}" if tps else "–"),
+        ("tokens/s, last 50 steps", f"{tps:,.0f}" if tps else "–"),
         ("ETA", _duration(status.get("eta_seconds"))),
         ("warnings", str(status.get("warnings", 0))),
         ("updates skipped", str(status.get("updates_skipped", 0))),

@@ -86,6 +86,7 @@ ANSWERED = object()  # what reading a request's body returns once it has answere
 MAX_BODY = 64 * 1024  # bytes: a step's report is ~300 (a few KiB with per-layer norms)
 SERIES_KEPT = 600  # judged steps kept for /status and the page
 ROLLED_BACK_KEPT = 50  # judged points of abandoned timelines' rollback steps, kept for the page
+RATE_STEPS = 50  # the steps /status's ETA (their median step time) and smoothed tokens/s are over
 
 
 class MonitorState:
@@ -128,8 +129,10 @@ class MonitorState:
         self.rolled_back: collections.deque[dict] = collections.deque(maxlen=ROLLED_BACK_KEPT)
         for judged in history:
             self._chart(judged)
-        self.step_times: collections.deque[float] = collections.deque(maxlen=50)
-        self.tokens_per_second: float | None = None
+        self.step_times: collections.deque[float] = collections.deque(maxlen=RATE_STEPS)
+        self.tokens_per_second: float | None = None  # the last step's
+        # (tokens, seconds) of the last steps whose tokens are known (not the first after a rollback)
+        self.step_tokens: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_STEPS)
         self.total_steps: int | None = _total_steps(run_dir)  # until the trainer says
         self.started = time.time()
 
@@ -275,7 +278,9 @@ class MonitorState:
                 and previous.get("tokens") is not None
                 and metrics.tokens > previous["tokens"]
             ):
-                self.tokens_per_second = (metrics.tokens - previous["tokens"]) / metrics.step_time
+                tokens = metrics.tokens - previous["tokens"]
+                self.tokens_per_second = tokens / metrics.step_time
+                self.step_tokens.append((tokens, metrics.step_time))
                 self.g_tps.set(self.tokens_per_second)
         self.policy.recent[-1]["tokens"] = metrics.tokens
         if metrics.total_steps is not None:
@@ -323,6 +328,12 @@ class MonitorState:
             for series, band in self.policy.detector.bands().items()
         }
 
+    def recent_tokens_per_second(self) -> float | None:
+        """The last RATE_STEPS measured steps' tokens over their summed step times (the console's
+        tok/s and `tokens_per_second` are one step's)."""
+        seconds = sum(s for _, s in self.step_tokens)
+        return sum(t for t, _ in self.step_tokens) / seconds if seconds > 0 else None
+
     def status(self, series: bool = False) -> dict:
         with self.lock:
             p = self.policy
@@ -335,6 +346,7 @@ class MonitorState:
                 "step": last.step if last else (self.series[-1]["step"] if self.series else None),
                 "total_steps": self.total_steps,
                 "tokens_per_second": self.tokens_per_second,
+                "tokens_per_second_last_50_steps": self.recent_tokens_per_second(),
                 "eta_seconds": eta,
                 "latest": last.to_json() if last else None,
                 "detectors": self.bands(),

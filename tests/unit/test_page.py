@@ -1,7 +1,10 @@
 """The monitor's page (`monitoring/page.py`), rendered from the /status of a real `MonitorState`
 driven with reports, outcomes and restarts as the trainer and the supervisor send them."""
 
+import dataclasses
 import re
+
+import pytest
 
 from monitoring.config import MonitorConfig
 from monitoring.page import render_page
@@ -121,3 +124,15 @@ def test_a_restart_before_any_step_of_this_service_is_listed_at_the_last_judged_
     page = render_page(status)
     assert "<td>restart</td><td>hang: no first step for 600 s</td>" in page
     assert "<td>restart</td><td>exit status 1</td>" in page
+
+
+def test_status_has_the_last_steps_tokens_per_second_and_the_last_50_steps_which_the_page_shows(tmp_path):
+    state = MonitorState(tmp_path, CONFIG)
+    for step in range(1, 62):  # 100 tokens a step: 1 s each for the first 11, then 0.1 s, the last 0.5 s
+        step_time = 1.0 if step <= 11 else 0.5 if step == 61 else 0.1
+        state.handle_metrics(dataclasses.replace(metrics(step), step_time=step_time))
+    status = state.status()
+    assert status["tokens_per_second"] == pytest.approx(100 / 0.5)  # the last step's
+    # Steps 12-61: 5,000 tokens in 49 x 0.1 + 0.5 = 5.4 s (the slow steps before them left the window)
+    assert status["tokens_per_second_last_50_steps"] == pytest.approx(5000 / 5.4)
+    assert "<dt>tokens/s, last 50 steps</dt><dd>926</dd>" in render_page(status)
