@@ -55,6 +55,13 @@ def test_stop_request_a_flag_then_an_interrupt_and_the_old_handlers_back():
     assert signal.getsignal(signal.SIGINT) == previous
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_request_names_the_signal_this_rank_received(signum):
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signum)
+        assert stop.requester()["why"] == f"{signal.Signals(signum).name} received"
+
+
 def test_exit_statuses_are_one_table():
     assert [int(c) for c in (ExitCode.DONE, ExitCode.BAD_INPUT, ExitCode.STOPPED_BY_MONITOR)] == [0, 2, 3]
     assert UserError.exit_code == ConfigError.exit_code == ExitCode.BAD_INPUT
