@@ -59,7 +59,14 @@ from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, JobStopped, Resta
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.errors import ExitCode
-from pretrain.lifeline import clear_rank_records, describe_failure, owner_tag, rank_records, wait_for_ranks
+from pretrain.lifeline import (
+    clear_rank_records,
+    describe_failure,
+    owner_tag,
+    rank_records,
+    tell_ranks_why,
+    wait_for_ranks,
+)
 from pretrain.run_dir import OWNER_ENV, RunLock
 
 NOT_RESTARTED = {
@@ -408,6 +415,7 @@ class Supervisor:
             # However the supervisor leaves (an exception included), no job runs on without it.
             if job is not None and job.poll() is None:
                 self.log("launch: stopping the job (the supervisor is exiting)")
+                tell_ranks_why(self.run_dir, "pretrain launch is exiting")
                 job.ask_ranks_to_stop()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     job.process.wait(timeout=self.config.stop_grace_seconds)
@@ -466,9 +474,13 @@ class Supervisor:
                 return "exit", failed.code
             if interrupt.count and not asked_to_stop:
                 self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
-                job.ask_ranks_to_stop(
-                    signal.SIGUSR1 if interrupt.signum == signal.SIGUSR1 else signal.SIGTERM
+                passed_on = signal.SIGUSR1 if interrupt.signum == signal.SIGUSR1 else signal.SIGTERM
+                tell_ranks_why(
+                    self.run_dir,
+                    f"{signal.Signals(interrupt.signum or signal.SIGINT).name} to pretrain launch, "
+                    f"passed on as {passed_on.name}",
                 )
+                job.ask_ranks_to_stop(passed_on)
                 asked_to_stop = True
             elif interrupt.count > 1:
                 return "interrupted", job.stop(grace=0)

@@ -222,12 +222,13 @@ def lost_peer(exc: BaseException) -> str | None:
 class StopRequest:
     """SIGTERM/SIGINT/SIGUSR1 set a flag that the ranks agree on at the next step boundary; a second
     SIGINT interrupts at once. Use as a context manager: the previous handlers come back.
-    `why`: what asked this rank to stop (the lifeline names a lost supervisor in `STOP_CAUSE`
-    before it signals)."""
+    `why`: the signal, and what sent it where that is known (the lifeline names a lost supervisor in
+    `STOP_CAUSE` before it signals; `cause()` reads what a supervisor said as it asked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cause: Callable[[], str | None] = lambda: None) -> None:
         self.requested = False
         self.why = ""
+        self.cause = cause  # who sent the signal, where that is written down (a supervisor's request)
         self._previous: dict = {}
 
     def __enter__(self) -> StopRequest:
@@ -242,7 +243,8 @@ class StopRequest:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if not self.requested:
-            self.why = STOP_CAUSE[0] if STOP_CAUSE else f"{signal.Signals(signum).name} received"
+            cause = STOP_CAUSE[0] if STOP_CAUSE else self.cause()
+            self.why = cause or f"{signal.Signals(signum).name} received"
         self.requested = True
 
     def requester(self) -> dict | None:

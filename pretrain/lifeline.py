@@ -46,6 +46,7 @@ POLL_SECONDS = 1.0
 GRACE_SECONDS = 25.0
 RANKS_LOCK = "monitor/ranks.lock"
 RANK_RECORDS = "monitor/ranks"
+STOP_REASON = "monitor/stop_reason.json"  # why the supervisor asks its ranks to stop, as it asks
 
 _held: list[int] = []  # this process's shared lock on ranks.lock, kept open for its life
 _record: dict = {}  # this rank's record: its path, and what it says once the rank exits
@@ -180,10 +181,25 @@ def peer_reason(wait: float, poll: float = 0.2) -> dict | None:
 
 
 def clear_rank_records(run_dir: str | Path) -> None:
-    """Before a job starts: the records of an earlier attempt's ranks are gone."""
-    for path in (Path(run_dir) / RANK_RECORDS).glob("rank-*.json"):
+    """Before a job starts: the records of an earlier attempt's ranks, and why it was stopped, are gone."""
+    for path in [*(Path(run_dir) / RANK_RECORDS).glob("rank-*.json"), Path(run_dir) / STOP_REASON]:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def tell_ranks_why(run_dir: str | Path, why: str) -> None:
+    """The supervisor, before it signals its ranks to stop: what it was asked and how it passes it on
+    (a Ctrl-C reaches the ranks as SIGTERM, which they could not tell from a scheduler's own)."""
+    path = Path(run_dir) / STOP_REASON
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(path, {"why": why})
+
+
+def why_the_supervisor_stops(run_dir: str | Path) -> str | None:
+    """What the supervisor said as it asked the ranks to stop (`tell_ranks_why`), or None."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(json.loads((Path(run_dir) / STOP_REASON).read_text())["why"])
+    return None
 
 
 def rank_records(run_dir: str | Path) -> list[dict]:

@@ -37,7 +37,7 @@ from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.distributed import DistEnv, StopRequest, all_gather_objects, all_reduce_sum, barrier
 from pretrain.engine import set_lr
 from pretrain.flops import mfu
-from pretrain.lifeline import note_step
+from pretrain.lifeline import note_step, why_the_supervisor_stops
 from pretrain.metrics import MetricsWriter, literal_markdown
 from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
 
@@ -124,7 +124,7 @@ class Trainer:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
         self.summary |= {"eval": [], "rollbacks": 0, "restarts": 0}
         with contextlib.ExitStack() as stack:
-            stop = stack.enter_context(StopRequest())
+            stop = stack.enter_context(StopRequest(cause=lambda: why_the_supervisor_stops(self.run_dir)))
             if hasattr(self.task, "close"):
                 stack.callback(self.task.close)
             stack.callback(self.writer.close)

@@ -116,6 +116,8 @@ def test_one_job_per_directory_no_rank_outlives_its_supervisor_and_the_same_comm
     output = first.communicate(timeout=300)[0]
     assert first.returncode == 130, output[-3000:]
     assert "asking the job to save a checkpoint and stop" in output
+    # The ranks got SIGTERM from the supervisor and say what it was asked (issue 43).
+    assert "SIGINT to pretrain launch, passed on as SIGTERM: saved" in output, output[-3000:]
     assert json.loads((tmp_path / "monitor" / "supervisor.json").read_text())["state"] == "stopped"
     stopped = ck.step_of(ck.newest_complete(tmp_path))
     assert stopped < 40 and step_events(tmp_path) == list(range(1, stopped + 1))  # every step monitored, once

@@ -62,6 +62,22 @@ def test_a_stop_request_names_the_signal_this_rank_received(signum):
         assert stop.requester()["why"] == f"{signal.Signals(signum).name} received"
 
 
+def test_a_rank_asked_to_stop_by_its_supervisor_says_what_the_supervisor_was_asked(tmp_path):
+    """Under `pretrain launch` a Ctrl-C reaches the ranks as SIGTERM; the supervisor writes down
+    what it was asked first (`tell_ranks_why`), and the rank's stop names that, not the SIGTERM."""
+    from pretrain.lifeline import clear_rank_records, tell_ranks_why, why_the_supervisor_stops
+
+    cause = lambda: why_the_supervisor_stops(tmp_path)  # noqa: E731 (as the loop wires it)
+    tell_ranks_why(tmp_path, "SIGINT to pretrain launch, passed on as SIGTERM")
+    with StopRequest(cause=cause) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requester()["why"] == "SIGINT to pretrain launch, passed on as SIGTERM"
+    clear_rank_records(tmp_path)  # the next attempt starts: an earlier attempt's reason is gone
+    with StopRequest(cause=cause) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # (a scheduler's own, say)
+        assert stop.requester()["why"] == "SIGTERM received"
+
+
 def test_exit_statuses_are_one_table():
     assert [int(c) for c in (ExitCode.DONE, ExitCode.BAD_INPUT, ExitCode.STOPPED_BY_MONITOR)] == [0, 2, 3]
     assert UserError.exit_code == ConfigError.exit_code == ExitCode.BAD_INPUT
