@@ -42,6 +42,14 @@ def lr_at(step: int, peak_lr: float, total_steps: int, schedule: ScheduleConfig,
     return peak_lr + (floor - peak_lr) * progress
 
 
+def peak_of(lr: float, schedule: ScheduleConfig, d_model: int) -> float:
+    """The highest rate a schedule reaches: optim.lr, but for inverse_sqrt, whose optim.lr is a
+    multiplier (its peak is at the end of the warm-up)."""
+    if schedule.name == "inverse_sqrt":
+        return lr_at(max(schedule.warmup_steps, 1), lr, 1, schedule, d_model)
+    return lr
+
+
 def schedule_for(
     peak_lr: float, total_steps: int, schedule: ScheduleConfig, d_model: int
 ) -> Callable[[int], float]:

@@ -160,6 +160,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         f" ({written.skipped} row(s) without text marked skipped, no prediction)" if written.skipped else ""
     )
     print(f"wrote {written.rows} predictions to {args.out}{skipped}")
+    if written.accuracy is not None:
+        print(f"accuracy {written.accuracy:.4f} on the {written.labelled} labelled rows")
     return 0
 
 

@@ -209,12 +209,31 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
+        self._check_all_but_lr()
+
+    def _check_all_but_lr(self) -> None:
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
         for key in ("beta1", "beta2"):
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"optim.{key}={value} must be in [0, 1)")
         _positive("optim.eps", self.eps)
+
+
+@dataclass
+class FinetuneOptimConfig(OptimConfig):
+    """Fine-tuning's optimizer: as pretraining's, with a learning rate that follows the checkpoint
+    when left unset (`pretrain/finetune/initial.py`, `InitialModel.learning_rate`)."""
+
+    # None: a tenth of the pretraining run's peak rate (that run's own rate for a fine-tuned
+    # checkpoint; 1e-4 from a Hugging Face directory, which does not record it)
+    lr: float | None = None
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.lr is not None:
+            _positive("optim.lr", self.lr)
+        self._check_all_but_lr()
 
 
 @dataclass
@@ -509,7 +528,7 @@ class FinetuneConfig:
     finetune: FinetuneSection = field(default_factory=FinetuneSection)
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     train: FinetuneTrainConfig = field(default_factory=FinetuneTrainConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, weight_decay=0.01))
+    optim: FinetuneOptimConfig = field(default_factory=FinetuneOptimConfig)
     schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(warmup_steps=10))
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -12,6 +12,7 @@ import torch
 
 from pretrain.config import FinetuneConfig, FinetuneDataConfig
 from pretrain.errors import UserError
+from pretrain.finetune.baselines import bag_of_words_accuracy
 from pretrain.loss import IGNORE_INDEX
 from pretrain.tokenizer import Tokenizer
 
@@ -187,11 +188,19 @@ def example_indices(n: int, position: int, count: int, seed: int) -> list[int]:
 
 @dataclass
 class Examples:
-    """A run's encoded splits and label set (None for sft)."""
+    """A run's encoded splits and label set (None for sft); for classification with a validation
+    split, the bag-of-words baseline's accuracy on it (`pretrain/finetune/baselines.py`)."""
 
     train: Encoded
     validation: Encoded | None
     labels: list | None
+    bag_of_words: float | None = None
+
+
+def raw_texts(dataset, data: FinetuneDataConfig) -> list[str]:
+    """Each example's text as read (a pair's two texts joined), for baselines that count words."""
+    columns = [data.text_column, *([data.text_pair_column] if data.text_pair_column else [])]
+    return [" ".join(str(row[c] or "") for c in columns) for row in dataset.select_columns(columns)]
 
 
 def load_examples(cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: int) -> Examples:
@@ -220,4 +229,14 @@ def load_examples(cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: int) ->
                 f"{' ...' if len(unseen) > 5 else ''}: the head cannot predict them; fix the splits"
             )
     encode = lambda ds: encode_classification(ds, cfg, tokenizer, max_length, labels)  # noqa: E731
-    return Examples(encode(train_set), encode(val_set) if val_set is not None else None, labels)
+    train, validation = encode(train_set), encode(val_set) if val_set is not None else None
+    bag_of_words = None
+    if validation is not None:
+        bag_of_words = bag_of_words_accuracy(
+            raw_texts(train_set, cfg.data),
+            train.labels,
+            raw_texts(val_set, cfg.data),
+            validation.labels,
+            len(labels),
+        )
+    return Examples(train, validation, labels, bag_of_words)

@@ -5,6 +5,7 @@ needs one) and the loop (`pretrain/train/loop.py`) with a fine-tuning task."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.finetune.data import Examples, load_examples, padding_id
 from pretrain.finetune.initial import InitialModel, find_initial
-from pretrain.finetune.tasks import SFT, Classification
+from pretrain.finetune.tasks import SFT, Classification, majority_share
 from pretrain.metrics import MetricsWriter
 from pretrain.run_builder import RunPlan, run
 from pretrain.run_dir import model_identity
@@ -39,6 +40,8 @@ class FinetuneInputs:
     examples: Examples
     max_length: int
     steps: int
+    lr: float  # optim.lr, or the checkpoint's default (InitialModel.learning_rate)
+    lr_source: str  # where `lr` comes from, for the first line
 
     def model(self) -> torch.nn.Module:
         model = self.initial.load_model()
@@ -58,7 +61,14 @@ def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> FinetuneInputs:
     steps = cfg.train.steps or max(
         1, math.ceil(cfg.finetune.epochs * len(examples.train.ids) / plan.global_batch_size)
     )
-    return FinetuneInputs(initial, examples, max_length, steps)
+    lr, lr_source = (cfg.optim.lr, "optim.lr") if cfg.optim.lr is not None else initial.learning_rate()
+    return FinetuneInputs(initial, examples, max_length, steps, lr, lr_source)
+
+
+def as_it_trains(cfg: FinetuneConfig, inputs: FinetuneInputs) -> FinetuneConfig:
+    """The config with what the checks settled: the learning rate (optim.lr or the checkpoint's
+    default), as the engine, the schedule and the checkpoints' record take it."""
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=inputs.lr))
 
 
 def identity(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
@@ -84,10 +94,12 @@ def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
 
     def check(env: DistEnv) -> RunPlan:
+        nonlocal cfg
         plan = plan_batches(cfg.train, 0, env.world_size)
         ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
         inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
         resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
+        cfg = as_it_trains(cfg, inputs)
 
         def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
             return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero)
@@ -136,7 +148,11 @@ def build_trainer(
         device=engine.device,
         run_dir=run_dir,
     )
-    task = SFT(**common) if labels is None else Classification(**common, num_labels=len(labels))
+    task = (
+        SFT(**common)
+        if labels is None
+        else Classification(**common, num_labels=len(labels), bag_of_words=examples.bag_of_words)
+    )
     run_config = asdict(cfg) | {
         "model": asdict(initial.model_cfg),
         "labels": labels,
@@ -165,14 +181,8 @@ def build_trainer(
         run_config=asdict(cfg),
     )
     writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
-    writer.message(
-        f"fine-tuning ({cfg.finetune.task}) from {initial.source} on {env.world_size} process(es), "
-        f"ZeRO-{zero} bf16: {len(train_data.ids):,} examples "
-        f"({train_data.truncated:,} truncated to {inputs.max_length} tokens)"
-        + (f", {len(labels)} labels" if labels else "")
-        + f", global batch {plan.global_batch_size}, steps {state.step + 1}..{inputs.steps}"
-        + (f" (resumed from {resume.tag})" if resume else "")
-    )
+    for line in first_lines(cfg, inputs, env.world_size, zero, plan, state.step, resume):
+        writer.message(line)
     summary = {
         "task": cfg.finetune.task,
         "world_size": env.world_size,
@@ -200,3 +210,39 @@ def build_trainer(
         state=state,
         summary=summary,
     )
+
+
+def first_lines(
+    cfg: FinetuneConfig,
+    inputs: FinetuneInputs,
+    world_size: int,
+    zero: int,
+    plan: BatchPlan,
+    step: int,
+    resume: Resume | None,
+) -> list[str]:
+    """What the run says before its first step: what trains on what, how many steps and why, the
+    learning rate and where it comes from, and (classification) the baselines it must beat."""
+    train_data, val_data, labels = inputs.examples.train, inputs.examples.validation, inputs.examples.labels
+    lines = [
+        f"fine-tuning ({cfg.finetune.task}) from {inputs.initial.source} on {world_size} process(es), "
+        f"ZeRO-{zero} bf16: {len(train_data.ids):,} examples "
+        f"({train_data.truncated:,} truncated to {inputs.max_length} tokens)"
+        + (f", {len(labels)} labels" if labels else "")
+        + f", global batch {plan.global_batch_size}, steps {step + 1}..{inputs.steps}"
+        + (f" (resumed from {resume.tag})" if resume else ""),
+        f"{inputs.steps:,} steps "
+        + (
+            "(train.steps)"
+            if cfg.train.steps
+            else f"({cfg.finetune.epochs:g} epochs of {len(train_data.ids):,} examples, {plan.global_batch_size} per step)"
+        )
+        + f"; learning rate {cfg.optim.lr:.1e} ({inputs.lr_source})",
+    ]
+    if val_data is not None and labels:
+        lines.append(
+            f"to beat on the {len(val_data.ids):,} validation examples: the majority label "
+            f"{majority_share(val_data.labels, len(labels)):.4f}, a bag of words "
+            f"{inputs.examples.bag_of_words:.4f} (accuracy)"
+        )
+    return lines

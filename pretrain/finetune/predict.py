@@ -31,6 +31,8 @@ from pretrain.tokenizer import Tokenizer
 class Predicted(NamedTuple):
     rows: int  # rows written
     skipped: int  # of them, rows without text: marked `"skipped": "empty text"`, no prediction
+    labelled: int = 0  # classification: predicted rows whose input has a label
+    accuracy: float | None = None  # over those: the prediction equals the label
 
 
 def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens: int = 64) -> Predicted:
@@ -73,7 +75,21 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out, _jsonl(table) if out.suffix.lower() == ".jsonl" else _csv(table))
-    return Predicted(rows=len(table), skipped=len(empty))
+    labelled = (
+        [
+            row
+            for row in table
+            if row.get("prediction") is not None and row.get(cfg.data.label_column) is not None
+        ]
+        if task == "classification"
+        else []
+    )
+    accuracy = (
+        sum(str(row["prediction"]) == str(row[cfg.data.label_column]) for row in labelled) / len(labelled)
+        if labelled
+        else None
+    )
+    return Predicted(rows=len(table), skipped=len(empty), labelled=len(labelled), accuracy=accuracy)
 
 
 def _labels(
@@ -83,14 +99,19 @@ def _labels(
     if cfg.data.label_column in rows.column_names:
         rows = rows.remove_columns(cfg.data.label_column)
     encoded = encode_classification(rows, cfg, tokenizer, max_length, labels)
-    pad_id, records = padding_id(tokenizer), []
-    for start in range(0, len(encoded.ids), 32):
-        batch = collate(encoded, list(range(start, min(start + 32, len(encoded.ids)))), pad_id, "cpu")
-        for p in model(batch["tokens"], batch["lengths"]).logits.softmax(-1).tolist():
+    pad_id, records = padding_id(tokenizer), [None] * len(encoded.ids)
+    by_length = sorted(range(len(encoded.ids)), key=lambda i: len(encoded.ids[i]))  # (less padding)
+    for start in range(0, len(by_length), 32):
+        chunk = by_length[start : start + 32]
+        batch = collate(encoded, chunk, pad_id, "cpu")
+        for i, p in zip(
+            chunk, model(batch["tokens"], batch["lengths"]).logits.softmax(-1).tolist(), strict=True
+        ):
             best = max(range(len(labels)), key=p.__getitem__)
-            records.append(
-                {"prediction": labels[best], "probabilities": dict(zip(map(str, labels), p, strict=True))}
-            )
+            records[i] = {
+                "prediction": labels[best],
+                "probabilities": dict(zip(map(str, labels), p, strict=True)),
+            }
     return records
 
 

@@ -39,7 +39,7 @@ def events(run_dir, tag):
     return [(e.step, e.value) for e in accumulator.Scalars(tag)]
 
 
-def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pretrained, sentiment):
+def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pretrained, sentiment, capsys):
     train_csv, val_csv = sentiment
     run_dir = tmp_path / "run"
     result = subprocess.run(
@@ -71,7 +71,14 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((run_dir / "eval_results.json").read_text())
     assert results["task"] == "classification" and results["examples"] == 64
-    assert results["majority_baseline"] == 0.5
+    assert results["majority_baseline"] == 0.5 and results["bag_of_words_baseline"] == 1.0
+    # What the run must beat, said before it starts (rank 0 only), and the rate it chose.
+    assert (
+        result.stdout.count(
+            "to beat on the 64 validation examples: the majority label 0.5000, a bag of words 1.0000"
+        )
+        == 1
+    )
     assert results["accuracy"] >= 0.85 and results["macro_f1"] >= 0.85, results
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 96  # 4 epochs × 192 / (4 × 2)
@@ -98,6 +105,7 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
     assert len(predictions) == 64 and not any("skipped" in p for p in predictions)
     agree = sum(p["prediction"] == p["label"] for p in predictions) / 64
     assert agree == pytest.approx(results["accuracy"])  # the same weights, consolidated for the CPU
+    assert f"accuracy {agree:.4f} on the 64 labelled rows" in capsys.readouterr().out  # (not the blank one)
     assert all(abs(sum(p["probabilities"].values()) - 1) < 1e-5 for p in predictions)
 
 

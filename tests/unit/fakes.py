@@ -135,6 +135,7 @@ def finetuning_trainer(cfg: FinetuneConfig) -> Trainer:
     """`pretrain.finetune.finetune` up to the loop, in this process, with a FakeEngine."""
     plan = plan_batches(cfg.train, 0, 1)
     inputs = check_inputs(cfg, plan)
+    cfg = finetuning.as_it_trains(cfg, inputs)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     setting = claim(cfg.run.dir, finetuning.identity(cfg, inputs), asdict(cfg), cfg.checkpoint.resume)
     resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)

@@ -62,6 +62,83 @@ def test_classification_metrics():
     assert m["majority_baseline"] == pytest.approx(0.6)
 
 
+def test_the_bag_of_words_baseline_predicts_as_scikit_learns_naive_bayes():
+    """The baseline against a reference nobody here wrote: scikit-learn's multinomial naive Bayes
+    (add-one smoothing) over the same lower-cased words, on a task with signal and noise."""
+    import random
+
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.naive_bayes import MultinomialNB
+
+    from pretrain.finetune.baselines import BagOfWords, bag_of_words_accuracy
+
+    rng = random.Random(0)
+    vocabulary = [f"w{i}" for i in range(200)]
+    cues = [["Alpha", "beta"], ["gamma", "Delta"], ["eps", "zeta"]]
+
+    def example(label):  # noise words, and each cue word of the label with probability 0.3
+        text = rng.sample(vocabulary, 5) + [w for w in cues[label] if rng.random() < 0.3]
+        return " ".join(rng.sample(text, len(text))), label
+
+    train = [example(rng.choice([0, 0, 0, 1, 2])) for _ in range(60)]
+    test = [example(rng.randrange(3)) for _ in range(200)] + [("unseen words only", 1)]
+    texts, labels = zip(*train, strict=True)
+    ours = BagOfWords(texts, labels, 3)
+    words = CountVectorizer(token_pattern=r"(?u)\w+", lowercase=True).fit(texts)
+    reference = MultinomialNB(alpha=1.0).fit(words.transform(texts), labels)
+    expected = reference.predict(words.transform([t for t, _ in test])).tolist()
+    assert [ours.predict(t) for t, _ in test] == expected
+    accuracy = bag_of_words_accuracy(texts, labels, [t for t, _ in test], [y for _, y in test], 3)
+    assert accuracy == pytest.approx(
+        sum(p == y for p, (_, y) in zip(expected, test, strict=True)) / len(test)
+    )
+    assert 0.5 < accuracy < 0.95  # the cues carry signal; the noise keeps it from perfect
+
+
+@pytest.mark.parametrize(
+    ("run_config", "lr", "source"),
+    [
+        (
+            {"optim": {"lr": 3e-3}, "schedule": {"name": "cosine"}},
+            3e-4,
+            "a tenth of its pretraining peak, 3.0e-03",
+        ),
+        (
+            {"optim": {"lr": 6e-4}, "schedule": {"name": "wsd"}},
+            6e-5,
+            "a tenth of its pretraining peak, 6.0e-04",
+        ),
+        # inverse_sqrt's optim.lr multiplies d_model^-0.5 · warmup^-0.5 at its peak (d_model 64)
+        (
+            {"optim": {"lr": 2.0}, "schedule": {"name": "inverse_sqrt", "warmup_steps": 100}},
+            0.1 * 2.0 / 8 / 10,
+            None,
+        ),
+        ({"optim": {"lr": 5e-4}, "finetune": {"task": "sft"}}, 5e-4, "the rate it was fine-tuned at"),
+        (None, 1e-4, "a Hugging Face directory does not record its pretraining rate"),
+    ],
+)
+def test_the_default_fine_tuning_rate_follows_the_checkpoint(run_config, lr, source):
+    from pretrain.config import ModelConfig
+    from pretrain.finetune.initial import InitialModel, trained_peak
+    from pretrain.inference import task_of
+
+    model = ModelConfig(preset="tiny", d_model=64, n_heads=4, n_kv_heads=2)
+    trained = None if run_config is None else trained_peak(run_config, model.d_model)
+    initial = InitialModel(
+        directory=None,
+        kind="hf" if run_config is None else "checkpoint",
+        model_cfg=model,
+        tokenizer=None,
+        trained_lr=trained,
+        fine_tuned=run_config is not None and task_of(run_config) != "pretrain",
+    )
+    got, why = initial.learning_rate()
+    assert got == pytest.approx(lr)
+    if source:
+        assert why == source
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -160,6 +237,7 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     assert [e["step"] for e in summary["eval"]] == [0, 3, 6]
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert results["step"] == 6 and results["examples"] == 64 and results["majority_baseline"] == 0.5
+    assert results["bag_of_words_baseline"] == 1.0  # one keyword decides the label
     assert results["accuracy"] == summary["eval"][-1]["accuracy"] and 0 <= results["macro_f1"] <= 1
     state = json.loads((tmp_path / "checkpoints" / "step_00000006" / "train_state.json").read_text())
     assert state["data"] == {"examples": 6 * 4} and state["tokens"] > 0

@@ -1,0 +1,86 @@
+"""Two classification tasks to fine-tune on, made from text on this machine (nothing to download):
+
+- `pydoc`: a standard-library docstring (a public function's or class's, as written, without its
+  name) labelled with the package it comes from: asyncio, email, logging or xml. The running
+  Python's own library, so any machine has it; the demo pretrains on the same docstrings (the
+  labels are what is new).
+- `fortunes`: a fortune-cookie quotation labelled with its collection: computers, literature,
+  politics or science (Debian's `fortunes` package, /usr/share/games/fortunes; skipped where it is
+  not installed: `apt-get install fortunes`).
+
+Each task is a shuffled 80/20 split into OUT/TASK/train.csv and validation.csv (`text,label`):
+
+    python scripts/finetune_tasks.py runs/tasks
+    pretrain finetune --config configs/finetune/classification.yaml finetune.init=runs/demo/run \\
+        data.train=runs/tasks/pydoc/train.csv data.validation=runs/tasks/pydoc/validation.csv run.dir=runs/cls
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import random
+import sysconfig
+from pathlib import Path
+
+PACKAGES = ("asyncio", "email", "logging", "xml")
+FORTUNES = Path("/usr/share/games/fortunes")
+COLLECTIONS = ("computers", "literature", "politics", "science")
+
+
+def pydoc_examples() -> list[tuple[str, str]]:
+    """(docstring, package) for every public function and class with a docstring of 40+ characters."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    examples = []
+    for package in PACKAGES:
+        for path in sorted((stdlib / package).rglob("*.py")):
+            if {"test", "tests"} & set(path.parts):
+                continue
+            tree = ast.parse(path.read_bytes())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= 40 and not node.name.startswith("_"):
+                        examples.append((" ".join(doc.split()), package))
+    return examples
+
+
+def fortune_examples() -> list[tuple[str, str]]:
+    """(quotation, collection) for every fortune of the four collections."""
+    examples = []
+    for name in COLLECTIONS:
+        text = (FORTUNES / name).read_text(encoding="latin-1")
+        examples += [(" ".join(f.split()), name) for f in text.split("\n%\n") if f.strip()]
+    return examples
+
+
+def write_split(examples: list[tuple[str, str]], out: Path) -> tuple[int, int]:
+    examples = sorted(set(examples))  # (a docstring inherited word for word counts once)
+    random.Random(0).shuffle(examples)
+    held_out = len(examples) // 5
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("validation", examples[:held_out]), ("train", examples[held_out:])):
+        with open(out / f"{name}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label"])
+            writer.writerows(rows)
+    return len(examples) - held_out, held_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="directory for OUT/pydoc and OUT/fortunes")
+    out = Path(parser.parse_args().out)
+    tasks = {"pydoc": pydoc_examples}
+    if (FORTUNES / COLLECTIONS[0]).is_file():
+        tasks["fortunes"] = fortune_examples
+    else:
+        print(f"fortunes: skipped ({FORTUNES} has no collections: apt-get install fortunes)")
+    for name, examples in tasks.items():
+        train, validation = write_split(examples(), out / name)
+        print(f"{name}: {train:,} training and {validation:,} validation examples in {out / name}")
+
+
+if __name__ == "__main__":
+    main()
