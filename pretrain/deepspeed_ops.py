@@ -42,8 +42,9 @@ def extensions_dir() -> Path:
 
 
 def _built(name: str, root: Path) -> bool:
-    """Whether a build of op `name` is already on disk (torch then only checks and loads it)."""
-    return any(root.glob(f"*/{name}/{name}.so")) or any(root.glob(f"{name}/{name}.so"))
+    """Whether a build of op `name` is already on disk (torch then only checks and loads it): with
+    TORCH_EXTENSIONS_DIR set, torch builds op NAME in ROOT/NAME/NAME.so."""
+    return (root / name / f"{name}.so").is_file()
 
 
 @contextlib.contextmanager

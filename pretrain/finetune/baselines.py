@@ -27,7 +27,6 @@ class BagOfWords:
         for text, label in zip(texts, labels, strict=True):
             counts[label].update(words(text))
         vocabulary = set().union(*counts)
-        self.vocabulary_size = len(vocabulary)
         self.log_prior = [
             math.log(examples[c] / len(labels)) if examples[c] else -math.inf for c in range(num_labels)
         ]

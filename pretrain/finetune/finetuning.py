@@ -94,24 +94,23 @@ def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
 
     def check(env: DistEnv) -> RunPlan:
-        nonlocal cfg
         plan = plan_batches(cfg.train, 0, env.world_size)
         ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
         inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
         resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
-        cfg = as_it_trains(cfg, inputs)
+        trained = as_it_trains(cfg, inputs)
 
         def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
-            return build_trainer(cfg, env, engine, optimizer, plan, inputs, resume, zero)
+            return build_trainer(trained, env, engine, optimizer, plan, inputs, resume, zero)
 
         return RunPlan(
-            cfg.run,
-            cfg.checkpoint,
-            cfg.engine,
-            cfg.optim,
+            trained.run,
+            trained.checkpoint,
+            trained.engine,
+            trained.optim,
             inputs.steps,
-            identity(cfg, inputs),
-            asdict(cfg),
+            identity(trained, inputs),
+            asdict(trained),
             ds_config,
             inputs.model,
             make_trainer,

@@ -49,7 +49,7 @@ def fake_builds(monkeypatch, tmp_path):
     built = []
 
     def jit_load(builder, verbose=True):
-        out = tmp_path / "ext" / "py311_cpu" / builder.name
+        out = tmp_path / "ext" / builder.name  # where torch builds it, TORCH_EXTENSIONS_DIR set
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{builder.name}.so").write_bytes(b"")
         built.append(builder.name)
