@@ -24,8 +24,6 @@ from pretrain.deepspeed_ops import announced_builds
 from pretrain.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.errors import ConfigError
 
-BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-
 
 @dataclass(frozen=True)
 class BatchPlan:

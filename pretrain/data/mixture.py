@@ -73,7 +73,6 @@ class MixtureStream:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         checked = check_sources(sources)
         self.names = [name for name, _, _ in checked]
-        self.dirs = [directory for _, directory, _ in checked]
         total = sum(weight for _, _, weight in checked)
         self.weights = [weight / total for _, _, weight in checked]
         self.seq_len, self.rank, self.world_size = seq_len, rank, world_size

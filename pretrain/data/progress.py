@@ -25,7 +25,6 @@ from pretrain.data.sources import (
     open_file,
 )
 
-COUNT_CHUNK = 1 << 24
 LINE_EVERY_SECONDS = 60.0
 
 
