@@ -1,9 +1,12 @@
 """The shape of the code, checked: which module may import which (the layers of
 docs/architecture.md: command layer → library → `monitoring.protocol`, and no cycle anywhere), and
-no function so long that it cannot be read on a screen or two. Imports are read with `ast`,
-including those inside functions: a lazy import is an arrow too."""
+no function so long that it cannot be read on a screen or two, every module in docs/development.md's
+table, no dead code (vulture). Imports are read with `ast`, including those inside functions: a lazy
+import is an arrow too."""
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -243,3 +246,165 @@ def test_events_are_built_only_as_the_protocols_types():
                     ):
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno} builds a {value.value!r} event")
     assert not found, found
+
+
+# The module table of docs/development.md ("Layout") names every module of the packages and every
+# file of launch/ and scripts/: a row's first cell names a path (`pretrain/data/`) or files
+# (`monitoring/detectors.py`, `policy.py`: the bare name is in the directory before it), and a
+# directory's row names its modules (`loader.py`) anywhere in the row.
+DEVELOPMENT = ROOT / "docs" / "development.md"
+TABLED_DIRECTORIES = ("launch", "scripts")  # every file, whatever its kind
+
+
+def table_rows() -> list[tuple[str, list[str], set[str]]]:
+    """Each row of the Layout table: its first cell, the directories that cell names (with a
+    trailing /), and every `token` of the row, bare file names resolved in each of those
+    directories."""
+    section = DEVELOPMENT.read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| ") or "`" not in line.split(" | ", 1)[0]:
+            continue  # the header, its rule, a line that is not a row
+        first, rest = line.split(" | ", 1)
+        directories, named, current = [], set(), ""
+        for token in re.findall(r"`([^`]+)`", first):
+            if "/" in token:
+                current = token if token.endswith("/") else token.rpartition("/")[0] + "/"
+                named.add(token)
+            else:
+                named.add(current + token)
+            if current not in directories:
+                directories.append(current)
+        for token in re.findall(r"`([^`]+)`", rest):
+            named |= {token} if "/" in token else {d + token for d in directories}
+        rows.append((first.removeprefix("| ").strip(), directories, named))
+    return rows
+
+
+def tabled_files() -> list[str]:
+    """What the table must name: each package's modules (not `__init__.py`, `__main__.py`: the
+    package's row names it) and each file of launch/ and scripts/."""
+    found = [
+        str(path.relative_to(ROOT))
+        for path in modules().values()
+        if path.name not in ("__init__.py", "__main__.py")
+    ]
+    for directory in TABLED_DIRECTORIES:
+        found += [
+            f"{directory}/{path.name}"
+            for path in (ROOT / directory).iterdir()
+            if path.is_file() and not path.name.startswith(".")
+        ]
+    return sorted(found)
+
+
+def test_the_module_table_names_every_module():
+    rows = table_rows()
+    named = set().union(*(names for _, _, names in rows))
+    missing = []
+    for path in tabled_files():
+        if path in named:
+            continue
+        directory = path.rpartition("/")[0] + "/"
+        row = next((first for first, _, _ in rows if f"`{directory}`" in first), None)  # its package's row
+        where = (
+            f"name `{path.rpartition('/')[2]}` and what it holds in the row that starts {row}"
+            if row
+            else f"add a row for it: | `{path}` | what it holds |"
+        )
+        missing.append(f"{path} is not in docs/development.md's Layout table: {where}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_module_table_names_only_what_exists():
+    """A row's own paths exist (a module that is gone leaves the table with it)."""
+    gone = []
+    for first, directories, _ in table_rows():
+        for token in re.findall(r"`([^`]+)`", first):
+            paths = [token] if "/" in token else [d + token for d in directories]
+            if not any((ROOT / p).exists() for p in paths):
+                gone.append(f"docs/development.md's Layout row {first} names {token}, which does not exist")
+    assert not gone, "\n".join(gone)
+
+
+# Dead code: vulture reads the product (the packages, launch/, scripts/; not the tests: a name only a
+# test uses is dead in the product) and reports every name nothing uses. Names are matched as
+# strings, so what it reports is unused everywhere. Below: what it reports that is in use in a way
+# it cannot see, with why; each entry is (file, names, why).
+DEAD_CODE_PATHS = ("pretrain", "monitoring", "launch", "scripts")
+NOT_DEAD = (
+    ("monitoring/config.py",
+     "on_nonfinite on_loss_spike on_grad_norm_surge on_divergence on_grad_norm_spike on_instability_precursor",
+     "the response to each finding, read as getattr(config, f'on_{finding}')"),
+    ("monitoring/protocol.py", "documents_unavailable matches_checkpoint resume_from moved_to requested_by",
+     "event fields: asdict writes them to events.jsonl for the reader (the page, a person, jq)"),
+    ("monitoring/service.py", "server_version protocol_version disable_nagle_algorithm log_message do_GET do_POST",
+     "http.server's request handler reads or calls them by name"),
+    ("monitoring/service.py", "explain", "send_error's parameter, as http.server calls it"),
+    ("monitoring/supervisor.py", "frame", "a signal handler's parameter"),
+    ("pretrain/cli/deepspeed_runner.py", "frame", "a signal handler's parameter"),
+    ("pretrain/distributed.py", "frame", "a signal handler's parameter"),
+    ("pretrain/distributed.py", "fill_uninitialized_memory benchmark", "torch settings, set for torch to read"),
+    ("pretrain/bench/train.py", "use_cache", "a transformers config setting, set for transformers to read"),
+    ("pretrain/tokenizer.py", "encode_special_tokens", "a tokenizers setting, set for tokenizers to read"),
+    ("pretrain/tokenizer.py", "mtime_ns", "part of lru_cache's key: a changed file is read again"),
+    ("pretrain/checkpoint/background.py", "commit", "DeepSpeed's CheckpointEngine interface, which it calls"),
+    ("pretrain/harness.py",
+     "max_batch_size get_model_info loglikelihood loglikelihood_rolling generate_until",
+     "lm-evaluation-harness's LM interface, which it calls (and the keyword its loader passes)"),
+    ("pretrain/data/__init__.py", "__getattr__", "a module's lazy attributes (PEP 562), which Python calls"),
+    ("pretrain/flops.py", "attention_projections attention_scores attention_weighted_sum",
+     "FlopsBreakdown's parts: asdict sums them and writes them to the report"),
+    ("pretrain/scaling.py", "tokens_per_gpu_per_step compute_seconds communication_seconds exposed_seconds",
+     "Projection's fields: asdict writes them to the report"),
+    ("pretrain/train/hooks.py", "before_eval before_checkpoint",
+     "step hook methods the loop calls by name (Trainer.ask('before_eval', ...))"),
+    ("pretrain/train/monitor_hook.py", "before_eval before_checkpoint",
+     "step hook methods the loop calls by name (Trainer.ask('before_eval', ...))"),
+    ("pretrain/data/mixture.py", "source_counts",
+     "read by tests/unit/test_mixture.py only: the windows each source served, which the test checks"),
+    ("pretrain/skip_step.py", "global_mean",
+     "the module's documented helper for a loop whose all-reduce comes after engine.step(); "
+     "tests/integration/test_skip_step.py's loop uses it"),
+)  # fmt: skip
+
+
+@functools.cache
+def unused_code() -> tuple[tuple[str, str, str], ...]:
+    """(file, name, vulture's line) for everything vulture finds unused in the product."""
+    import vulture
+
+    checker = vulture.Vulture()
+    checker.scavenge([str(ROOT / p) for p in DEAD_CODE_PATHS])
+    return tuple(
+        (
+            str(Path(item.filename).relative_to(ROOT)),
+            item.name,
+            f"{item.message} ({item.confidence}% confidence)",
+        )
+        for item in checker.get_unused_code(min_confidence=60)
+    )
+
+
+def test_no_dead_code():
+    allowed = {(path, name) for path, names, _ in NOT_DEAD for name in names.split()}
+    dead = [f"{path}: {message}" for path, name, message in unused_code() if (path, name) not in allowed]
+    assert not dead, (
+        "delete what nothing uses; if something uses it where vulture cannot see (a framework calls it "
+        "by name, asdict writes it), add (file, name, why) to NOT_DEAD in tests/unit/test_architecture.py:\n"
+        + "\n".join(dead)
+    )
+
+
+def test_the_dead_code_allowances_are_all_still_needed():
+    found = {(path, name) for path, name, _ in unused_code()}
+    stale = [
+        f"{path}: {name}"
+        for path, names, _ in NOT_DEAD
+        for name in names.split()
+        if (path, name) not in found
+    ]
+    assert not stale, (
+        "vulture no longer reports these: remove them from NOT_DEAD in tests/unit/test_architecture.py:\n"
+        + "\n".join(stale)
+    )
