@@ -256,17 +256,17 @@ DEVELOPMENT = ROOT / "docs" / "development.md"
 TABLED_DIRECTORIES = ("launch", "scripts")  # every file, whatever its kind
 
 
-def table_rows() -> list[tuple[str, list[str], set[str]]]:
+def table_rows() -> list[tuple[str, list[str], set[str], set[str]]]:
     """Each row of the Layout table: its first cell, the directories that cell names (with a
-    trailing /), and every `token` of the row, bare file names resolved in each of those
-    directories."""
+    trailing /), the paths the row names (the first cell's, and each `token` of the row in each of
+    those directories), and of those the ones that must exist (the first cell's, each `name.py`)."""
     section = DEVELOPMENT.read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         if not line.startswith("| ") or "`" not in line.split(" | ", 1)[0]:
             continue  # the header, its rule, a line that is not a row
         first, rest = line.split(" | ", 1)
-        directories, named, current = [], set(), ""
+        directories, named, current, modules_named = [], set(), "", set()
         for token in re.findall(r"`([^`]+)`", first):
             if "/" in token:
                 current = token if token.endswith("/") else token.rpartition("/")[0] + "/"
@@ -275,9 +275,12 @@ def table_rows() -> list[tuple[str, list[str], set[str]]]:
                 named.add(current + token)
             if current not in directories:
                 directories.append(current)
+        modules_named |= named
         for token in re.findall(r"`([^`]+)`", rest):
-            named |= {token} if "/" in token else {d + token for d in directories}
-        rows.append((first.removeprefix("| ").strip(), directories, named))
+            paths = {token} if "/" in token else {d + token for d in directories}
+            named |= paths
+            modules_named |= {token} if token.endswith(".py") else set()
+        rows.append((first.removeprefix("| ").strip(), directories, named, modules_named))
     return rows
 
 
@@ -300,13 +303,13 @@ def tabled_files() -> list[str]:
 
 def test_the_module_table_names_every_module():
     rows = table_rows()
-    named = set().union(*(names for _, _, names in rows))
+    named = set().union(*(names for _, _, names, _ in rows))
     missing = []
     for path in tabled_files():
         if path in named:
             continue
         directory = path.rpartition("/")[0] + "/"
-        row = next((first for first, _, _ in rows if f"`{directory}`" in first), None)  # its package's row
+        row = next((first for first, *_ in rows if f"`{directory}`" in first), None)  # its package's row
         where = (
             f"name `{path.rpartition('/')[2]}` and what it holds in the row that starts {row}"
             if row
@@ -317,13 +320,13 @@ def test_the_module_table_names_every_module():
 
 
 def test_the_module_table_names_only_what_exists():
-    """A row's own paths exist (a module that is gone leaves the table with it)."""
+    """A row's paths and the modules it names exist (a module that is gone leaves the table with it)."""
     gone = []
-    for first, directories, _ in table_rows():
-        for token in re.findall(r"`([^`]+)`", first):
-            paths = [token] if "/" in token else [d + token for d in directories]
-            if not any((ROOT / p).exists() for p in paths):
-                gone.append(f"docs/development.md's Layout row {first} names {token}, which does not exist")
+    for first, directories, _, must_exist in table_rows():
+        for token in sorted(must_exist):
+            name = token.rpartition("/")[2] or token
+            if not any((ROOT / d / name).exists() for d in directories) and not (ROOT / token).exists():
+                gone.append(f"docs/development.md's Layout row {first} names {name}, which does not exist")
     assert not gone, "\n".join(gone)
 
 
