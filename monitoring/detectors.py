@@ -223,8 +223,3 @@ class Detector:
         """The step's values enter their windows (a step that was not rolled back)."""
         self.loss.add(loss)
         self.grad_norm.add(grad_norm)
-
-    def reset(self) -> None:
-        for series in (self.loss, self.grad_norm):
-            series.history.clear()
-        self.divergence.ema, self.divergence.rising = None, 0

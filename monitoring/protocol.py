@@ -4,10 +4,9 @@ in the run directory, and the events file. The trainer imports nothing else from
 Trainer → service, once per optimizer step: a `StepMetrics` (POST /v1/metrics), sent from a
 background thread while the next step computes, in order, and sent again until answered (with
 `session` and `seq`, so the service answers a repeated report without judging it twice).
-Service → trainer, in the answer: an `Action` (`continue`; `rollback` to a checkpoint with a new
-data seed and an lr scale, identified by its `decision` number and the `step` it was decided at;
-or `stop`, when the circuit breaker trips), which rank 0 shares with every rank at the next step
-boundary so all act at the same one. Trainer → service, once a rollback was acted on: an
+Service → trainer, in the answer: an `Action` (`continue`; `rollback`, carrying the decision's
+one record, a `Rollback`; or `stop`, with its reason), which rank 0 shares with every rank at the
+next step boundary so all act at the same one. Trainer → service, once a rollback was acted on: an
 `Outcome` (POST /v1/outcome): applied, or cancelled with a reason. All plain JSON, so either side
 can be replaced or inspected with curl. Unknown fields are refused, so a typo never passes silently.
 
@@ -27,9 +26,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_type_hints
 
-PROTOCOL_VERSION = 1
 MAX_INT = 2**53  # integers beyond this are not exact in JSON readers (and are no real step or count)
 ACTIONS = ("continue", "rollback", "stop")  # what the service may answer; their order is the wire code
 # The instability precursors a report may carry (the trainer's `stability/<name>`, measured every
@@ -79,20 +77,13 @@ def _number(payload: dict, key: str, *, optional: bool = False) -> float | None:
         raise ProtocolError(f"{key!r} is out of range") from None
 
 
-def _nonfinite_to_json(value: float | None) -> Any:
-    # JSON has no NaN/Inf; a NaN loss is exactly what the monitor must see, so spell it as a string.
-    if value is not None and not math.isfinite(value):
-        return str(value)
-    return value
-
-
 def _json_to_float(value: Any) -> Any:
     if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
         return float(value)
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepMetrics:
     step: int
     loss: float
@@ -106,12 +97,7 @@ class StepMetrics:
     precursors: dict[str, float] = field(default_factory=dict)  # PRECURSORS measured at this step
 
     def to_json(self) -> dict[str, Any]:
-        payload = asdict(self)
-        payload["loss"] = _nonfinite_to_json(self.loss)
-        payload["grad_norm"] = _nonfinite_to_json(self.grad_norm)
-        payload["layer_grad_norms"] = {k: _nonfinite_to_json(v) for k, v in self.layer_grad_norms.items()}
-        payload["precursors"] = {k: _nonfinite_to_json(v) for k, v in self.precursors.items()}
-        return payload
+        return strict_json(asdict(self))
 
     @classmethod
     def from_json(cls, payload: Any) -> StepMetrics:
@@ -190,84 +176,137 @@ def parse_outcome(payload: Any) -> tuple[Outcome, str | None, int | None]:
     return Outcome.from_json(payload), session, seq
 
 
-@dataclass(frozen=True)
-class Action:
-    """`continue`, or `rollback` to checkpoint `tag` with data seed `seed` and lr scaled by `lr_scale`,
-    or `stop`. On the wire the kind is the field `action`."""
+@dataclass(frozen=True, kw_only=True)
+class Rollback:
+    """A rollback decision, and the one record of it: the service's policy makes it, the answer to
+    a report carries it (`Action`), rank 0 broadcasts it to every rank, the `rollback` event and
+    the checkpoints saved after it is applied (train_state.json `hooks.monitor`) keep it. Each of
+    those is derived from these fields, so a new field is declared here and nowhere else."""
 
-    kind: str = "continue"
-    tag: str | None = None
-    seed: int | None = None
-    lr_scale: float = 1.0
-    reason: str | None = None
-    decision: int | None = None  # the service's number for a rollback decision (1, 2, ...)
-    step: int | None = None  # the anomalous step the rollback was decided at
-    # A rollback that repeats (monitor.on_repeat), each absent otherwise: the stage it reached, and
-    # what the trainer does besides rolling back (set the anomalous step's windows aside; the
-    # learning rate times `lr_factor` for the `lr_factor_steps` steps after the target).
+    decision: int  # the service's number for it (1, 2, ...)
+    step: int  # the anomalous step it was decided at
+    target: str  # the checkpoint to go back to: the newest complete one before the anomalous update
+    seed: int  # the data stream's new shuffle seed
+    lr_scale: float = 1.0  # the learning rate's scale from the target on (monitor.lr_scale ** rollbacks)
+    reason: str = ""
+    finding: str = ""  # the finding's kind (`operator` for an operator's request)
+    value: float | None = None  # the finding's value and threshold, when it has them
+    threshold: float | None = None
+    # monitor.on_repeat (None when off): how many rollbacks in a row this one repeats (0: none
+    # within monitor.repeat_window steps), the stage it reached, and what that stage adds: set the
+    # anomalous step's windows aside; the learning rate times `lr_factor` for the `lr_factor_steps`
+    # steps after the target.
+    repeat: int | None = None
     stage: str | None = None
     quarantine: bool | None = None
     lr_factor: float | None = None
     lr_factor_steps: int | None = None
 
     def __post_init__(self) -> None:
-        for name, types in (("tag", str), ("seed", int), ("reason", str), ("decision", int), ("step", int)):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
-                raise ProtocolError(f"{name!r} must be a {types.__name__}, got {value!r}")
-        _check_escalation_fields(self)
-        if isinstance(self.lr_scale, bool) or not isinstance(self.lr_scale, int | float):
-            raise ProtocolError(f"'lr_scale' must be a number, got {self.lr_scale!r}")
-        if self.kind not in ACTIONS:
-            raise ProtocolError(f"unknown action {self.kind!r}")
-        if self.kind == "rollback" and (not self.tag or self.seed is None):
-            raise ProtocolError("a rollback needs a checkpoint 'tag' and a data 'seed'")
+        check_types(self, type(self))
         if not self.lr_scale > 0:
             raise ProtocolError(f"'lr_scale' must be positive, got {self.lr_scale}")
+        if self.lr_factor is not None and not 0 < self.lr_factor <= 1:
+            raise ProtocolError(f"'lr_factor' must be a number in (0, 1], got {self.lr_factor!r}")
+        if self.lr_factor_steps is not None and not 0 < self.lr_factor_steps < MAX_INT:
+            raise ProtocolError(f"'lr_factor_steps' must be a positive integer, got {self.lr_factor_steps!r}")
+        if (self.lr_factor is None) != (self.lr_factor_steps is None):
+            raise ProtocolError("'lr_factor' and 'lr_factor_steps' come together")
 
     def to_json(self) -> dict[str, Any]:
-        fields_ = {k: v for k, v in asdict(self).items() if v is not None and k != "kind"}
-        return {"action": self.kind, **fields_}
+        """Its fields, those that are None left out (non-finite values spelled as strings)."""
+        values = {f.name: getattr(self, f.name) for f in fields(Rollback)}
+        return strict_json({k: v for k, v in values.items() if v is not None})
+
+    @classmethod
+    def from_json(cls, payload: Any) -> Rollback:
+        if not isinstance(payload, dict):
+            raise ProtocolError("a rollback must be a JSON object")
+        unknown = set(payload) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ProtocolError(f"unknown rollback fields {sorted(unknown)}")
+        try:
+            return cls(**{k: _json_to_float(v) for k, v in payload.items()})
+        except TypeError as exc:  # a field missing
+            raise ProtocolError(f"a rollback is incomplete: {exc}") from None
+
+    @classmethod
+    def of(cls, record: Rollback) -> Rollback:
+        """The record of a `Rollback` or of anything built on one (the `rollback` event)."""
+        return cls(**{f.name: getattr(record, f.name) for f in fields(cls)})
+
+
+def check_types(record: Any, cls: type) -> None:
+    """Every field of `cls` in `record` has its declared type (an int is no bool; a float may be
+    an int; None only where the declaration allows it)."""
+    for name, hint in get_type_hints(cls).items():
+        if name not in {f.name for f in fields(cls)}:
+            continue
+        value = getattr(record, name)
+        allowed = getattr(hint, "__args__", (hint,))
+        if value is None and type(None) in allowed:
+            continue
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not any(
+            isinstance(value, t) and (t is bool or not isinstance(value, bool))
+            for t in allowed
+            if t is not type(None)
+        ):
+            raise ProtocolError(
+                f"{name!r} must be a {' or '.join(t.__name__ for t in allowed)}, got {value!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Action:
+    """The service's answer to a report: `continue`, `rollback` (with its `Rollback` record) or
+    `stop` (with its `reason`). On the wire: {"action": kind, "reason"?, "rollback"?: {...}}."""
+
+    kind: str = "continue"
+    reason: str | None = None  # why the job must stop (a rollback's reason is its record's)
+    rollback: Rollback | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIONS:
+            raise ProtocolError(f"unknown action {self.kind!r}")
+        if (self.kind == "rollback") != (self.rollback is not None):
+            raise ProtocolError("a rollback action, and only one, carries its 'rollback' record")
+        if self.reason is not None and not isinstance(self.reason, str):
+            raise ProtocolError(f"'reason' must be a string, got {self.reason!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"action": self.kind}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        if self.rollback is not None:
+            out["rollback"] = self.rollback.to_json()
+        return out
 
     @classmethod
     def from_json(cls, payload: Any) -> Action:
         if not isinstance(payload, dict):
             raise ProtocolError("an action must be a JSON object")
-        unknown = set(payload) - {"action"} - {f.name for f in fields(cls) if f.name != "kind"}
+        unknown = set(payload) - {"action", "reason", "rollback"}
         if unknown:
             raise ProtocolError(f"unknown action fields {sorted(unknown)}")
-        fields_ = {k: v for k, v in payload.items() if k != "action"}
-        return cls(kind=payload.get("action", "continue"), **fields_)
-
-
-def _check_escalation_fields(action: Action) -> None:
-    """An action's escalation fields (monitor.on_repeat), each optional."""
-    if action.stage is not None and not isinstance(action.stage, str):
-        raise ProtocolError(f"'stage' must be a string, got {action.stage!r}")
-    if action.quarantine is not None and not isinstance(action.quarantine, bool):
-        raise ProtocolError(f"'quarantine' must be true or false, got {action.quarantine!r}")
-    factor, steps = action.lr_factor, action.lr_factor_steps
-    if factor is not None and (
-        isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1
-    ):
-        raise ProtocolError(f"'lr_factor' must be a number in (0, 1], got {factor!r}")
-    if steps is not None and (
-        isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps < MAX_INT
-    ):
-        raise ProtocolError(f"'lr_factor_steps' must be a positive integer, got {steps!r}")
-    if (factor is None) != (steps is None):
-        raise ProtocolError("'lr_factor' and 'lr_factor_steps' come together")
+        rollback = payload.get("rollback")
+        return cls(
+            payload.get("action", "continue"),
+            payload.get("reason"),
+            Rollback.from_json(rollback) if rollback is not None else None,
+        )
 
 
 CONTINUE = Action()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Judgement:
     """What an answer to a step's metrics says besides its `Action` (the rest of the same JSON
-    object): the values the service judged, its verdict's `level` (warmup, ok, warn, rollback,
-    stop, superseded) and findings, and each series' band (None while it warms up). The trainer
-    charts it (TensorBoard's `monitor/*`)."""
+    object): the values the service judged, its verdict's `level` (warmup, ok, warn, skipped,
+    rollback, stop, superseded) and findings, and each series' band (None while it warms up). The
+    trainer charts it (TensorBoard's `monitor/*`)."""
 
     step: int
     loss: float
@@ -283,25 +322,21 @@ class Judgement:
         verdict = {"level": self.level, "findings": self.findings} | (
             {"note": self.note} if self.note else {}
         )
-        judged = {
-            "step": self.step,
-            "loss": _nonfinite_to_json(self.loss),
-            "grad_norm": _nonfinite_to_json(self.grad_norm),
-        }
-        return {"judged": judged, "verdict": verdict, "bands": self.bands}
+        judged = {"step": self.step, "loss": self.loss, "grad_norm": self.grad_norm}
+        return strict_json({"judged": judged, "verdict": verdict, "bands": self.bands})
 
     @classmethod
     def from_answer(cls, answer: dict[str, Any]) -> Judgement:
         try:
             judged, verdict = answer["judged"], answer["verdict"]
             return cls(
-                int(judged["step"]),
-                float(_json_to_float(judged["loss"])),
-                float(_json_to_float(judged["grad_norm"])),
-                str(verdict["level"]),
-                list(verdict.get("findings") or []),
-                dict(answer.get("bands") or {}),
-                verdict.get("note"),
+                step=int(judged["step"]),
+                loss=float(_json_to_float(judged["loss"])),
+                grad_norm=float(_json_to_float(judged["grad_norm"])),
+                level=str(verdict["level"]),
+                findings=list(verdict.get("findings") or []),
+                bands=dict(answer.get("bands") or {}),
+                note=verdict.get("note"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"an answer's judgement is malformed: {exc!r}") from None
@@ -387,7 +422,7 @@ class Event:
         names = {f.name for f in fields(kind)}
         try:
             return kind(**{k: _json_to_float(v) for k, v in payload.items() if k in names})
-        except TypeError:  # a field this version needs is missing: kept whole, like an unknown type
+        except (TypeError, ProtocolError):  # a field missing or malformed: kept whole, like an unknown type
             return other
 
 
@@ -431,8 +466,8 @@ class Anomaly(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RollbackDecided(Event):
-    """The service decided rollback number `decision` at anomalous step `step`."""
+class RollbackDecided(Event, Rollback):
+    """The service decided a rollback: its `Rollback` record, `step` the anomalous one."""
 
     type: ClassVar[str] = "rollback"
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = (
@@ -442,21 +477,6 @@ class RollbackDecided(Event):
         "lr_factor",
         "lr_factor_steps",
     )
-    decision: int
-    reason: str
-    finding: str
-    value: float | None
-    threshold: float | None
-    target: str
-    seed: int
-    lr_scale: float
-    # monitor.on_repeat (absent when off): how many rollbacks in a row this one repeats (0: none
-    # within monitor.repeat_window steps), the stage reached, and what it adds (see `Action`)
-    repeat: int | None = None
-    stage: str | None = None
-    quarantine: bool | None = None
-    lr_factor: float | None = None
-    lr_factor_steps: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -525,8 +545,8 @@ class UpdateSkipped(Event):
 @dataclass(frozen=True, kw_only=True)
 class RepeatsStopped(Event):
     """Rollbacks kept repeating through every stage of monitor.on_repeat: the service answers
-    `stop`. `tried`: the rollbacks of the chain, oldest first ({decision, step, finding, target,
-    stage, quarantine, lr_factor, lr_factor_steps}); `diagnosis`: the same in one line."""
+    `stop`. `tried`: the rollbacks of the chain, oldest first (each a `Rollback` record);
+    `diagnosis`: the same in one line."""
 
     type: ClassVar[str] = "repeats_stopped"
     reason: str

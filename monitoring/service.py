@@ -24,27 +24,29 @@ shows: decisions, rollbacks, restarts, warnings, the judged series and the bands
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import hmac
 import json
 import os
 import secrets
 import socket
-import statistics
 import sys
 import threading
 import time
 import urllib.parse
+from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from monitoring.board import Board, total_steps_of
 from monitoring.config import ServiceConfig
 from monitoring.page import render_page
-from monitoring.policy import Policy
+from monitoring.pins import CheckpointPins
+from monitoring.policy import Policy, Verdict
+from monitoring.prometheus import ServiceMetrics
 from monitoring.protocol import (
     ENDPOINT_FILE,
     EVENTS_FILE,
@@ -55,8 +57,10 @@ from monitoring.protocol import (
     Judgement,
     Outcome,
     ProtocolError,
+    RepeatsStopped,
     Restart,
     RollbackCancelled,
+    RollbackDecided,
     StepJudged,
     StepMetrics,
     WarningRaised,
@@ -84,57 +88,27 @@ def ensure_token(run_dir: str | Path) -> str:
 
 ANSWERED = object()  # what reading a request's body returns once it has answered the request itself
 MAX_BODY = 64 * 1024  # bytes: a step's report is ~300 (a few KiB with per-layer norms)
-SERIES_KEPT = 600  # judged steps kept for /status and the page
-ROLLED_BACK_KEPT = 50  # judged points of abandoned timelines' rollback steps, kept for the page
-RATE_STEPS = 50  # the steps /status's ETA (their median step time) and smoothed tokens/s are over
 
 
 class MonitorState:
-    """The policy plus what /status, /metrics and the page show; one lock serializes requests."""
+    """The service behind the HTTP handler: the policy judges, the board shows, the pins keep
+    rollback targets, /metrics counts, events.jsonl records; one lock serializes requests."""
 
     def __init__(self, run_dir: Path, config: ServiceConfig, base_seed: int = 0):
         self.run_dir = run_dir
-        self.policy = Policy(config, str(run_dir), base_seed)
+        self.policy = Policy(config, base_seed)
+        self.pins = CheckpointPins(run_dir)
+        self.board = Board(total_steps=total_steps_of(run_dir))
+        self.prometheus = ServiceMetrics()
+        self.registry = self.prometheus.registry
         events = read_events(run_dir)
-        history = self.policy.restore(events)
+        self.board.restore(events, self.policy.restore(events))
         self.lock = threading.Lock()
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.g_step = Gauge("pretrain_step", "last reported optimizer step", registry=r)
-        self.g_loss = Gauge("pretrain_loss", "last reported training loss", registry=r)
-        self.g_grad = Gauge("pretrain_grad_norm", "last reported global gradient norm", registry=r)
-        self.g_lr = Gauge("pretrain_lr", "last reported learning rate", registry=r)
-        self.g_tps = Gauge("pretrain_tokens_per_second", "tokens per second, all ranks", registry=r)
-        self.g_band = Gauge("pretrain_spike_threshold", "detector threshold", ["series"], registry=r)
-        self.c_findings = Counter(
-            "pretrain_anomalies", "findings of the detector", ["series", "rule"], registry=r
-        )
-        self.c_warnings = Counter("pretrain_warnings", "steps that warned", registry=r)
-        self.c_skipped = Counter(
-            "pretrain_updates_skipped", "steps whose update the trainer skipped in place", registry=r
-        )
-        self.c_decided = Counter("pretrain_rollbacks_decided", "rollbacks decided", registry=r)
-        self.c_rollbacks = Counter("pretrain_rollbacks", "rollbacks applied by the trainer", registry=r)
-        self.c_cancelled = Counter(
-            "pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r
-        )
-        self.c_restarts = Counter("pretrain_restarts", "restarts of a crashed or hung job", registry=r)
-        self.restarts: list[Restart] = [e for e in events if isinstance(e, Restart)]  # earlier launches' too
         self.watch = None  # the supervisor's HangWatch, when the job runs under `pretrain launch`
         self.job: dict | None = None  # the supervisor's view of the job
         self.append_failed = False
         self.sender: tuple[str | None, int] = (None, 0)  # the trainer's session and its last seq
         self.last_answer: dict | None = None
-        self.series: collections.deque[dict] = collections.deque(maxlen=SERIES_KEPT)
-        self.rolled_back: collections.deque[dict] = collections.deque(maxlen=ROLLED_BACK_KEPT)
-        for judged in history:
-            self._chart(judged)
-        self.step_times: collections.deque[float] = collections.deque(maxlen=RATE_STEPS)
-        self.tokens_per_second: float | None = None  # the last step's
-        # (tokens, seconds) of the last steps whose tokens are known (not the first after a rollback)
-        self.step_tokens: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_STEPS)
-        self.total_steps: int | None = _total_steps(run_dir)  # until the trainer says
-        self.started = time.time()
 
     # ------------------------------------------------------------- what the supervisor asks
 
@@ -159,17 +133,89 @@ class MonitorState:
     def last_step(self) -> int | None:
         """The newest step reported to this process."""
         with self.lock:
-            return self.policy.last.step if self.policy.last else None
+            return self.board.last.step if self.board.last else None
 
     def record_restart(self, event: Restart) -> None:
         """A restart of the job; with no step reported to this process yet (the supervisor's step
         is None), it is placed at the last step judged before it, from the run's history."""
         with self.lock:
-            if event.step is None and self.series:
-                event = dataclasses.replace(event, step=self.series[-1]["step"])
-            self.restarts.append(event)
-            self.c_restarts.inc()
+            if event.step is None and self.board.series:
+                event = dataclasses.replace(event, step=self.board.series[-1]["step"])
+            self.board.restarts.append(event)
+            self.prometheus.restarts.inc()
             self._append(event)
+
+    # ------------------------------------------------------------- what the trainer asks
+
+    def handle_metrics(
+        self, metrics: StepMetrics, session: str | None = None, seq: int | None = None
+    ) -> dict:
+        with self.lock:
+            repeated = self._repeated(session, seq)
+            if repeated is not None:
+                return repeated
+            complete = self.pins.complete()
+            verdict = self.policy.observe(metrics, complete)
+            self.pins.keep(
+                self.policy.pins(metrics.step, complete), self.policy.target(metrics.step, complete)
+            )
+            if self.watch is not None:
+                self.watch.step(time.monotonic())
+            self._record(metrics, verdict)
+            judged = verdict.to_json()
+            judgement = Judgement(
+                step=metrics.step,
+                loss=metrics.loss,
+                grad_norm=metrics.grad_norm,
+                level=judged["level"],
+                findings=judged["findings"],
+                bands=self.bands(),
+                note=judged.get("note"),
+            )
+            answer = verdict.action.to_json() | judgement.to_json()
+            if session is not None:
+                self.last_answer = answer
+            return answer
+
+    def _record(self, metrics: StepMetrics, verdict: Verdict) -> None:
+        """Events, the board and /metrics for one judged step."""
+        for event in events_of(metrics, verdict):
+            self._append(event, sync=not isinstance(event, StepJudged | WarningRaised))
+        point = strict_json(
+            self.policy.detector.chart_point(
+                metrics.step, metrics.loss, metrics.grad_norm, verdict.level, metrics.precursors
+            )
+        )
+        self.board.record(metrics, verdict, point)
+        self.prometheus.observe(metrics, verdict, point, self.board.tokens_per_second)
+
+    def handle_outcome(self, outcome: Outcome, session: str | None, seq: int | None) -> dict:
+        with self.lock:
+            repeated = self._repeated(session, seq)
+            if repeated is not None:
+                return {"recorded": True, "repeated": True}
+            resolved = self.policy.resolve(outcome)
+            self.board.resolved(outcome, resolved)
+            (self.prometheus.rollbacks if outcome.applied else self.prometheus.cancelled).inc()
+            answer = {"recorded": True, "pending": resolved is not None}
+            if session is not None:
+                self.last_answer = answer
+            return answer
+
+    def request_rollback(self, reason: str) -> str | None:
+        with self.lock:
+            return self.policy.request(reason, self.pins.complete())
+
+    def _repeated(self, session: str | None, seq: int | None) -> dict | None:
+        """The answer already given, when this is a report sent again (its answer was lost)."""
+        if session is None or seq is None:
+            return None
+        if session == self.sender[0] and seq <= self.sender[1]:
+            if seq == self.sender[1] and self.last_answer is not None:
+                return self.last_answer
+            return {"action": "continue", "repeated": True}
+        self.sender = (session, seq)
+        return None
 
     def _append(self, event: Event, sync: bool = True) -> None:
         """events.jsonl; on a full disk the service keeps serving (the answer matters more), and
@@ -184,141 +230,7 @@ class MonitorState:
                 )
             self.append_failed = True
 
-    def _repeated(self, session: str | None, seq: int | None) -> dict | None:
-        """The answer already given, when this is a report sent again (its answer was lost)."""
-        if session is None or seq is None:
-            return None
-        if session == self.sender[0] and seq <= self.sender[1]:
-            if seq == self.sender[1] and self.last_answer is not None:
-                return self.last_answer
-            return {"action": "continue", "repeated": True}
-        self.sender = (session, seq)
-        return None
-
-    def handle_metrics(
-        self, metrics: StepMetrics, session: str | None = None, seq: int | None = None
-    ) -> dict:
-        with self.lock:
-            repeated = self._repeated(session, seq)
-            if repeated is not None:
-                return repeated
-            verdict = self.policy.observe(metrics)
-            if self.watch is not None:
-                self.watch.step(time.monotonic())
-            self._record(metrics, verdict)
-            judged = verdict.to_json()
-            judgement = Judgement(
-                metrics.step,
-                metrics.loss,
-                metrics.grad_norm,
-                judged["level"],
-                judged["findings"],
-                self.bands(),
-                judged.get("note"),
-            )
-            answer = verdict.action.to_json() | judgement.to_json()
-            if session is not None:
-                self.last_answer = answer
-            return answer
-
-    def _record(self, metrics: StepMetrics, verdict) -> None:
-        """Events, counters and gauges for one judged step."""
-        if verdict.cancelled is not None:
-            self.c_cancelled.inc()
-            self._append(RollbackCancelled(**verdict.cancelled))
-        self._append(
-            StepJudged(
-                step=metrics.step,
-                loss=metrics.loss,
-                grad_norm=metrics.grad_norm,
-                action=verdict.action.kind,
-                level=verdict.level,
-            ),
-            sync=False,
-        )
-        for finding in verdict.findings:
-            self.c_findings.labels(finding.series, finding.kind).inc()
-        if metrics.update_skipped:
-            self.c_skipped.inc()
-        if verdict.level == "warn":
-            self.c_warnings.inc()
-            self._append(
-                WarningRaised(
-                    step=metrics.step,
-                    reason="; ".join(f.reason for f in verdict.findings),
-                    findings=[f.kind for f in verdict.findings],
-                ),
-                sync=False,
-            )
-        elif verdict.decision is not None:
-            self.c_decided.inc()
-            self._append(verdict.decision.event())
-        elif verdict.level == "rollback":  # no checkpoint to go back to
-            self._append(
-                Anomaly(
-                    step=metrics.step, note=verdict.note, reason="; ".join(f.reason for f in verdict.findings)
-                )
-            )
-        elif verdict.stopped is not None:  # monitor.on_repeat's last stage
-            self._append(verdict.stopped)
-        elif verdict.level == "stop" and verdict.findings:
-            self._append(CircuitBreaker(step=metrics.step, reason=verdict.action.reason))
-        self.g_step.set(metrics.step)
-        for gauge, value in (
-            (self.g_loss, metrics.loss),
-            (self.g_grad, metrics.grad_norm),
-            (self.g_lr, metrics.lr),
-        ):
-            gauge.set(value)
-        previous = self.policy.recent[-2] if len(self.policy.recent) > 1 else None
-        if metrics.step_time > 0:
-            self.step_times.append(metrics.step_time)
-            if (
-                previous is not None
-                and previous.get("tokens") is not None
-                and metrics.tokens > previous["tokens"]
-            ):
-                tokens = metrics.tokens - previous["tokens"]
-                self.tokens_per_second = tokens / metrics.step_time
-                self.step_tokens.append((tokens, metrics.step_time))
-                self.g_tps.set(self.tokens_per_second)
-        self.policy.recent[-1]["tokens"] = metrics.tokens
-        if metrics.total_steps is not None:
-            self.total_steps = metrics.total_steps
-        point = self.policy.detector.chart_point(
-            metrics.step, metrics.loss, metrics.grad_norm, verdict.level, metrics.precursors
-        )
-        for series in ("loss", "grad_norm"):
-            if f"{series}_threshold" in point:
-                self.g_band.labels(series).set(point[f"{series}_threshold"])
-        self._chart(strict_json(point))
-
-    def _chart(self, point: dict) -> None:
-        """The judged series the page draws is the timeline that goes on: a step judged again (after
-        a rollback or a restart went back) replaces the abandoned points from that step on. Of
-        those, the points a rollback was decided at are kept aside, so that the chart still shows
-        the value that was judged and rolled back."""
-        while self.series and self.series[-1]["step"] >= point["step"]:
-            abandoned = self.series.pop()
-            if abandoned.get("level") == "rollback":
-                self.rolled_back.append(abandoned)
-        self.series.append(point)
-
-    def handle_outcome(self, outcome: Outcome, session: str | None, seq: int | None) -> dict:
-        with self.lock:
-            repeated = self._repeated(session, seq)
-            if repeated is not None:
-                return {"recorded": True, "repeated": True}
-            known = self.policy.resolve(outcome)
-            (self.c_rollbacks if outcome.applied else self.c_cancelled).inc()
-            answer = {"recorded": True, "pending": known}
-            if session is not None:
-                self.last_answer = answer
-            return answer
-
-    def request_rollback(self, reason: str) -> str | None:
-        with self.lock:
-            return self.policy.request(reason)
+    # ------------------------------------------------------------------------- what it shows
 
     def bands(self) -> dict:
         return {
@@ -328,56 +240,53 @@ class MonitorState:
             for series, band in self.policy.detector.bands().items()
         }
 
-    def recent_tokens_per_second(self) -> float | None:
-        """The last RATE_STEPS measured steps' tokens over their summed step times (the console's
-        tok/s and `tokens_per_second` are one step's)."""
-        seconds = sum(s for _, s in self.step_tokens)
-        return sum(t for t, _ in self.step_tokens) / seconds if seconds > 0 else None
-
     def status(self, series: bool = False) -> dict:
         with self.lock:
             p = self.policy
-            last = p.last
-            eta = None
-            if last is not None and self.total_steps and self.step_times:
-                eta = max(self.total_steps - last.step, 0) * statistics.median(self.step_times)
-            out = {
-                "run_dir": str(self.run_dir),
-                "step": last.step if last else (self.series[-1]["step"] if self.series else None),
-                "total_steps": self.total_steps,
-                "tokens_per_second": self.tokens_per_second,
-                "tokens_per_second_last_50_steps": self.recent_tokens_per_second(),
-                "eta_seconds": eta,
-                "latest": last.to_json() if last else None,
+            out = {"run_dir": str(self.run_dir)} | self.board.status()
+            out |= {
                 "detectors": self.bands(),
-                "warnings": p.warnings,
-                "warnings_recent": list(p.warned),
-                "updates_skipped": len(p.skipped),
-                "updates_skipped_recent": p.skipped[-20:],
-                "rollbacks": list(p.applied),
-                "rollbacks_decided": [d.event().to_json() for d in p.decisions],
-                "rollback_pending": p.pending.event().to_json() if p.pending else None,
-                "rollbacks_cancelled": list(p.cancelled),
-                "recent": [dict(v) for v in p.recent],
+                "rollbacks_decided": [d.to_json() for d in p.decisions],
+                "rollback_pending": p.pending.to_json() if p.pending else None,
                 "circuit_breaker": p.tripped,
                 "escalation": p.escalation(),
-                "pinned": p.pinned_tag,
-                "restarts": [r.to_json() for r in self.restarts],
+                "pinned": self.pins.pinned,
                 "job": self.job,
             }
             if series:
-                out["series"] = list(self.series)
-                out["series_rolled_back"] = list(self.rolled_back)
+                out["series"] = list(self.board.series)
+                out["series_rolled_back"] = list(self.board.rolled_back)
             return out
 
 
-def _total_steps(run_dir: Path) -> int | None:
-    """train.steps of the run's last start (RUN_DIR/run.json), if there is one."""
-    try:
-        steps = json.loads((run_dir / "run.json").read_text())["config"].get("train.steps")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return steps if isinstance(steps, int) else None
+def events_of(metrics: StepMetrics, verdict: Verdict) -> list[Event]:
+    """What events.jsonl records of one judged step: the step itself, and what the verdict did."""
+    events: list[Event] = []
+    if verdict.cancelled is not None:
+        events.append(RollbackCancelled(**verdict.cancelled))
+    events.append(
+        StepJudged(
+            step=metrics.step,
+            loss=metrics.loss,
+            grad_norm=metrics.grad_norm,
+            action=verdict.action.kind,
+            level=verdict.level,
+        )
+    )
+    reasons = "; ".join(f.reason for f in verdict.findings)
+    if verdict.level == "warn":
+        events.append(
+            WarningRaised(step=metrics.step, reason=reasons, findings=[f.kind for f in verdict.findings])
+        )
+    elif verdict.decision is not None:
+        events.append(RollbackDecided(**asdict(verdict.decision)))
+    elif verdict.level == "rollback":  # no checkpoint to go back to
+        events.append(Anomaly(step=metrics.step, note=verdict.note, reason=reasons))
+    elif verdict.stopped is not None:  # monitor.on_repeat's last stage
+        events.append(RepeatsStopped(step=metrics.step, **verdict.stopped))
+    elif verdict.level == "stop" and verdict.findings:
+        events.append(CircuitBreaker(step=metrics.step, reason=verdict.action.reason))
+    return events
 
 
 class MonitorHandler(BaseHTTPRequestHandler):

@@ -8,6 +8,7 @@ run, and are unit-tested, in a plain Python process.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -171,6 +172,21 @@ def broadcast_int(value: int, env: DistEnv) -> int:
     """Rank 0's `value` on every rank."""
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     return int(broadcast(torch.tensor([value], dtype=torch.int64, device=device)).item())
+
+
+def broadcast_json(payload: dict | None, device) -> dict | None:
+    """Rank 0's JSON object (or None) on every rank: its length, then its bytes (the other ranks
+    pass None)."""
+    data = json.dumps(payload).encode() if payload is not None else b""
+    size = int(broadcast(torch.tensor([len(data)], dtype=torch.int64, device=device)).item())
+    if size == 0:
+        return None
+    buffer = (
+        torch.tensor(list(data), dtype=torch.uint8, device=device)
+        if data
+        else torch.empty(size, dtype=torch.uint8, device=device)
+    )
+    return json.loads(bytes(broadcast(buffer).cpu().tolist()))
 
 
 def all_gather_objects(obj) -> list:

@@ -1,4 +1,4 @@
-"""The trainer's side of the monitoring service: report each step, share the answer, apply it.
+"""The trainer's side of the wire to the monitoring service: report each step, share the answer.
 
 Rank 0 hands each step's metrics to a `Reporter`, whose thread posts them to the service (its
 address and token are read from RUN_DIR/monitor/) while the next step computes: reporting never
@@ -8,11 +8,7 @@ makes, so all ranks act at the same boundary, one step after the report that cau
 earliest. When the service is slow or unreachable, training goes on and the reports wait, in
 order, to be judged when it is back (re-sent with the same `session` and `seq`, so nothing is
 judged twice). NaN/Inf steps are never applied to the weights either way: DeepSpeed's bf16
-overflow check skips them. A rollback is applied here too: load the target (verified first; an
-older intact one if it is corrupt), move the abandoned timeline aside, record `rollback_applied`
-(with the step it was decided at and the step it was applied at, and whether the loaded weights,
-fp32 master weights included, match the digests saved with them), reshuffle the rest of the
-epoch, and tell the service the outcome; one that cannot be applied is `rollback_cancelled`.
+overflow check skips them. Applying a rollback is `pretrain/train/rollback.py`'s.
 """
 
 from __future__ import annotations
@@ -26,12 +22,10 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from monitoring.protocol import (
-    ACTIONS,
     CONTINUE,
     ENDPOINT_FILE,
     PRECURSORS,
@@ -40,16 +34,11 @@ from monitoring.protocol import (
     Judgement,
     Outcome,
     ProtocolError,
-    RollbackApplied,
-    RollbackCancelled,
     StepMetrics,
-    append_event,
     monitor_dir,
     split_answer,
 )
-from pretrain.checkpoint import abandon_after, step_of, tag_for, trim_abandoned
-from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
-from pretrain.distributed import DistEnv, barrier, broadcast
+from pretrain.distributed import DistEnv, broadcast, broadcast_json
 
 MAX_WAITING = 1_000_000  # reports kept for a service that is away (~300 bytes each)
 
@@ -128,7 +117,7 @@ class Reporter:
     def outcome(self, outcome: Outcome) -> None:
         with self._cond:
             self._resolved = max(self._resolved, outcome.decision)
-            if self._action is not None and self._action.kind == "rollback":
+            if self._action is not None and self._action.rollback is not None:
                 self._action = None  # answers to reports sent before it was applied repeat it
         self._post("/v1/outcome", outcome.to_json(), None)
 
@@ -231,8 +220,8 @@ class Reporter:
         if action.kind == "stop":
             self._action = action
         elif (
-            action.kind == "rollback"
-            and (action.decision or 0) > self._resolved
+            action.rollback is not None
+            and action.rollback.decision > self._resolved
             and (self._action is None or self._action.kind != "stop")
         ):
             self._action = action  # (answers to reports sent before it was applied repeat it)
@@ -249,47 +238,9 @@ class Reporter:
 
 
 def broadcast_action(action: Action | None, device) -> Action:
-    """Rank 0's action to every rank, as nine numbers: (kind, target step, seed, lr scale,
-    decision, decided-at step, and monitor.on_repeat's quarantine, lr factor and its steps: 0 when
-    absent). The reason and the stage are rank 0's alone (it writes the messages)."""
-    packed = torch.zeros(9, dtype=torch.float64, device=device)
-    if action is not None:
-        target = step_of(action.tag) if action.tag else 0
-        packed = torch.tensor(
-            [
-                ACTIONS.index(action.kind),
-                target,
-                action.seed or 0,
-                action.lr_scale,
-                action.decision or 0,
-                action.step or 0,
-                float(bool(action.quarantine)),
-                action.lr_factor or 0,
-                action.lr_factor_steps or 0,
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-    broadcast(packed, src=0)
-    kind, target, seed, lr_scale, decision, step, quarantine, lr_factor, lr_factor_steps = packed.tolist()
-    kind = ACTIONS[int(kind)]
-    if kind == "rollback":
-        return Action(
-            "rollback",
-            tag=tag_for(int(target)),
-            seed=int(seed),
-            lr_scale=lr_scale,
-            reason=action.reason if action else None,
-            decision=int(decision) or None,
-            step=int(step) or None,
-            stage=action.stage if action else None,
-            quarantine=True if quarantine else None,
-            lr_factor=lr_factor or None,
-            lr_factor_steps=int(lr_factor_steps) or None,
-        )
-    if kind == "stop":
-        return Action("stop", reason=(action.reason if action else None) or "stopped by the monitor")
-    return CONTINUE
+    """Rank 0's action on every rank (a collective): its JSON, the same as the service's answer."""
+    payload = broadcast_json(action.to_json() if action is not None else None, device)
+    return Action.from_json(payload) if payload is not None else CONTINUE
 
 
 class MonitorLink:
@@ -316,16 +267,16 @@ class MonitorLink:
         }
         self.reporter.report(
             StepMetrics(
-                step,
-                metrics["train/loss"],
-                grad_norm if grad_norm is not None else float("nan"),
-                metrics["train/lr"],
-                metrics["train/step_time"],
-                tokens,
-                layers,
-                self.total_steps,
-                bool(metrics.get("train/update_skipped")),
-                {k: metrics[f"stability/{k}"] for k in PRECURSORS if f"stability/{k}" in metrics},
+                step=step,
+                loss=metrics["train/loss"],
+                grad_norm=grad_norm if grad_norm is not None else float("nan"),
+                lr=metrics["train/lr"],
+                step_time=metrics["train/step_time"],
+                tokens=tokens,
+                layer_grad_norms=layers,
+                total_steps=self.total_steps,
+                update_skipped=bool(metrics.get("train/update_skipped")),
+                precursors={k: metrics[f"stability/{k}"] for k in PRECURSORS if f"stability/{k}" in metrics},
             )
         )
 
@@ -357,12 +308,10 @@ class MonitorLink:
         broadcast(flag, src=0)
         return self.take() if flag.item() > 0 else CONTINUE
 
-    def resolved(self, action: Action, applied_at: int, tag: str | None, reason: str | None = None) -> None:
-        """Rank 0: record what became of a rollback (event) and tell the service."""
-        if self.reporter is None or action.decision is None:
-            return
-        outcome = Outcome(action.decision, action.step or 0, tag is not None, applied_at, tag, reason)
-        self.reporter.outcome(outcome)
+    def outcome(self, outcome: Outcome) -> None:
+        """Rank 0: tell the service what became of a rollback."""
+        if self.reporter is not None:
+            self.reporter.outcome(outcome)
 
     def judged(self) -> list[Judgement]:
         """Rank 0: what the service's answers since the last call say of the steps they judged."""
@@ -371,67 +320,3 @@ class MonitorLink:
     def close(self) -> None:
         if self.reporter is not None:
             self.reporter.close()
-
-
-class Rewindable(Protocol):
-    """A task's data position, as a rollback needs it."""
-
-    def pause(self) -> None: ...
-    def load_state_dict(self, state: dict) -> None: ...
-    def reshuffle(self, seed: int) -> None: ...
-
-
-def apply_rollback(
-    action: Action,
-    applied_at: int,
-    engine,
-    task: Rewindable,
-    checkpointer: Checkpointer,
-    evidence: dict | None = None,
-) -> TrainState | None:
-    """Every rank, at the step boundary after step `applied_at`: load the target checkpoint (or, if
-    its files do not verify, the next older intact one), put the data stream at its position,
-    reshuffle the rest of the epoch with the new seed, and carry on with the scaled learning rate.
-    Newer checkpoints belong to the abandoned timeline and move aside. None when no intact
-    checkpoint is left to go back to (the rollback is cancelled, with an event, and training goes on).
-    `evidence` (the anomalous step's documents) goes into the event."""
-    task.pause()
-    loaded = checkpointer.load(engine, action.tag)
-    run_dir = checkpointer.run_dir
-    decided = {"decision": action.decision, "decided_at": action.step, "applied_at": applied_at} | (
-        evidence or {}
-    )
-    if loaded is None:
-        if checkpointer.env.is_main:
-            append_event(
-                run_dir,
-                RollbackCancelled(
-                    step=step_of(action.tag),
-                    tag=action.tag,
-                    **decided,
-                    reason=f"no intact checkpoint at or before {action.tag}",
-                ),
-            )
-        return None
-    saved, matches = loaded
-    barrier()  # every rank has read the target before newer checkpoints move away
-    if checkpointer.env.is_main:
-        abandoned = abandon_after(run_dir, saved["step"])
-        trim_abandoned(run_dir)
-        append_event(
-            run_dir,
-            RollbackApplied(
-                step=saved["step"],
-                tag=tag_for(saved["step"]),
-                requested=action.tag,
-                seed=action.seed,
-                **decided,
-                matches_checkpoint=matches,
-                abandoned=abandoned,
-            ),
-        )
-    task.load_state_dict(saved["data"])
-    task.reshuffle(action.seed)
-    return TrainState(
-        step=saved["step"], tokens=saved["tokens"], lr_scale=action.lr_scale, hooks=saved.get("hooks", {})
-    )

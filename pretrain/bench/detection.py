@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import tempfile
 from pathlib import Path
 
 from monitoring.config import MonitorConfig, SettingError
@@ -75,33 +74,31 @@ def _series(run_dir: Path) -> list[tuple[float, float]]:
 
 def _judge(policy: Policy, step: int, loss: float, grad_norm: float) -> str:
     """The service's own policy's verdict on one step: "rollback" (or "stop"), "warn" or "none"."""
-    level = policy.observe(StepMetrics(step, loss, grad_norm, lr=0.0, step_time=0.0, tokens=0)).level
+    metrics = StepMetrics(step=step, loss=loss, grad_norm=grad_norm, lr=0.0, step_time=0.0, tokens=0)
+    level = policy.observe(metrics, checkpoints=[]).level
     return level if level in ("rollback", "stop", "warn") else "none"
 
 
 def replay(series: list[tuple[float, float]], config: MonitorConfig, every: int) -> dict:
     """Responses to faults injected into a recorded clean series, and to the series itself, as
-    the service's `Policy` gives them (judged with a run directory that holds no checkpoint: a
-    rollback is decided, with nothing to go back to, and the series goes on)."""
-    with tempfile.TemporaryDirectory() as empty:
-        policy = Policy(config, empty)
-        counts: dict[str, dict[str, int]] = {}
-        clean = {"warn": 0, "rollback": 0, "stop": 0}
-        injections = [(f"loss x{f:g}", f, f) for f in FACTORS] + [(f"grad x{f:g}", 1.0, f) for f in FACTORS]
-        injections.append(("nan", math.nan, math.nan))
-        for i, (loss, grad_norm) in enumerate(series):
-            step = i + 1
-            if i >= config.warmup and i % every == 0:
-                for name, loss_factor, grad_factor in injections:
-                    response = _judge(
-                        copy.deepcopy(policy), step, loss * loss_factor, grad_norm * grad_factor
-                    )
-                    bucket = counts.setdefault(name, {"trials": 0, "rollback": 0, "warn": 0, "none": 0})
-                    bucket["trials"] += 1
-                    bucket["rollback" if response in ("rollback", "stop") else response] += 1
-            response = _judge(policy, step, loss, grad_norm)
-            if response in clean:
-                clean[response] += 1
+    the service's `Policy` gives them (judged with no checkpoint to go back to: a rollback is
+    decided, with nothing to go back to, and the series goes on)."""
+    policy = Policy(config)
+    counts: dict[str, dict[str, int]] = {}
+    clean = {"warn": 0, "rollback": 0, "stop": 0}
+    injections = [(f"loss x{f:g}", f, f) for f in FACTORS] + [(f"grad x{f:g}", 1.0, f) for f in FACTORS]
+    injections.append(("nan", math.nan, math.nan))
+    for i, (loss, grad_norm) in enumerate(series):
+        step = i + 1
+        if i >= config.warmup and i % every == 0:
+            for name, loss_factor, grad_factor in injections:
+                response = _judge(copy.deepcopy(policy), step, loss * loss_factor, grad_norm * grad_factor)
+                bucket = counts.setdefault(name, {"trials": 0, "rollback": 0, "warn": 0, "none": 0})
+                bucket["trials"] += 1
+                bucket["rollback" if response in ("rollback", "stop") else response] += 1
+        response = _judge(policy, step, loss, grad_norm)
+        if response in clean:
+            clean[response] += 1
     return {"steps": len(series), "clean": clean, "injected": counts}
 
 

@@ -68,7 +68,11 @@ def _measure(run_dir: Path, train_step, pairs: int) -> tuple[list, list, list, s
     step, plain, reported = 0, [], []
 
     def report(loss: float, grad_norm: float, step_time: float) -> bool:
-        reporter.report(StepMetrics(step, loss, grad_norm, 1e-4, step_time, step * 2048))
+        reporter.report(
+            StepMetrics(
+                step=step, loss=loss, grad_norm=grad_norm, lr=1e-4, step_time=step_time, tokens=step * 2048
+            )
+        )
         return reporter.pending()  # what the loop asks at each step boundary
 
     for _ in range(3):  # warm-up: allocator, autocast caches, the first connection
@@ -91,7 +95,12 @@ def _measure(run_dir: Path, train_step, pairs: int) -> tuple[list, list, list, s
     for _ in range(50):  # the answer's round trip, on its own connection
         step += 1
         started = time.perf_counter()
-        client.post("/v1/metrics", StepMetrics(step, loss, grad_norm, 1e-4, 0.1, step * 2048).to_json())
+        client.post(
+            "/v1/metrics",
+            StepMetrics(
+                step=step, loss=loss, grad_norm=grad_norm, lr=1e-4, step_time=0.1, tokens=step * 2048
+            ).to_json(),
+        )
         round_trips.append(time.perf_counter() - started)
     client.close()
     _fake_checkpoint(run_dir)

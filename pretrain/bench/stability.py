@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 from monitoring.config import FINDINGS, ServiceConfig
@@ -113,22 +112,22 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
     turned into a warning so that the series is judged to its end as it was recorded."""
     config = ServiceConfig(**{f"on_{finding}": "warn" for finding in FINDINGS})
     judged = []
-    with tempfile.TemporaryDirectory() as empty:
-        policy = Policy(config, empty)
-        for row in rows:
-            precursors = {name: _number(row[PREFIX + name]) for name in PRECURSORS if PREFIX + name in row}
-            verdict = policy.observe(
-                StepMetrics(
-                    step=row["step"],
-                    loss=_number(row["train/loss"]),
-                    grad_norm=_number(row["train/grad_norm"]),
-                    lr=float(row.get("train/lr") or 0.0),
-                    step_time=0.0,
-                    tokens=0,
-                    precursors=precursors,
-                )
-            )
-            judged.append((row["step"], [f.kind for f in verdict.findings]))
+    policy = Policy(config)
+    for row in rows:
+        precursors = {name: _number(row[PREFIX + name]) for name in PRECURSORS if PREFIX + name in row}
+        verdict = policy.observe(
+            StepMetrics(
+                step=row["step"],
+                loss=_number(row["train/loss"]),
+                grad_norm=_number(row["train/grad_norm"]),
+                lr=float(row.get("train/lr") or 0.0),
+                step_time=0.0,
+                tokens=0,
+                precursors=precursors,
+            ),
+            checkpoints=[],
+        )
+        judged.append((row["step"], [f.kind for f in verdict.findings]))
     return judged
 
 

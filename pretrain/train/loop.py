@@ -109,7 +109,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     task: Task
     cadence: Cadence
-    lr_at: Callable[[int], float]  # the schedule: step → learning rate, before the monitor's lr scale
+    lr_at: Callable[[int], float]  # the schedule: step → learning rate, before the hooks' factors
     grad_accum: int
     writer: MetricsWriter
     checkpointer: Checkpointer
@@ -230,9 +230,9 @@ class Trainer:
         """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping.
         The host reads the step's numbers once, at the end (`read_step_values`)."""
         started = time.perf_counter()
-        lr = self.lr_at(step) * self.state.lr_scale
+        lr = self.lr_at(step)
         for hook in self.hooks:
-            lr *= hook.lr_factor(step)  # (1.0 but for the monitor's, while monitor.on_repeat lowers it)
+            lr *= hook.lr_factor(step)  # (1.0 but for the monitor's, after a rollback that scales it)
         set_lr(self.optimizer, lr)
         every = self.cadence.layer_norms_every
         device = self.engine.device
@@ -259,7 +259,7 @@ class Trainer:
         # Pretraining's micro-batches have one shape on every rank; fine-tuning pads each rank's to
         # its own longest example, so there this counts rank 0's padded shape for every rank.
         tokens *= self.env.world_size
-        self.state = TrainState(step, self.state.tokens + tokens, self.state.lr_scale)
+        self.state = TrainState(step, self.state.tokens + tokens)
         step_time = time.perf_counter() - started  # (the read above waited for the step's kernels)
         per_device = tokens / step_time / self.env.world_size
         metrics = {

@@ -1,56 +1,31 @@
 """The monitor at the loop's step boundaries (a `StepHook`): every step reported to the service,
-its answers acted on — a rollback applied (and its windows set aside with `monitor.quarantine`, or
-when the service asks it of a repeated rollback, `monitor.on_repeat`, which may also lower the
-learning rate for a number of steps), a stop obeyed — and its verdicts charted on TensorBoard. The
-trainer's side of the wire (the reporter thread, the broadcast of an action to every rank, loading
-the target) is `pretrain/monitor_link.py`."""
+its answers acted on — a rollback applied (`rollback.py`), a stop obeyed — and its verdicts
+charted on TensorBoard. The wire to the service (the reporter thread, the broadcast of an answer
+to every rank) is `pretrain/monitor_link.py`."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from monitoring.protocol import Action, Judgement, LrLowered, LrRestored, append_event
-from pretrain.checkpoint import tag_for
-from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
+from monitoring.protocol import Action, Judgement
+from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.distributed import DistEnv
 from pretrain.metrics import MARK_TAGS, MetricsWriter, band_tags
-from pretrain.monitor_link import MonitorLink, apply_rollback
+from pretrain.monitor_link import MonitorLink
 from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
+from pretrain.train.rollback import Rollbacks, Traceable
 
 LR_FACTOR_TAG = "monitor/lr_factor"  # TensorBoard: the monitor's factor on the learning rate
-QUARANTINE_FILE = "quarantine.jsonl"  # monitor.quarantine: the windows set aside, one line per rollback
 DATA_POSITIONS_KEPT = 1024  # steps back a verdict can be about and still name its windows
-
-
-class Traceable(Protocol):
-    """What a rollback asks of the task beyond its data position (`monitor_link.Rewindable`): the
-    windows a step trained on, the documents behind them, and setting windows aside."""
-
-    def state_dict(self) -> dict: ...
-    def pause(self) -> None: ...
-    def load_state_dict(self, state: dict) -> None: ...
-    def reshuffle(self, seed: int) -> None: ...
-
-    def windows_of(self, state: dict) -> list[tuple[int, int]]:
-        """The (window id, epoch) of every rank's windows in the step that starts at data position
-        `state` (recomputed: the order is deterministic)."""
-
-    def evidence(self, windows: list[int]) -> dict:
-        """What a rollback event says about these windows: {"documents": [...]}, or why not."""
-
-    def quarantine(self, entries: list[tuple[int, int]]) -> None:
-        """Never serve these (window id, epoch) again in that epoch."""
 
 
 @dataclass
 class Monitored(StepHook):
-    """Named: its state in a checkpoint (train_state.json `hooks.monitor`) is the learning rate's
-    factor while a repeated rollback has it lowered ({factor, until, decision}); none otherwise."""
+    """Named: its state in a checkpoint (train_state.json `hooks.monitor`) is the rollbacks' (the
+    newest one's record and the learning rate's scale)."""
 
     name = "monitor"
     link: MonitorLink
@@ -62,28 +37,39 @@ class Monitored(StepHook):
     writer: MetricsWriter
     quarantine: bool = False  # monitor.quarantine: a rollback also sets the anomalous step's windows aside
     charted_to: int = 0  # the newest step whose verdict is on TensorBoard
-    quarantined: list = field(default_factory=list)  # (window, epoch) set aside by this process's rollbacks
     data_at: dict = field(default_factory=dict)  # step → the data position it started at (recent steps)
-    lowered: dict | None = None  # monitor.on_repeat's lower_lr: {factor, until (its last step), decision}
     lr_restored_at: int | None = None  # the step the lowered learning rate was lifted at
+    rollbacks: Rollbacks = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rollbacks = Rollbacks(
+            self.env,
+            Path(self.run_dir),
+            self.engine,
+            self.task,
+            self.checkpointer,
+            self.link if self.env.is_main else None,
+            self.writer,
+            self.quarantine,
+        )
 
     def before_step(self, step: int) -> None:
         """Where the data stood as `step` began, for the steps a verdict may still be about."""
         self.data_at[step] = self.task.state_dict()
         for old in [s for s in self.data_at if s <= step - DATA_POSITIONS_KEPT]:
             del self.data_at[old]
-        if self.lowered is not None and step > self.lowered["until"]:
-            self.lift_lr(step)
+        if self.rollbacks.lift_lr(step):
+            self.lr_restored_at = step
 
     def lr_factor(self, step: int) -> float:
-        return self.lowered["factor"] if self.lowered is not None and step <= self.lowered["until"] else 1.0
+        return self.rollbacks.lr.at(step)
 
     def vote(self) -> float:
         return self.link.pending()  # rank 0 holds an action (about an earlier step) for every rank
 
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         self.link.report(step, metrics, int(metrics["train/tokens"]))  # judged while the next step runs
-        if self.lowered is not None or self.lr_restored_at == step:
+        if self.lr_factor(step) != 1.0 or self.lr_restored_at == step:
             self.writer.scalars(step, {LR_FACTOR_TAG: self.lr_factor(step)})
         return self.act(step, self.link.take() if vote > 0 else None)  # about an earlier step
 
@@ -105,95 +91,19 @@ class Monitored(StepHook):
         if action is not None and action.kind == "stop":
             self.writer.message(f"monitor: {action.reason}; stopping the job")
             return Stop(action.reason)
-        if action is not None and action.kind == "rollback":
-            return self.rollback(step, action)
-        return CONTINUE
-
-    def rollback(self, step: int, action: Action) -> Answer:
-        """At the boundary after `step`: the monitor's rollback (decided at step `action.step`);
-        `CONTINUE` when it is cancelled (no intact checkpoint to go back to)."""
-        self.writer.text(
-            "monitor/rollbacks",
-            f"step {action.step}: {action.reason} -> {action.tag}, "
-            f"seed {action.seed} (applied after step {step})",
-            action.step or step,
-        )
-        self.writer.message(
-            f"monitor: {action.reason} at step {action.step}: rolling back to {action.tag} "
-            f"with data seed {action.seed}, lr scale {action.lr_scale:g}"
-            + (f" (a repeated rollback: monitor.on_repeat's {action.stage})" if action.stage else "")
-        )
-        windows = self.task.windows_of(self.data_at[action.step]) if action.step in self.data_at else []
-        evidence = self.task.evidence([w for w, _ in windows]) if self.env.is_main else {}
-        state = apply_rollback(action, step, self.engine, self.task, self.checkpointer, evidence)
-        if state is not None and (self.quarantine or action.quarantine) and windows:
-            self.quarantine_windows(action, windows, evidence)
-        if state is None:
-            reason = f"no intact checkpoint at or before {action.tag}"
-            self.writer.message(f"monitor: {reason}: rollback cancelled")
-            self.link.resolved(action, step, None, reason)
+        if action is None or action.rollback is None:
             return CONTINUE
-        state = self.lower_lr(action, state)
-        self.link.resolved(action, step, tag_for(state.step))
-        return Rewind(state)
-
-    # ------------------------------------------------------- the lowered learning rate (on_repeat)
-
-    def lower_lr(self, action: Action, state: TrainState) -> TrainState:
-        """After a rollback to `state`: the learning rate times the action's factor for its steps
-        after the target (the state the loop rewinds to holds it, so the loop gives it back to this
-        hook); without one, the target checkpoint's own (if it held a lowered rate, the loop gives
-        it back), else none."""
-        self.lowered, self.lr_restored_at = None, None
-        if action.lr_factor is None:
-            return state
-        until = state.step + (action.lr_factor_steps or 0)
-        self.lowered = {"factor": action.lr_factor, "until": until, "decision": action.decision}
-        if self.env.is_main:
-            append_event(
-                self.run_dir,
-                LrLowered(step=state.step, decision=action.decision, factor=action.lr_factor, until=until),
-            )
-        self.writer.message(
-            f"monitor: rollback {action.decision} repeats earlier ones: learning rate x{action.lr_factor:g} "
-            f"for steps {state.step + 1}..{until}"
-        )
-        return dataclasses.replace(state, hooks=state.hooks | {self.name: self.state_dict()})
-
-    def lift_lr(self, step: int) -> None:
-        """The lowered learning rate's last step is behind: the schedule's again from `step`."""
-        lowered, self.lowered, self.lr_restored_at = self.lowered, None, step
-        if self.env.is_main:
-            append_event(
-                self.run_dir, LrRestored(step=step, decision=lowered["decision"], factor=lowered["factor"])
-            )
-        self.writer.message(
-            f"monitor: learning rate back on its schedule from step {step} "
-            f"(x{lowered['factor']:g} through step {lowered['until']})"
-        )
+        rollback = action.rollback
+        windows = self.task.windows_of(self.data_at[rollback.step]) if rollback.step in self.data_at else []
+        state = self.rollbacks.apply(rollback, step, windows)
+        self.lr_restored_at = None
+        return CONTINUE if state is None else Rewind(state)
 
     def state_dict(self) -> dict | None:
-        return dict(self.lowered) if self.lowered is not None else None
+        return self.rollbacks.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.lowered = {
-            "factor": float(state["factor"]),
-            "until": int(state["until"]),
-            "decision": state.get("decision"),
-        }
-
-    def quarantine_windows(self, action: Action, windows: list[tuple[int, int]], evidence: dict) -> None:
-        """Quarantine the anomalous step's windows (and those of earlier rollbacks, which an older
-        checkpoint's position does not hold yet); rank 0 lists them in RUN_DIR/quarantine.jsonl."""
-        self.quarantined += [w for w in windows if w not in self.quarantined]
-        self.task.quarantine(self.quarantined)
-        if self.env.is_main:
-            record = {"step": action.step, "decision": action.decision, "windows": [list(w) for w in windows]}
-            with open(self.run_dir / QUARANTINE_FILE, "a") as f:
-                f.write(json.dumps(evidence | record) + "\n")  # (windows with their epochs)
-            self.writer.message(
-                f"monitor: {len(windows)} windows of step {action.step} set aside for their epoch"
-            )
+        self.rollbacks.load_state_dict(state)
 
     def chart_verdicts(self) -> None:
         """Rank 0: what the monitor judged (every step, at the step it judged): the series with

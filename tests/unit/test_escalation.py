@@ -16,6 +16,7 @@ from monitoring.protocol import (
     Action,
     Outcome,
     ProtocolError,
+    Rollback,
     RollbackApplied,
     StepMetrics,
     append_event,
@@ -57,23 +58,26 @@ class FakeTrainer:
             self.step += 1
             spiked = self.step in self.spikes
             self.spikes.discard(self.step)
-            report = StepMetrics(self.step, 300.0 if spiked else 3.0, 1.0, 1e-3, 0.1, self.step * 100)
+            report = report_of(self.step, 300.0 if spiked else 3.0)
             answer = state.handle_metrics(report)
             self.answers.append(answer)
             if answer["action"] == "stop":
                 return answer
             if answer["action"] == "rollback":
-                target = ck.step_of(answer["tag"])
+                decision = answer["rollback"]
+                target = ck.step_of(decision["target"])
                 state.handle_outcome(
-                    Outcome(answer["decision"], answer["step"], True, self.step, answer["tag"]), None, None
+                    Outcome(decision["decision"], decision["step"], True, self.step, decision["target"]),
+                    None,
+                    None,
                 )
                 applied = RollbackApplied(  # (the trainer's record, which a restarted service reads)
                     step=target,
-                    tag=answer["tag"],
-                    requested=answer["tag"],
-                    seed=answer["seed"],
-                    decision=answer["decision"],
-                    decided_at=answer["step"],
+                    tag=decision["target"],
+                    requested=decision["target"],
+                    seed=decision["seed"],
+                    decision=decision["decision"],
+                    decided_at=decision["step"],
                     applied_at=self.step,
                     matches_checkpoint=True,
                     abandoned=[],
@@ -88,11 +92,16 @@ class FakeTrainer:
         return self.answers[-1]
 
     def rollbacks(self) -> list[dict]:
-        return [a for a in self.answers if a["action"] == "rollback"]
+        """The rollback records of the answers."""
+        return [a["rollback"] for a in self.answers if a["action"] == "rollback"]
 
 
-def ladder_of(answers: list[dict]) -> list[tuple]:
-    return [(a["step"], a.get("stage"), a.get("quarantine"), a.get("lr_factor")) for a in answers]
+def report_of(step: int, loss: float) -> StepMetrics:
+    return StepMetrics(step=step, loss=loss, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=step * 100)
+
+
+def ladder_of(rollbacks: list[dict]) -> list[tuple]:
+    return [(r["step"], r.get("stage"), r.get("quarantine"), r.get("lr_factor")) for r in rollbacks]
 
 
 def test_repeated_rollbacks_climb_the_ladder_in_order_then_stop_with_a_diagnosis(tmp_path):
@@ -125,7 +134,7 @@ def test_repeated_rollbacks_climb_the_ladder_in_order_then_stop_with_a_diagnosis
     ]
     (stopped,) = [e for e in log if e.type == "repeats_stopped"]
     assert stopped.step == 16 and stopped.diagnosis == reason
-    assert [t["stage"] for t in stopped.tried] == [None, "quarantine", "lower_lr"]
+    assert [t.get("stage") for t in stopped.tried] == [None, "quarantine", "lower_lr"]
     assert not [e for e in log if e.type == "circuit_breaker"]  # one event says why it stopped
     status = state.status()
     assert status["circuit_breaker"] and status["escalation"]["stopped"] == reason
@@ -169,11 +178,11 @@ def test_a_cancelled_rollback_is_not_a_step_up_the_ladder(tmp_path):
     state = MonitorState(tmp_path, MonitorConfig(**LADDER))
     trainer = FakeTrainer(tmp_path, [10])
     trainer.run(state, 11)
-    assert state.handle_metrics(StepMetrics(12, 300.0, 1.0, 1e-3, 0.1, 1200))["decision"] == 2
+    assert state.handle_metrics(report_of(12, 300.0))["rollback"]["decision"] == 2
     # The trainer restarted from step 10 without applying decision 2: the service cancels it.
-    assert state.handle_metrics(StepMetrics(11, 3.0, 1.0, 1e-3, 0.1, 1100))["action"] == "continue"
+    assert state.handle_metrics(report_of(11, 3.0))["action"] == "continue"
     fake_checkpoint(tmp_path, 12)
-    answer = state.handle_metrics(StepMetrics(13, 300.0, 1.0, 1e-3, 0.1, 1300))
+    answer = state.handle_metrics(report_of(13, 300.0))["rollback"]
     assert answer["decision"] == 3 and answer["stage"] == "quarantine"  # repeats 1, not the cancelled 2
 
 
@@ -181,8 +190,8 @@ def test_without_on_repeat_rollbacks_are_what_they_were(tmp_path):
     state = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16, on_repeat=[]))
     trainer = FakeTrainer(tmp_path, [10, 12, 14, 16])
     trainer.run(state, 30)
-    assert [a["step"] for a in trainer.rollbacks()] == [10, 12, 14, 16] and trainer.step == 30
-    assert not any(NEW_FIELDS & set(a) for a in trainer.rollbacks())  # the answers' fields as before
+    assert [r["step"] for r in trainer.rollbacks()] == [10, 12, 14, 16] and trainer.step == 30
+    assert not any(NEW_FIELDS & set(r) for r in trainer.rollbacks())  # no escalation fields
     lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert not any(NEW_FIELDS & set(line) for line in lines if line["type"] == "rollback")
     assert state.status()["escalation"] is None
@@ -196,7 +205,7 @@ def test_by_default_repeats_are_quarantined_then_keep_lowering_the_rate_and_neve
     state = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16))
     trainer = FakeTrainer(tmp_path, [10, 12, 14, 16])
     assert trainer.run(state, 30)["action"] == "continue" and trainer.step == 30
-    assert [(a["step"], a.get("stage"), a.get("lr_factor")) for a in trainer.rollbacks()] == [
+    assert [(r["step"], r.get("stage"), r.get("lr_factor")) for r in trainer.rollbacks()] == [
         (10, None, None),
         (12, "quarantine", None),
         (14, "lower_lr", 0.5),
@@ -209,14 +218,15 @@ def test_the_circuit_breaker_still_stops_first_and_names_what_the_chain_tried(tm
     stop, and says what was tried."""
     state = MonitorState(tmp_path, MonitorConfig(**LADDER | {"max_rollbacks": 2}))
     for step in range(1, 10):
-        state.handle_metrics(StepMetrics(step, 3.0, 1.0, 1e-3, 0.1, step * 100))
+        state.handle_metrics(report_of(step, 3.0))
     fake_checkpoint(tmp_path, 8)
     answers = []
     for _ in range(3):
-        answers.append(state.handle_metrics(StepMetrics(10, 300.0, 1.0, 1e-3, 0.1, 1000)))
+        answers.append(state.handle_metrics(report_of(10, 300.0)))
         if answers[-1]["action"] == "rollback":
-            state.handle_outcome(Outcome(answers[-1]["decision"], 10, True, 10, "step_00000008"), None, None)
-            state.handle_metrics(StepMetrics(9, 3.0, 1.0, 1e-3, 0.1, 900))
+            decision = answers[-1]["rollback"]["decision"]
+            state.handle_outcome(Outcome(decision, 10, True, 10, "step_00000008"), None, None)
+            state.handle_metrics(report_of(9, 3.0))
     assert [a["action"] for a in answers] == ["rollback", "rollback", "stop"]
     assert answers[-1]["reason"].startswith("circuit breaker: 2 rollbacks made no progress past step 10")
     assert "; tried: rollback 1 at step 10" in answers[-1]["reason"]
@@ -231,36 +241,40 @@ def test_the_circuit_breaker_still_stops_first_and_names_what_the_chain_tried(tm
 
 ESCALATED = Action(
     "rollback",
-    tag="step_00000012",
-    seed=1_000_003,
-    lr_scale=1.0,
-    reason="loss spike",
-    decision=3,
-    step=14,
-    stage="lower_lr",
-    quarantine=True,
-    lr_factor=0.5,
-    lr_factor_steps=100,
+    rollback=Rollback(
+        decision=3,
+        step=14,
+        target="step_00000012",
+        seed=1_000_003,
+        reason="loss spike",
+        finding="loss_spike",
+        repeat=2,
+        stage="lower_lr",
+        quarantine=True,
+        lr_factor=0.5,
+        lr_factor_steps=100,
+    ),
 )
 
 
-def test_an_escalated_action_round_trips_and_an_old_answer_still_parses():
+def test_an_escalated_action_round_trips_and_a_plain_one_has_no_escalation_fields():
     wire = ESCALATED.to_json()
-    assert {"stage", "quarantine", "lr_factor", "lr_factor_steps"} <= set(wire)
+    assert NEW_FIELDS <= set(wire["rollback"])
     assert Action.from_json(json.loads(json.dumps(wire))) == ESCALATED
     answer = wire | {"judged": {"step": 14, "loss": 30.0, "grad_norm": 1.0}, "verdict": {"level": "rollback"}}
     assert split_answer(answer)[0] == ESCALATED
-    old = {
-        "action": "rollback",
-        "tag": "step_00000012",
-        "seed": 7,
-        "lr_scale": 1.0,
+    plain = {
         "decision": 1,
         "step": 14,
+        "target": "step_00000012",
+        "seed": 7,
+        "lr_scale": 1.0,
+        "reason": "",
+        "finding": "",
     }
-    parsed = Action.from_json(old)
-    assert (parsed.stage, parsed.quarantine, parsed.lr_factor, parsed.lr_factor_steps) == (None,) * 4
-    assert Action.from_json(old).to_json() == old  # and absent fields stay absent
+    parsed = Action.from_json({"action": "rollback", "rollback": plain})
+    assert (parsed.rollback.stage, parsed.rollback.quarantine, parsed.rollback.lr_factor) == (None,) * 3
+    assert parsed.to_json()["rollback"] == plain  # absent fields stay absent
     assert broadcast_action(ESCALATED, "cpu") == ESCALATED  # every rank gets the measures
 
 
@@ -279,9 +293,9 @@ def test_an_escalated_action_round_trips_and_an_old_answer_still_parses():
     ],
 )
 def test_malformed_escalation_fields_are_refused(bad):
-    base = {"action": "rollback", "tag": "step_00000012", "seed": 7}
+    base = {"decision": 1, "step": 14, "target": "step_00000012", "seed": 7}
     with pytest.raises(ProtocolError):
-        Action.from_json(base | bad)
+        Action.from_json({"action": "rollback", "rollback": base | bad})
 
 
 @pytest.mark.parametrize(
@@ -354,8 +368,9 @@ def test_the_lowered_rate_holds_for_its_steps_then_lifts_and_survives_a_resume(
         (6, "step_00000004", None, None),
         (8, "step_00000006", "lower_lr", 0.5),
     ]
-    assert hooks_at(tmp_path, 8)["monitor"] == {"factor": 0.5, "until": 10, "decision": 2}
-    assert "monitor" not in hooks_at(tmp_path, 6)  # (saved before the second rollback)
+    assert hooks_at(tmp_path, 8)["monitor"]["lr"] == {"scale": 1.0, "factor": 0.5, "until": 10, "decision": 2}
+    assert hooks_at(tmp_path, 8)["monitor"]["rollback"]["decision"] == 2  # the rollback's own record
+    assert hooks_at(tmp_path, 6)["monitor"]["lr"]["factor"] == 1.0  # (saved before the second rollback)
     assert "learning rate x0.5 for steps 7..10" in capsys.readouterr().out
     second = pretraining_trainer(config(tmp_path, train_data, "checkpoint.resume=auto"))
     assert second.state.step == 9 and second.train()["completed"]
@@ -363,7 +378,8 @@ def test_the_lowered_rate_holds_for_its_steps_then_lifts_and_survives_a_resume(
     for step in range(1, 15):
         factor = 0.5 if 7 <= step <= 10 else 1.0
         assert steps[step]["train/lr"] == pytest.approx(lr_at(step) * factor, rel=1e-12), step
-    assert "monitor" in hooks_at(tmp_path, 10) and "monitor" not in hooks_at(tmp_path, 12)
+    assert hooks_at(tmp_path, 10)["monitor"]["lr"]["factor"] == 0.5
+    assert hooks_at(tmp_path, 12)["monitor"]["lr"]["factor"] == 1.0
     log = read_events(tmp_path)
     (lowered,) = [e for e in log if e.type == "lr_lowered"]
     (restored,) = [e for e in log if e.type == "lr_restored"]

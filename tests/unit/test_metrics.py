@@ -19,6 +19,7 @@ from monitoring.protocol import (
 )
 from monitoring.service import MonitorState
 from pretrain.config import load_config
+from pretrain.distributed import DistEnv
 from pretrain.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
 from pretrain.train.loop import run_history
@@ -41,7 +42,13 @@ class Judged:
 def charting_hook(run_dir, writer, monitor) -> Monitored:
     """The monitor's step hook with only what charting the verdicts uses."""
     return Monitored(
-        link=monitor, env=None, run_dir=run_dir, engine=None, task=None, checkpointer=None, writer=writer
+        link=monitor,
+        env=DistEnv(0, 0, 1),
+        run_dir=run_dir,
+        engine=None,
+        task=None,
+        checkpointer=None,
+        writer=writer,
     )
 
 
@@ -71,7 +78,9 @@ def test_every_margin_chart_has_its_value_and_band_at_the_same_steps(tmp_path):
     ]
     for losses in boundaries:
         for step, loss in losses.items():
-            metrics = StepMetrics(step, loss, 1.0 + 0.01 * step, 1e-3, 0.1, 100 * step)
+            metrics = StepMetrics(
+                step=step, loss=loss, grad_norm=1.0 + 0.01 * step, lr=1e-3, step_time=0.1, tokens=100 * step
+            )
             monitor.answers.append(Judgement.from_answer(service.handle_metrics(metrics)))
         hook.chart_verdicts()
     writer.close()

@@ -89,133 +89,165 @@ def metrics(step, loss=3.0, grad=1.0):
 
 def applied(verdict, at, tag=None):
     d = verdict.decision
-    return Outcome(d.id, d.step, True, at, tag or d.target)
+    return Outcome(d.decision, d.step, True, at, tag or d.target)
 
 
-def test_a_decision_stays_pending_until_its_outcome_and_is_repeated_meanwhile(tmp_path):
-    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
-    fake_checkpoint(tmp_path, 5)
-    for step in range(1, 8):
-        assert policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3))).level in ("ok", "warmup")
-    decided = policy.observe(metrics(8, grad=80.0))
-    assert (
-        decided.level == "rollback" and decided.action.tag == "step_00000005" and decided.action.decision == 1
-    )
+def tags(*steps: int) -> list[str]:
+    """The complete checkpoints a policy is told of, by step."""
+    return [ck.tag_for(step) for step in steps]
+
+
+def warm(policy, steps, checkpoints=()) -> None:
+    """Healthy steps, each judged."""
+    for step in steps:
+        assert (
+            policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)), list(checkpoints)).action.kind
+            == "continue"
+        )
+
+
+def test_a_decision_stays_pending_until_its_outcome_and_is_repeated_meanwhile():
+    policy = Policy(MonitorConfig(warmup=4, window=16))
+    warm(policy, range(1, 8), tags(5))
+    decided = policy.observe(metrics(8, grad=80.0), tags(5))
+    assert decided.level == "rollback" and decided.decision.target == "step_00000005"
+    assert decided.decision.decision == 1 and decided.action.rollback == decided.decision
     # The trainer ran steps 9 and 10 before the answer arrived: not judged, the decision repeated.
     for step in (9, 10):
-        later = policy.observe(metrics(step, grad=500.0))
+        later = policy.observe(metrics(step, grad=500.0), tags(5))
         assert later.level == "superseded" and later.action == decided.action
-    assert policy.decisions == [decided.decision] and policy.warnings == 0
-    assert policy.resolve(applied(decided, 10))
-    assert policy.pending is None and [a["decision"] for a in policy.applied] == [1]
-    assert policy.observe(metrics(6)).level == "ok"  # judged again from the target on
+    assert policy.decisions == [decided.decision]
+    assert policy.resolve(applied(decided, 10)) == decided.decision
+    assert policy.pending is None and not policy.cancelled
+    assert policy.observe(metrics(6), tags(5)).level == "ok"  # judged again from the target on
 
 
-def test_a_restart_before_the_outcome_cancels_the_decision(tmp_path):
-    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
-    fake_checkpoint(tmp_path, 5)
-    for step in range(1, 8):
-        policy.observe(metrics(step))
-    policy.observe(metrics(8, loss=float("nan")))
-    verdict = policy.observe(metrics(6))  # the job restarted from step 5 and never applied it
+def test_a_restart_before_the_outcome_cancels_the_decision():
+    policy = Policy(MonitorConfig(warmup=4, window=16))
+    warm(policy, range(1, 8), tags(5))
+    policy.observe(metrics(8, loss=float("nan")), tags(5))
+    verdict = policy.observe(metrics(6), tags(5))  # the job restarted from step 5 and never applied it
     assert verdict.cancelled["decision"] == 1 and "restarted" in verdict.cancelled["reason"]
-    assert policy.pending is None and policy.cancelled
+    assert policy.pending is None and policy.cancelled == {1}
 
 
-def test_a_step_that_could_not_be_rolled_back_taints_the_checkpoints_after_it(tmp_path):
-    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
-    for step in range(1, 8):
-        policy.observe(metrics(step))
-    unresolved = policy.observe(metrics(8, loss=30.0))  # no checkpoint yet
-    assert (
-        unresolved.level == "rollback"
-        and unresolved.action.kind == "continue"
-        and "nothing to roll back" in unresolved.note
-    )
-    fake_checkpoint(tmp_path, 10)  # saved with step 8's update in it
-    for step in range(9, 13):
-        policy.observe(metrics(step))
-    assert policy.target(13) is None  # never a target: it holds the anomalous step
-    assert policy.request("try") == "no complete checkpoint before step 13 to roll back to"
+def test_a_step_that_could_not_be_rolled_back_taints_the_checkpoints_after_it():
+    policy = Policy(MonitorConfig(warmup=4, window=16))
+    warm(policy, range(1, 8))
+    unresolved = policy.observe(metrics(8, loss=30.0), [])  # no checkpoint yet
+    assert unresolved.level == "rollback" and unresolved.action.kind == "continue"
+    assert "nothing to roll back" in unresolved.note
+    warm(policy, range(9, 13), tags(10))  # step_00000010 was saved with step 8's update in it
+    assert policy.target(13, tags(10)) is None  # never a target: it holds the anomalous step
+    assert policy.request("try", tags(10)) == "no complete checkpoint before step 13 to roll back to"
 
 
-def test_targets_pins_and_circuit_breaker(tmp_path):
+def test_the_target_is_the_newest_complete_checkpoint_before_the_anomalous_update_and_margin():
+    """For an anomaly at step s: the newest of the complete checkpoints at or before
+    s - 1 - monitor.rollback_margin (the weights before the anomalous update)."""
+    for margin, anomaly, expected in ((0, 11, 10), (0, 10, 5), (1, 11, 5), (1, 12, 10), (0, 5, None)):
+        policy = Policy(MonitorConfig(warmup=4, window=16, rollback_margin=margin))
+        got = policy.target(anomaly, tags(5, 10, 15))
+        assert got == (ck.tag_for(expected) if expected else None), (margin, anomaly)
+
+
+def test_every_rollback_reshuffles_with_a_seed_of_its_own():
+    policy = Policy(MonitorConfig(warmup=4, window=16, max_rollbacks=10, on_repeat=[]), base_seed=7)
+    warm(policy, range(1, 12), tags(5, 10))
+    seeds = []
+    for _ in range(4):
+        verdict = policy.observe(metrics(12, grad=80.0), tags(5, 10))
+        seeds.append(verdict.decision.seed)
+        policy.resolve(applied(verdict, 12))
+        policy.observe(metrics(11), tags(5, 10))
+    assert len(set(seeds)) == 4 and 7 not in seeds  # never the run's own seed, never one used before
+
+
+def test_the_learning_rate_scale_compounds_with_each_rollback():
+    policy = Policy(MonitorConfig(warmup=4, window=16, max_rollbacks=10, lr_scale=0.5, on_repeat=[]))
+    warm(policy, range(1, 12), tags(10))
+    scales = []
+    for _ in range(3):
+        verdict = policy.observe(metrics(12, grad=80.0), tags(10))
+        scales.append(verdict.decision.lr_scale)
+        policy.resolve(applied(verdict, 12))
+        policy.observe(metrics(11), tags(10))
+    assert scales == [0.5, 0.25, 0.125]
+
+
+def test_pins_keep_the_next_target_and_the_last_rollbacks_until_a_checkpoint_past_its_anomaly():
+    policy = Policy(MonitorConfig(warmup=4, window=16, rollback_margin=1))
+    warm(policy, range(1, 12), tags(5, 10))
+    assert policy.pins(11, tags(5, 10)) == {"step_00000005"}  # a rollback at 11 would go to <= 9
+    decided = policy.observe(metrics(12, grad=80.0), tags(5, 10))
+    policy.resolve(applied(decided, 12))
+    assert policy.pins(13, tags(5, 10)) == {"step_00000010"}
+    assert policy.pins(11, tags(5, 10)) == {"step_00000005", "step_00000010"}  # back before 12: kept
+    assert policy.pins(17, tags(5, 10, 15)) == {"step_00000015"}  # past the anomaly: released
+
+
+def test_the_circuit_breaker_stops_rollbacks_that_make_no_progress():
     config = MonitorConfig(warmup=4, window=16, max_rollbacks=2, lr_scale=0.5, rollback_margin=1)
-    policy = Policy(config, str(tmp_path), base_seed=7)
-    for step in (5, 10):
-        fake_checkpoint(tmp_path, step)
-    for step in range(1, 12):
-        assert policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3))).action.kind == "continue"
-    assert ck.pinned(tmp_path) == {"step_00000005"}  # a rollback at step 11 would go to <= 11 - 1 - margin
-    first = policy.observe(metrics(12, grad=80.0))
-    # target: at or before 12 - 1 - margin 1 = 10
-    assert (
-        first.action.kind == "rollback"
-        and first.action.tag == "step_00000010"
-        and first.action.lr_scale == 0.5
-    )
-    assert first.findings[0].kind == "grad_norm_surge" and "surge" in first.action.reason
+    policy = Policy(config, base_seed=7)
+    warm(policy, range(1, 12), tags(5, 10))
+    first = policy.observe(metrics(12, grad=80.0), tags(5, 10))
+    assert first.decision.target == "step_00000010" and first.findings[0].kind == "grad_norm_surge"
+    assert "surge" in first.decision.reason
     policy.resolve(applied(first, 12))
     # The same step spikes again after each rollback: no progress → the breaker trips after 2.
-    assert policy.observe(metrics(11)).action.kind == "continue"
-    second = policy.observe(metrics(12, grad=80.0))
-    assert second.action.kind == "rollback" and second.action.seed != first.action.seed
-    assert second.action.lr_scale == 0.25 and second.action.decision == 2
+    assert policy.observe(metrics(11), tags(5, 10)).action.kind == "continue"
+    second = policy.observe(metrics(12, grad=80.0), tags(5, 10))
+    assert second.decision.decision == 2
     policy.resolve(applied(second, 12))
-    third = policy.observe(metrics(12, grad=80.0))
+    third = policy.observe(metrics(12, grad=80.0), tags(5, 10))
     assert third.action.kind == "stop" and "circuit breaker" in third.action.reason
-    assert policy.observe(metrics(13)).action.kind == "stop"
+    assert policy.observe(metrics(13), tags(5, 10)).action.kind == "stop"
 
 
-def test_responses_are_configurable(tmp_path):
-    fake_checkpoint(tmp_path, 2)
-    strict = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_spike="rollback"), str(tmp_path))
-    quiet = Policy(
-        MonitorConfig(warmup=4, window=16, on_grad_norm_surge="warn", on_nonfinite="ignore"), str(tmp_path)
-    )
-    for step in range(1, 8):
-        strict.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
-        quiet.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
-    assert strict.observe(metrics(8, grad=1.5)).level == "rollback"
-    assert quiet.observe(metrics(8, grad=80.0)).level == "warn" and quiet.warnings == 1
-    assert quiet.observe(metrics(9, loss=math.nan)).level == "ok"
+def test_responses_are_configurable():
+    strict = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_spike="rollback"))
+    quiet = Policy(MonitorConfig(warmup=4, window=16, on_grad_norm_surge="warn", on_nonfinite="ignore"))
+    warm(strict, range(1, 8), tags(2))
+    warm(quiet, range(1, 8), tags(2))
+    assert strict.observe(metrics(8, grad=1.5), tags(2)).level == "rollback"
+    assert quiet.observe(metrics(8, grad=80.0), tags(2)).level == "warn"
+    assert quiet.observe(metrics(9, loss=math.nan), tags(2)).level == "ok"
     with pytest.raises(Exception, match="on_loss_spike"):
         MonitorConfig(on_loss_spike="panic")
 
 
-def test_an_operator_request(tmp_path):
-    policy = Policy(MonitorConfig(warmup=4, window=16), str(tmp_path))
-    policy.observe(metrics(1))
-    assert "no complete checkpoint" in policy.request("bad data")  # nothing to go back to: refused
-    fake_checkpoint(tmp_path, 1)
-    assert policy.request("operator: bad data") is None
-    verdict = policy.observe(metrics(2))
-    assert verdict.level == "rollback" and verdict.action.reason == "operator: bad data"
-    assert "not applied yet" in policy.request("again")
+def test_an_operator_request():
+    policy = Policy(MonitorConfig(warmup=4, window=16))
+    policy.observe(metrics(1), [])
+    assert "no complete checkpoint" in policy.request("bad data", [])  # nothing to go back to: refused
+    assert policy.request("operator: bad data", tags(1)) is None
+    verdict = policy.observe(metrics(2), tags(1))
+    assert verdict.level == "rollback" and verdict.decision.reason == "operator: bad data"
+    assert verdict.decision.finding == "operator" and verdict.decision.value is None
+    assert "not applied yet" in policy.request("again", tags(1))
 
 
-def test_a_restarted_service_goes_on_from_the_events(tmp_path):
-    from monitoring.protocol import StepJudged, append_event, read_events
+def test_a_restarted_service_goes_on_from_the_events():
+    from monitoring.protocol import RollbackDecided, StepJudged
 
     config = MonitorConfig(warmup=4, window=16)
-    fake_checkpoint(tmp_path, 3)
-    first = Policy(config, str(tmp_path))
+    first = Policy(config)
+    events = []
     for step in range(1, 6):
-        verdict = first.observe(metrics(step))
-        append_event(
-            tmp_path,
-            StepJudged(step=step, loss=3.0, grad_norm=1.0, action=verdict.action.kind, level=verdict.level),
+        verdict = first.observe(metrics(step), tags(3))
+        events.append(
+            StepJudged(step=step, loss=3.0, grad_norm=1.0, action=verdict.action.kind, level=verdict.level)
         )
-    decided = first.observe(metrics(6, grad=90.0))
-    append_event(tmp_path, decided.decision.event())
-    again = Policy(config, str(tmp_path))
-    again.restore(read_events(tmp_path))
+    decided = first.observe(metrics(6, grad=90.0), tags(3))
+    events.append(RollbackDecided(**decided.decision.to_json()))
+    again = Policy(config)
+    again.restore(events)
     assert again.pending == decided.decision  # the answer may have been lost: it is sent again
-    assert again.observe(metrics(7)).action == decided.action
+    assert again.observe(metrics(7), tags(3)).action == decided.action
     again.resolve(applied(decided, 7))
     assert again.detector.grad_norm.band() is not None  # no warm-up again
-    assert again.observe(metrics(4, grad=1.0)).level == "ok"
-    assert again.observe(metrics(5, grad=90.0)).action.decision == 2  # numbers go on
+    assert again.observe(metrics(4, grad=1.0), tags(3)).level == "ok"
+    assert again.observe(metrics(5, grad=90.0), tags(3)).decision.decision == 2  # numbers go on
 
 
 def test_the_default_policy_on_recorded_clean_runs():
@@ -253,9 +285,9 @@ def test_a_slow_divergence_reaches_a_rollback_through_the_services_policy(tmp_pa
     rising = [service.handle_metrics(metrics(step, loss=3.0 + 0.004 * (step - 8))) for step in range(9, 16)]
     assert all(a["action"] == "continue" for a in answers + rising[:5])
     decided = next(a for a in rising if a["action"] == "rollback")
-    assert decided["tag"] == "step_00000004" and [f["kind"] for f in decided["verdict"]["findings"]] == [
-        "divergence"
-    ]
+    assert decided["rollback"]["target"] == "step_00000004" and [
+        f["kind"] for f in decided["verdict"]["findings"]
+    ] == ["divergence"]
     (event,) = [e for e in read_events(tmp_path) if e.type == "rollback"]
     assert event.finding == "divergence" and event.target == "step_00000004"
 
@@ -307,7 +339,7 @@ def test_a_skipped_spike_is_not_rolled_back_but_repeated_skips_and_trends_are(tm
     assert service.handle_metrics(metrics(11))["verdict"]["level"] == "ok"  # the run in a row again
     assert [service.handle_metrics(skipped(s, loss=40.0))["action"] for s in (12, 13)] == ["continue"] * 2
     third = service.handle_metrics(skipped(14, loss=40.0))
-    assert third["action"] == "rollback" and third["tag"] == "step_00000004"  # 3 in a row > 2
+    assert third["action"] == "rollback" and third["rollback"]["target"] == "step_00000004"  # 3 in a row > 2
     status = service.status()
     assert status["updates_skipped"] == 5 and status["updates_skipped_recent"] == [9, 10, 12, 13, 14]
     again = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16, skip_max_consecutive=2))

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from monitoring.config import MonitorConfig
-from monitoring.protocol import CONTINUE, Action, StepMetrics, read_events
+from monitoring.protocol import CONTINUE, Action, Rollback, StepMetrics, read_events
 from monitoring.service import serve
 from pretrain.checkpoint import checkpoints_dir, newest_complete, pinned
 from pretrain.config import load_config
@@ -27,12 +27,17 @@ MONITOR = ["monitor.enabled=true", "monitor.warmup=4", "monitor.window=16", "eva
         CONTINUE,
         Action(
             "rollback",
-            tag="step_00000012",
-            seed=1_000_003,
-            lr_scale=0.5,
-            reason="grad_norm surge",
-            decision=3,
-            step=14,
+            rollback=Rollback(
+                decision=3,
+                step=14,
+                target="step_00000012",
+                seed=1_000_003,
+                lr_scale=0.5,
+                reason="grad_norm surge",
+                finding="grad_norm_surge",
+                value=80.5,
+                threshold=1.7,
+            ),
         ),
         Action("stop", reason="circuit breaker: 3 rollbacks made no progress past step 9"),
     ],
@@ -69,7 +74,17 @@ def test_the_reporter_posts_in_the_background_and_keeps_the_answers(service, tmp
     reporter = Reporter(tmp_path)
     try:
         for step in range(1, 6):
-            reporter.report(StepMetrics(step, 3.0, 1.0 + 0.01 * step, 1e-3, 0.1, step * 100, total_steps=50))
+            reporter.report(
+                StepMetrics(
+                    step=step,
+                    loss=3.0,
+                    grad_norm=1.0 + 0.01 * step,
+                    lr=1e-3,
+                    step_time=0.1,
+                    tokens=step * 100,
+                    total_steps=50,
+                )
+            )
         assert reporter.drain(10)
         answers = reporter.answered()
         assert [a.step for a in answers] == [1, 2, 3, 4, 5]
@@ -84,14 +99,16 @@ def test_reports_wait_for_a_service_that_is_away_and_are_all_judged_when_it_is_b
     reporter = Reporter(tmp_path, timeout=0.5)
     try:
         for step in (1, 2, 3):
-            reporter.report(StepMetrics(step, 3.0, 1.0, 1e-3, 0.1, step * 100))
+            reporter.report(
+                StepMetrics(step=step, loss=3.0, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=step * 100)
+            )
         assert not reporter.drain(0.5) and reporter.waiting() == 3  # kept, not dropped
         err = capsys.readouterr().err
         assert err.count("monitor unreachable") == 1 and "at step 1" in err  # warned once
         server, _ = serve(tmp_path, MonitorConfig())  # (re)started: a new endpoint file is read
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
-            reporter.report(StepMetrics(4, 3.0, 1.0, 1e-3, 0.1, 400))
+            reporter.report(StepMetrics(step=4, loss=3.0, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=400))
             assert reporter.drain(10)
             assert [e.step for e in read_events(tmp_path) if e.type == "step"] == [1, 2, 3, 4]
             assert "monitor reachable again: every step since 1 judged" in capsys.readouterr().err
@@ -105,7 +122,10 @@ def test_reports_wait_for_a_service_that_is_away_and_are_all_judged_when_it_is_b
 def test_a_report_sent_again_is_answered_without_being_judged_twice(service, tmp_path):
     from monitoring.protocol import parse_report
 
-    report = StepMetrics(1, 3.0, 1.0, 1e-3, 0.1, 100).to_json() | {"session": "s1", "seq": 1}
+    report = StepMetrics(step=1, loss=3.0, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=100).to_json() | {
+        "session": "s1",
+        "seq": 1,
+    }
     first = service.handle_metrics(*parse_report(report))
     again = service.handle_metrics(*parse_report(report))
     assert again == first and [e.step for e in read_events(tmp_path) if e.type == "step"] == [1]

@@ -32,7 +32,8 @@ def drill(run_dir) -> MonitorState:
     for step in range(1, 45):
         report(state, step)
     answer = report(state, 45, loss=282.7)
-    assert answer["action"] == "rollback" and answer["tag"] == "step_00000040"
+    assert answer["action"] == "rollback" and answer["rollback"]["target"] == "step_00000040"
+    decided = answer["rollback"]
     for step in (46, 47):
         assert report(state, step)["verdict"]["level"] == "superseded"
     # What the trainer does on applying it (pretrain/monitor_link.py): the event, then the outcome.
@@ -41,16 +42,16 @@ def drill(run_dir) -> MonitorState:
         RollbackApplied(
             step=40,
             tag="step_00000040",
-            requested=answer["tag"],
-            seed=answer["seed"],
-            decision=answer["decision"],
+            requested=decided["target"],
+            seed=decided["seed"],
+            decision=decided["decision"],
             decided_at=45,
             applied_at=47,
             matches_checkpoint=True,
             abandoned=[],
         ),
     )
-    state.handle_outcome(Outcome(answer["decision"], 45, True, 47, "step_00000040"), None, None)
+    state.handle_outcome(Outcome(decided["decision"], 45, True, 47, "step_00000040"), None, None)
     for step in range(41, 52):
         assert report(state, step)["action"] == "continue"
     state.record_restart(

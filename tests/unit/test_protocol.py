@@ -1,9 +1,10 @@
+import dataclasses
 import json
 import math
 
 import pytest
 
-from monitoring.protocol import CONTINUE, Action, ProtocolError, StepMetrics
+from monitoring.protocol import CONTINUE, Action, ProtocolError, Rollback, StepMetrics
 
 
 def test_metrics_round_trip_through_json_text_including_nan():
@@ -39,33 +40,93 @@ def test_bad_metrics_are_refused(payload):
         StepMetrics.from_json(payload)
 
 
+def a_rollback(**fields) -> Rollback:
+    return Rollback(**({"decision": 1, "step": 7, "target": "step_00000005", "seed": 3} | fields))
+
+
 def test_actions():
     assert Action.from_json(CONTINUE.to_json()) == CONTINUE
-    rollback = Action("rollback", tag="step_00000020", seed=7, lr_scale=0.5, reason="grad_norm spike")
+    rollback = Action("rollback", rollback=a_rollback(lr_scale=0.5, reason="grad_norm spike"))
     assert Action.from_json(json.loads(json.dumps(rollback.to_json()))) == rollback
-    with pytest.raises(ProtocolError, match="needs a checkpoint"):
-        Action("rollback", seed=3)
+    with pytest.raises(ProtocolError, match="carries its 'rollback' record"):
+        Action("rollback")
+    with pytest.raises(ProtocolError, match="carries its 'rollback' record"):
+        Action("stop", rollback=a_rollback())
     with pytest.raises(ProtocolError, match="unknown action"):
         Action.from_json({"action": "explode"})
     with pytest.raises(ProtocolError, match="unknown action fields"):
         Action.from_json({"action": "continue", "extra": 1})
     with pytest.raises(ProtocolError, match="lr_scale"):
-        Action("rollback", tag="t", seed=1, lr_scale=0)
+        a_rollback(lr_scale=0)
+    with pytest.raises(ProtocolError, match="incomplete"):
+        Action.from_json({"action": "rollback", "rollback": {"decision": 1, "step": 2, "seed": 1}})
     for bad in (
         {"lr_scale": "x"},
-        {"tag": 5, "seed": 1},
-        {"tag": "t", "seed": "s"},
-        {"tag": "t", "seed": True},
+        {"target": 5},
+        {"seed": "s"},
+        {"seed": True},
+        {"quarantine": 1},
+        {"lr_factor": 0.5},  # without its steps
+        {"lr_factor": 2.0, "lr_factor_steps": 3},
     ):
-        with pytest.raises(ProtocolError, match="must be a"):
-            Action.from_json({"action": "rollback", "tag": "t", "seed": 1} | bad)
+        with pytest.raises(ProtocolError):
+            Action.from_json({"action": "rollback", "rollback": a_rollback().to_json() | bad})
 
 
-def test_the_kind_of_an_action_is_the_field_action_on_the_wire():
-    rollback = Action("rollback", tag="step_00000020", seed=7)
-    assert rollback.kind == "rollback"
-    assert rollback.to_json() == {"action": "rollback", "tag": "step_00000020", "seed": 7, "lr_scale": 1.0}
-    assert Action.from_json({"action": "stop", "reason": "r"}).kind == "stop"
+def test_on_the_wire_an_action_is_its_kind_its_reason_and_the_rollbacks_record():
+    rollback = Action("rollback", rollback=a_rollback())
+    assert rollback.to_json() == {
+        "action": "rollback",
+        "rollback": {
+            "decision": 1,
+            "step": 7,
+            "target": "step_00000005",
+            "seed": 3,
+            "lr_scale": 1.0,
+            "reason": "",
+            "finding": "",
+        },
+    }
+    assert Action.from_json({"action": "stop", "reason": "r"}) == Action("stop", reason="r")
+
+
+def test_a_field_added_to_the_decision_travels_through_every_form_of_it(monkeypatch, tmp_path):
+    """A decision is declared once (`Rollback`): add a field there — here to a copy of
+    monitoring/protocol.py, one line — and the HTTP answer, the broadcast to every rank, the
+    `rollback` event and the checkpoint's record all carry it, with no other change."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from monitoring import protocol
+    from pretrain import monitor_link
+    from pretrain.distributed import DistEnv
+    from pretrain.train.rollback import Rollbacks
+
+    source = Path(protocol.__file__).read_text()
+    anchor = "    lr_factor_steps: int | None = None\n"
+    assert source.count(anchor) == 1
+    spec = importlib.util.spec_from_loader("protocol_with_a_field", loader=None)
+    changed = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, changed)
+    exec(
+        compile(source.replace(anchor, anchor + "    priority: int | None = None\n"), "x", "exec"),
+        changed.__dict__,
+    )
+
+    record = changed.Rollback(decision=2, step=9, target="step_00000008", seed=5, priority=3)
+    answer = json.loads(json.dumps(changed.Action("rollback", rollback=record).to_json()))
+    assert answer["rollback"]["priority"] == 3
+    monkeypatch.setattr(monitor_link, "Action", changed.Action)  # (one process: the broadcast is its own)
+    assert monitor_link.broadcast_action(changed.Action.from_json(answer), "cpu").rollback == record
+    event = changed.RollbackDecided(**dataclasses.asdict(record))
+    line = changed.Event.from_json(json.loads(json.dumps(changed.strict_json(event.to_json()))))
+    assert line.priority == 3 and changed.Rollback.of(line) == record
+    rollbacks = Rollbacks(DistEnv(0, 0, 1), tmp_path, None, None, None, None, None)
+    rollbacks.take_lr(record, target=8)
+    assert rollbacks.state_dict()["rollback"]["priority"] == 3  # train_state.json `hooks.monitor`
+    with pytest.raises(changed.ProtocolError, match="'priority' must be a int"):
+        changed.Rollback(decision=2, step=9, target="t", seed=5, priority="high")
 
 
 def test_an_answer_is_an_action_and_a_judgement_each_a_type_both_sides_use():
@@ -75,14 +136,14 @@ def test_an_answer_is_an_action_and_a_judgement_each_a_type_both_sides_use():
     from monitoring.protocol import Judgement, split_answer
 
     judgement = Judgement(
-        7,
-        float("nan"),
-        2.5,
-        "rollback",
-        [{"kind": "nonfinite", "reason": "NaN loss"}],
-        {"loss": None, "grad_norm": {"level": 1.0, "spread": 0.1, "threshold": 1.6}},
+        step=7,
+        loss=float("nan"),
+        grad_norm=2.5,
+        level="rollback",
+        findings=[{"kind": "nonfinite", "reason": "NaN loss"}],
+        bands={"loss": None, "grad_norm": {"level": 1.0, "spread": 0.1, "threshold": 1.6}},
     )
-    action = Action("rollback", tag="step_00000005", seed=3, decision=1, step=7)
+    action = Action("rollback", rollback=a_rollback())
     wire = json.loads(json.dumps(action.to_json() | judgement.to_json(), allow_nan=False))
     got_action, got = split_answer(wire)
     assert got_action == action

@@ -139,26 +139,27 @@ def test_data_verify_passes_an_intact_dataset_and_reports_its_throughput(train_d
 
 
 def test_a_rollback_pin_is_released_once_a_checkpoint_past_the_anomaly_is_complete(tmp_path):
+    """The service pins what the policy says retention must keep, on disk, at every judged step."""
     from monitoring.config import MonitorConfig
-    from monitoring.policy import Policy
     from monitoring.protocol import Outcome
+    from monitoring.service import MonitorState
     from tests.unit.test_monitor import fake_checkpoint, metrics
 
     ck.pin(tmp_path, "step_00000003")  # left by an earlier service
-    policy = Policy(MonitorConfig(warmup=4, window=16, rollback_margin=0), str(tmp_path))
+    service = MonitorState(tmp_path, MonitorConfig(warmup=4, window=16, rollback_margin=0))
     for step in (5, 10):
         fake_checkpoint(tmp_path, step)
     for step in range(1, 13):
-        policy.observe(metrics(step, grad=1.0 + 0.01 * (step % 3)))
+        service.handle_metrics(metrics(step, grad=1.0 + 0.01 * (step % 3)))
     assert ck.pinned(tmp_path) == {"step_00000010"}  # the stale pin is gone
-    action = policy.observe(metrics(13, grad=80.0)).action
-    assert action.kind == "rollback" and action.tag == "step_00000010"
-    policy.resolve(Outcome(action.decision, 13, True, 13, action.tag))
+    rollback = service.handle_metrics(metrics(13, grad=80.0))["rollback"]
+    assert rollback["target"] == "step_00000010"
+    service.handle_outcome(Outcome(rollback["decision"], 13, True, 13, rollback["target"]), None, None)
     fake_checkpoint(tmp_path, 12)  # the trainer went back to 10 and saved again, not yet past 13
-    policy.observe(metrics(13))
+    service.handle_metrics(metrics(13))
     assert ck.pinned(tmp_path) == {"step_00000010", "step_00000012"}
     fake_checkpoint(tmp_path, 14)  # past the anomaly: the rollback's target is an ordinary checkpoint again
-    policy.observe(metrics(15))
+    service.handle_metrics(metrics(15))
     assert ck.pinned(tmp_path) == {"step_00000014"}
     assert ck.apply_retention(tmp_path, keep=2) == ["step_00000005", "step_00000010"]
 
