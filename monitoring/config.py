@@ -1,8 +1,9 @@
 """The monitor's and the supervisor's settings and their vocabulary: what the detectors find
 (`FINDINGS`) and what a finding may do (`RESPONSES`). `ServiceConfig` is the service's (its policy,
-its detectors, the trainer's connection), `SupervisorConfig` the supervisor's (restarts, hangs);
-`MonitorConfig`, the run config's `monitor:` section, is both, flat. Owned by `monitoring/`, read
-into the run config by `pretrain/config/`. Importable without torch, and without `pretrain`.
+its detectors, where it listens), `TrainerLinkConfig` the trainer's (its requests to the service,
+quarantine, skipping a bad update), `SupervisorConfig` the supervisor's (restarts, hangs);
+`MonitorConfig`, the run config's `monitor:` section, is all three, flat. Owned by `monitoring/`,
+read into the run config by `pretrain/config/`. Importable without torch, and without `pretrain`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def check_positive(
         raise error(f"{key}={value} must be {bound}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SupervisorConfig:
     """The supervisor's settings (`pretrain launch`: restart a crashed or hung job from its newest
     checkpoint). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
@@ -61,15 +62,39 @@ class SupervisorConfig:
             check_positive(f"monitor.{key}", getattr(self, key))
 
 
-@dataclass
+@dataclass(kw_only=True)
+class TrainerLinkConfig:
+    """The trainer's side of the monitor: its requests to the service, what a rollback does to the
+    data, and skipping a bad update in place. Read from the run config's `monitor:` section (see
+    `MonitorConfig`); neither the service nor its policy reads these."""
+
+    timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
+    # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
+    quarantine: bool = False
+    # Skip a bad update in place (pretrain/skip_step.py): a step whose loss or gradient norm is
+    # non-finite or above skip_ratio × its running median (of the last skip_window) never lands.
+    # The trainer does it, with or without the service; the service then rolls back only when
+    # more than monitor.skip_max_consecutive steps in a row were skipped, or for what a skip cannot fix.
+    skip_step: bool = False
+    skip_ratio: float = 3.0
+    skip_window: int = 64
+
+    def check_trainer_link(self) -> None:
+        check_positive("monitor.timeout", self.timeout)
+        if not (math.isfinite(self.skip_ratio) and self.skip_ratio > 1):
+            raise SettingError(f"monitor.skip_ratio={self.skip_ratio} must be a finite number > 1")
+        if self.skip_window < 2:
+            raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
+
+
+@dataclass(kw_only=True)
 class ServiceConfig:
-    """The monitoring service's settings (`pretrain monitor`: its policy and detectors) and the
-    trainer's connection to it. Read from the run config's `monitor:` section (see `MonitorConfig`)."""
+    """The monitoring service's settings (`pretrain monitor`: its policy and detectors, where it
+    listens). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
 
     enabled: bool = False  # post metrics to the monitoring service and act on its answers
     host: str = "127.0.0.1"
     port: int = 0  # 0: the service picks a free port and writes it to RUN_DIR/monitor/endpoint.json
-    timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
     window: int = 128  # healthy values the spike band is computed over
     warmup: int = 32  # values seen before spikes are judged
     grad_norm_sigma: float = 6.0  # band: threshold = median + sigma × 1.4826·MAD of the window
@@ -94,8 +119,6 @@ class ServiceConfig:
     rollback_margin: int = 0  # go back to a checkpoint at or before (anomalous step - 1 - margin)
     lr_scale: float = 1.0  # learning rate multiplied by this at each rollback
     max_rollbacks: int = 3  # circuit breaker: rollbacks in a row without progress past the anomaly
-    # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
-    quarantine: bool = False
     # When rollbacks repeat (docs/monitoring.md): a rollback whose anomaly is within repeat_window
     # steps of the previous rollback's goes one stage further along on_repeat, keeping the earlier
     # stages' measures (quarantine: its windows set aside; lower_lr: the learning rate times
@@ -105,19 +128,13 @@ class ServiceConfig:
     repeat_window: int = 100
     repeat_lr_factor: float = 0.5
     repeat_lr_steps: int = 100
-    # Skip a bad update in place (pretrain/skip_step.py): a step whose loss or gradient norm is
-    # non-finite or above skip_ratio × its running median (of the last skip_window) never lands.
-    # The trainer does it, with or without the service; the service then rolls back only when
-    # more than skip_max_consecutive steps in a row were skipped, or for what a skip cannot fix.
-    skip_step: bool = False
-    skip_ratio: float = 3.0
-    skip_window: int = 64
+    # with monitor.skip_step (TrainerLinkConfig): a rollback only when more than this many steps in
+    # a row had their update skipped
     skip_max_consecutive: int = 3
 
     def check_service(self) -> None:
         if not 0 <= self.port <= 65535:
             raise SettingError(f"monitor.port={self.port} must be in [0, 65535]")
-        check_positive("monitor.timeout", self.timeout)
         if self.warmup < 2 or self.window < self.warmup:
             raise SettingError(
                 f"monitor.warmup={self.warmup}, monitor.window={self.window}: need 2 <= warmup <= window"
@@ -136,10 +153,6 @@ class ServiceConfig:
                 f"monitor.precursor_warmup={self.precursor_warmup}, monitor.precursor_window="
                 f"{self.precursor_window}: need 2 <= precursor_warmup <= precursor_window"
             )
-        if not (math.isfinite(self.skip_ratio) and self.skip_ratio > 1):
-            raise SettingError(f"monitor.skip_ratio={self.skip_ratio} must be a finite number > 1")
-        if self.skip_window < 2:
-            raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
         check_positive("monitor.skip_max_consecutive", self.skip_max_consecutive)
         check_escalation(self)
 
@@ -161,13 +174,15 @@ def check_escalation(config: ServiceConfig) -> None:
         raise SettingError(f"monitor.repeat_lr_factor={config.repeat_lr_factor} must be in (0, 1]")
 
 
-@dataclass
-class MonitorConfig(SupervisorConfig, ServiceConfig):
-    """The run config's `monitor:` section: the service's settings, then the supervisor's, as one
-    flat section (its keys, `monitor.window`, `monitor.max_restarts`, ..., are a contract). Each
-    owner is typed to take only its part: the policy and the service a `ServiceConfig`, the
-    hang watch a `SupervisorConfig`; the supervisor, which also starts the service, the whole."""
+@dataclass(kw_only=True)
+class MonitorConfig(SupervisorConfig, TrainerLinkConfig, ServiceConfig):
+    """The run config's `monitor:` section: the service's settings, the trainer's, then the
+    supervisor's, as one flat section (its keys, `monitor.window`, `monitor.timeout`,
+    `monitor.max_restarts`, ..., are a contract). Each owner is typed to take only its part: the
+    policy and the service a `ServiceConfig`, the hang watch a `SupervisorConfig`; the trainer
+    reads its `TrainerLinkConfig` part; the supervisor, which also starts the service, the whole."""
 
     def __post_init__(self) -> None:
         self.check_service()
+        self.check_trainer_link()
         self.check_supervisor()

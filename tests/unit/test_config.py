@@ -224,33 +224,48 @@ def test_a_mixtures_corpora_are_checked_where_the_config_is_read():
         load_config("tiny", ["data.dir=null", "data.mixture=[{name: web, dir: a, weight: 0}]"])
 
 
-def test_the_monitor_section_is_the_services_settings_and_the_supervisors_each_read_by_its_owner():
-    """`monitor:` stays one flat section (its keys are a contract), made of the service's settings
-    and the supervisor's, which do not overlap; the service, its policy and its detectors never
-    read a supervisor setting (they are typed to take a ServiceConfig)."""
+def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_each_read_by_its_owner():
+    """`monitor:` stays one flat section (its keys are a contract), made of the service's settings,
+    the trainer's and the supervisor's, which do not overlap; the service, its policy and its
+    detectors never read a trainer's or a supervisor's setting (they are typed to take a
+    ServiceConfig), and the trainer's side reads only its own and `monitor.enabled`."""
     import ast
     import dataclasses
 
-    from monitoring.config import MonitorConfig, ServiceConfig, SupervisorConfig
+    from monitoring.config import MonitorConfig, ServiceConfig, SupervisorConfig, TrainerLinkConfig
 
-    names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (ServiceConfig, SupervisorConfig)}
-    assert not names[ServiceConfig] & names[SupervisorConfig]
-    assert {f.name for f in dataclasses.fields(MonitorConfig)} == names[ServiceConfig] | names[
-        SupervisorConfig
-    ]
-    cfg = load_config("tiny", ["monitor.max_restarts=5", "monitor.window=64", "monitor.hang_factor=4"])
-    assert isinstance(cfg.monitor, ServiceConfig) and isinstance(cfg.monitor, SupervisorConfig)
+    owners = (ServiceConfig, TrainerLinkConfig, SupervisorConfig)
+    names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in owners}
+    assert sum(len(n) for n in names.values()) == len(set.union(*names.values()))  # no overlap
+    assert {f.name for f in dataclasses.fields(MonitorConfig)} == set.union(*names.values())
+    assert {"timeout", "quarantine", "skip_step", "skip_ratio", "skip_window"} == names[TrainerLinkConfig]
+    cfg = load_config(
+        "tiny",
+        ["monitor.max_restarts=5", "monitor.window=64", "monitor.hang_factor=4", "monitor.timeout=0.5"],
+    )
+    assert all(isinstance(cfg.monitor, cls) for cls in owners)
     assert (cfg.monitor.max_restarts, cfg.monitor.window, cfg.monitor.hang_factor) == (5, 64, 4.0)
-    root = Path(__file__).resolve().parents[2] / "monitoring"
-    for module in ("service.py", "policy.py", "detectors.py", "page.py"):
-        read = {
+    assert cfg.monitor.timeout == 0.5 and cfg.monitor.skip_window == 64
+    for key, value in (("timeout", 0), ("skip_ratio", 1), ("skip_window", 1)):  # (checked as before)
+        with pytest.raises(ConfigError, match=f"monitor.{key}={value}"):
+            load_config("tiny", [f"monitor.{key}={value}"])
+    root = Path(__file__).resolve().parents[2]
+
+    def read(path: str, owner: str) -> set[str]:
+        return {
             node.attr
-            for node in ast.walk(ast.parse((root / module).read_text()))
+            for node in ast.walk(ast.parse((root / path).read_text()))
             if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Attribute | ast.Name)
-            and getattr(node.value, "attr", getattr(node.value, "id", None)) == "config"
+            and getattr(node.value, "attr", getattr(node.value, "id", None)) == owner
         }
-        assert not read & names[SupervisorConfig], (module, read & names[SupervisorConfig])
+
+    others = names[SupervisorConfig] | names[TrainerLinkConfig]
+    for module in ("service.py", "policy.py", "detectors.py", "page.py"):
+        wrong = read(f"monitoring/{module}", "config") & others
+        assert not wrong, (module, wrong)
+    trainer = read("pretrain/pretraining.py", "monitor")
+    assert trainer and trainer <= names[TrainerLinkConfig] | {"enabled"}, trainer
 
 
 def test_qk_norm_and_z_loss_load_from_files_and_overrides_and_default_off(tmp_path):
