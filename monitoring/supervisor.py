@@ -8,7 +8,8 @@ whole. The supervisor restarts it from the newest complete checkpoint (`checkpoi
 when it
 
 - exits with a failure (a crash, a killed rank): any status but 0 (done), 2 (bad input: a restart
-  would fail the same way) and 3 (the circuit breaker stopped it);
+  would fail the same way), 3 (the monitor stopped it) and 4 (checkpoints could not be saved:
+  `pretrain.errors.ExitCode`);
 - hangs: no step reported for `monitor.hang_factor` times the longest interval between two steps
   seen so far (never less than `monitor.hang_min_seconds`), or no first step within
   `monitor.startup_seconds` of a start;

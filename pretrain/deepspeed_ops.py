@@ -80,7 +80,7 @@ def announced_builds(say: Callable[[str], None]) -> Iterator[None]:
 def without_shm_all_reduce() -> Iterator[bool]:
     """While open, a process group DeepSpeed starts neither builds nor loads its CPU shared-memory
     all-reduce (see the module docstring). Yields False where DeepSpeed's layout differs and it
-    builds the op as before."""
+    builds the op all the same."""
     try:
         comm = importlib.import_module("deepspeed.comm.torch")  # (not `import ... as`: that is torch)
     except ImportError:

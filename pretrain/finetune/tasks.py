@@ -4,8 +4,7 @@ the run's results (RUN_DIR/eval_results.json).
 Examples are served one shuffled epoch after another, the same order at any restart. The data
 position is the number of examples all ranks have consumed, E: the next micro-batch of rank r
 holds the examples at positions E + r · micro ... of that order, and every micro-batch moves E on
-by world · micro. A checkpoint records E, so a run resumes at the same example at any world size
-(as the old rule ((k · world + rank) · micro), k micro-batches into the run, gave at the same one).
+by world · micro. A checkpoint records E, so a run resumes at the same example at any world size.
 """
 
 from __future__ import annotations
