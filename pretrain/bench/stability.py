@@ -34,7 +34,7 @@ import math
 import sys
 from pathlib import Path
 
-from monitoring.config import FINDINGS, ServiceConfig
+from monitoring.config import FINDINGS, ServiceConfig, TrainerLinkConfig
 from monitoring.policy import Policy
 from monitoring.protocol import (
     PRECURSORS,
@@ -131,7 +131,7 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
     return judged
 
 
-def would_skip(rows: list[dict], config: ServiceConfig | None = None) -> list[int]:
+def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> list[int]:
     """The steps `monitor.skip_step` (its defaults unless `config`) would have skipped on this
     recorded series: the trainer's own guard (pretrain/skip_step.py) judging each step's loss and
     gradient norm, told not to act."""
@@ -139,7 +139,7 @@ def would_skip(rows: list[dict], config: ServiceConfig | None = None) -> list[in
 
     from pretrain.skip_step import SkipGuard, SkipOutcome
 
-    config = config or ServiceConfig()
+    config = config or TrainerLinkConfig()
     guard = SkipGuard.for_run(config.skip_ratio, config.skip_window, act=False)
     steps = []
     for row in rows:
