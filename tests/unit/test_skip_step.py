@@ -128,6 +128,68 @@ def test_with_act_off_the_guard_only_reports():
     assert step(guard, 5.0, NAN).skipped
 
 
+@pytest.mark.parametrize("ratio, grad_norm_ratio", [(2.0, 5.0), (5.0, 2.0)])
+def test_each_signal_is_judged_against_its_own_ratio(ratio, grad_norm_ratio):
+    """SkipGuard(ratio, grad_norm_ratio): the loss against `ratio` × its level, the gradient norm
+    against `grad_norm_ratio` × its level. A value 3× its level lies between the two, so it is a
+    spike for the signal with the ratio 2 and not for the one with the ratio 5."""
+    guard = SkipGuard(ratio=ratio, window=8, min_count=3, grad_norm_ratio=grad_norm_ratio)
+    assert (guard.ratio, guard.grad_norm_ratio) == (ratio, grad_norm_ratio)
+    for _ in range(3):
+        assert not step(guard, 4.0, 1.0).skipped  # levels: 4 and 1
+    loss_3x = step(guard, 12.0, 1.0)
+    norm_3x = step(guard, 4.0, 3.0)
+    assert (loss_3x.loss_level, loss_3x.grad_norm_level, norm_3x.loss_level, norm_3x.grad_norm_level) == (
+        4.0,
+        1.0,
+        4.0,
+        1.0,
+    )
+    assert loss_3x.skipped == (ratio < 3) and loss_3x.reasons == (("loss_spike",) if ratio < 3 else ())
+    assert norm_3x.skipped == (grad_norm_ratio < 3)
+    assert norm_3x.reasons == (("grad_norm_spike",) if grad_norm_ratio < 3 else ())
+    # Above both ratios, each is a spike of its own signal.
+    assert step(guard, 21.0, 1.0).reasons == ("loss_spike",)
+    assert step(guard, 4.0, 5.5).reasons == ("grad_norm_spike",)
+
+
+def test_without_a_gradient_norm_ratio_both_signals_use_the_one_ratio():
+    guard = SkipGuard(ratio=2.5, window=8, min_count=3)
+    assert guard.grad_norm_ratio == 2.5
+    for _ in range(3):
+        step(guard, 4.0, 1.0)
+    assert step(guard, 4.0, 2.6).reasons == ("grad_norm_spike",)
+    assert step(guard, 10.4, 1.0).reasons == ("loss_spike",)
+    assert not step(guard, 9.6, 2.4).skipped
+
+
+def test_the_skip_hook_names_each_reason_by_its_own_ratio(tmp_path):
+    """What the hook records for a skipped step (the `update_skipped` event, the console line):
+    each value against its own ratio, as the guard judged it."""
+    from monitoring.protocol import UpdateSkipped, read_events
+    from pretrain.train.skip_hook import SkipBadUpdates, why_skipped
+    from tests.unit.fakes import ONE_PROCESS
+
+    levels = {"loss": 4.0, "grad_norm": 1.0}
+    assert why_skipped(12.0, 3.0, levels, 2.0, 5.0) == ["loss_spike"]
+    assert why_skipped(12.0, 3.0, levels, 5.0, 2.0) == ["grad_norm_spike"]
+    assert why_skipped(21.0, 6.0, levels, 5.0, 2.0) == ["loss_spike", "grad_norm_spike"]
+    lines = []
+    guard = SkipGuard(ratio=2.0, window=8, min_count=3, grad_norm_ratio=5.0)
+    hook = SkipBadUpdates(guard, None, ONE_PROCESS, tmp_path, SimpleNamespace(message=lines.append))
+    metrics = {
+        "train/update_skipped": 1.0,
+        "train/loss": 12.0,
+        "train/grad_norm": 3.0,
+        "train/skip_level/loss": 4.0,
+        "train/skip_level/grad_norm": 1.0,
+    }
+    hook.after_step(7, metrics, [], 0.0)
+    (event,) = [e for e in read_events(tmp_path) if isinstance(e, UpdateSkipped)]
+    assert event.step == 7 and event.reasons == ["loss_spike"]
+    assert lines and "update skipped (loss_spike:" in lines[0]
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="ratio"):
         SkipGuard(ratio=1.0)
