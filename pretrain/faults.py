@@ -115,15 +115,10 @@ class FaultInjector:
                 atomic.write_json(self.path, sorted(self.fired))
 
 
-def save_pause(faults: FaultsConfig | dict | None, step: int) -> float:
+def save_pause(faults: FaultsConfig | None, step: int) -> float:
     """`faults.slow_save_step`: the seconds every rank pauses, after writing its first file, while
     it saves the checkpoint of `step` (0: none). Each save of that step pauses: a pause changes
-    nothing that is saved, so unlike the other faults it is not recorded as fired. `faults` may be
-    the run config's section as a dict (what the checkpointer holds)."""
-    if faults is None:
+    nothing that is saved, so unlike the other faults it is not recorded as fired."""
+    if faults is None or faults.slow_save_step != step:
         return 0.0
-    if isinstance(faults, dict):
-        at, seconds = faults.get("slow_save_step"), faults.get("slow_save_seconds", 0.0)
-    else:
-        at, seconds = faults.slow_save_step, faults.slow_save_seconds
-    return float(seconds) if at is not None and at == step else 0.0
+    return float(faults.slow_save_seconds)

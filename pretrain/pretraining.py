@@ -336,11 +336,11 @@ def build_trainer(
     checkpointer = Checkpointer(
         run_dir,
         env,
-        cfg.checkpoint.keep,
-        asdict(cfg),
-        tokenizer,
-        config_hash(cfg),
-        cfg.checkpoint.save_retries,
+        cfg.checkpoint,
+        run_config=asdict(cfg),
+        tokenizer=tokenizer,
+        config_hash=config_hash(cfg),
+        faults=cfg.faults,
         special_tokens=run_special_tokens(tokenizer, data_dir),
     )
     state = TrainState()

@@ -7,7 +7,7 @@ RNG state, retention and pins.
     rng.py           each rank's generator states as JSON
     checkpointer.py  save and load with a DeepSpeed engine: the one interface for the state a run
                      saves (step, tokens, lr scale, the data stream, RNG)
-    background.py    `checkpoint.async`: the state copied in the loop, written, hashed and marked
+    background.py    `checkpoint.async_save`: the state copied in the loop, written, hashed and marked
                      complete by a thread
 
 The names of layout.py, retention.py and integrity.py are importable from here without torch (the monitoring

@@ -1,4 +1,4 @@
-"""Checkpoints in the background (`checkpoint.async`): the loop waits only while the state is
+"""Checkpoints in the background (`checkpoint.async_save`): the loop waits only while the state is
 copied off the training buffers; the files, their sha256 for the manifest, the weights digests and
 the completion marker are written by a thread on each rank.
 
@@ -194,7 +194,7 @@ def can_capture(engine) -> str | None:
 # ----------------------------------------------------------------------------- the save
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BackgroundSave:
     """One save in flight: what was copied in the loop, and the thread writing it."""
 

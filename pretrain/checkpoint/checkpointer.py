@@ -13,7 +13,7 @@ broadcast): a corrupt checkpoint is set aside and the next older intact one is u
 directory behind, says so in one line with the free space, and the run tries again at the next
 save, up to `checkpoint.save_retries` failures in a row; then it stops with status 4.
 
-With `checkpoint.async` the loop waits only while the state is copied; the files, their hashes and
+With `checkpoint.async_save` the loop waits only while the state is copied; the files, their hashes and
 the marker are written in the background (background.py), and the next save, a load, the run's
 last save and the process's exit wait for them. A background save's failure is known at the next
 of these, and counts then.
@@ -34,6 +34,7 @@ import torch
 
 from pretrain import atomic
 from pretrain.checkpoint import background, integrity, layout, retention, rng
+from pretrain.config import CheckpointConfig, FaultsConfig
 from pretrain.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.errors import ExitCode, UserError
 from pretrain.faults import save_pause
@@ -153,27 +154,26 @@ class Checkpointer:
         self,
         run_dir: str | Path,
         env: DistEnv,
-        keep: int,
+        config: CheckpointConfig,
+        *,
         run_config: dict,
         tokenizer: str | Path,
         config_hash: str,
-        save_retries: int = 0,
-        in_background: bool | None = None,
+        faults: FaultsConfig | None = None,
         special_tokens: dict | None = None,
     ):
-        self.run_dir, self.env, self.keep = Path(run_dir), env, keep
+        """`config`: `checkpoint.keep`, `save_retries` and `async_save`; `run_config`: the run's
+        whole config, written into each checkpoint as run_config.json; `faults`: the slow save's
+        (`faults.slow_save_step`); `special_tokens`: a Hugging Face tokenizer's, as the run uses
+        it (else read beside it)."""
+        self.run_dir, self.env, self.keep = Path(run_dir), env, config.keep
         self.run_config, self.tokenizer, self.config_hash = run_config, Path(tokenizer), config_hash
-        self.special_tokens = (
-            special_tokens  # a Hugging Face tokenizer's, as the run uses it (else read beside it)
-        )
+        self.faults, self.special_tokens = faults, special_tokens
         self.root = layout.checkpoints_dir(run_dir)
-        self.save_retries = save_retries
+        self.save_retries = config.save_retries
         self.failures = 0  # failed saves in a row
         self.last_tag: str | None = None  # the newest checkpoint this timeline wrote or loaded
-        # checkpoint.async (None: as the run config this checkpointer saves says)
-        if in_background is None:
-            in_background = bool((run_config.get("checkpoint") or {}).get("async", False))
-        self.in_background = in_background
+        self.in_background = config.async_save
         self.pending: background.BackgroundSave | None = None  # the save in flight
         self._exit_hook = False
 
@@ -181,7 +181,7 @@ class Checkpointer:
         """Every rank: write checkpoint `step_<state.step>`; its tag once it is complete, or None
         when the save failed and the run may try again (`checkpoint.save_retries`). The `last`
         save of a run (its final step, a stop) has no next one: its failure always stops the job.
-        In the background (`checkpoint.async`): first wait for the save in flight, copy the state,
+        In the background (`checkpoint.async_save`): first wait for the save in flight, copy the state,
         and return None while the copy is written (the `last` save waits for it: its tag)."""
         if self.pending is not None:
             self.wait()
@@ -190,7 +190,11 @@ class Checkpointer:
             if unable is None:
                 return self._save_in_background(engine, state, data, last)
             if self.env.is_main:
-                print(f"warning: checkpoint.async: {unable}; saving in the loop", file=sys.stderr, flush=True)
+                print(
+                    f"warning: checkpoint.async_save: {unable}; saving in the loop",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.in_background = False
         tag = layout.tag_for(state.step)
         directory = self.root / tag
@@ -223,7 +227,7 @@ class Checkpointer:
             # opening barrier and that one (the directory exists already: see _space_problem).
             barrier()
             return _failure(exc)
-        pause = save_pause(self.run_config.get("faults"), state.step)
+        pause = save_pause(self.faults, state.step)
         if pause:
             if self.env.is_main:
                 print(
@@ -331,7 +335,7 @@ class Checkpointer:
             params=params,
             storages=storages,
             main_files=main_files,
-            pause=save_pause(self.run_config.get("faults"), state.step),
+            pause=save_pause(self.faults, state.step),
         )
 
     def wait(self) -> str | None:

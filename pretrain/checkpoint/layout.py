@@ -12,7 +12,7 @@ pointer, and finding a checkpoint to resume or read.
             complete.json         written last, by rank 0 after every rank finished: an integrity
                                   manifest (every file's size and sha256)
             .saved_rank_00001.json
-                                  a background save (`checkpoint.async`) only, while it is written:
+                                  a background save (`checkpoint.async_save`) only, while it is written:
                                   what that rank wrote, with sizes and sha256 (background.py)
         latest                    a tag; only ever names a complete checkpoint (write, rename)
         pins/step_00000500        a pinned tag: retention never deletes it (the monitor pins

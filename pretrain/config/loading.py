@@ -2,12 +2,16 @@
 precedence, lowest first: dataclass defaults ← model preset (`configs/model/NAME.yaml`, named by
 `model.preset`) ← the run config file ← dotted CLI overrides (`model.n_layers=12`). Merging and
 type checking are OmegaConf's structured configs; any problem is a `ConfigError` with one line
-that names the key and the file."""
+that names the key and the file. A renamed key (`RENAMED`) is still read under its former name,
+with a one-line note."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import sys
 from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -92,8 +96,38 @@ def _check_shape(layer: dict[str, Any], cls: type, source: str, prefix: str = ""
             raise ConfigError(f"{source}: {key} must be a list, for example {key}=[10,20]; got {value!r}")
 
 
-def _merge_layer(base: DictConfig, layer: dict[str, Any], cls: type, source: str) -> DictConfig:
+# Keys renamed, read under their former names too: (section, former name, name).
+RENAMED = (("checkpoint", "async", "async_save"),)
+
+
+def _renamed(layer: dict[str, Any], source: str, *, note: bool = True) -> dict[str, Any]:
+    """`layer` with each former name of `RENAMED` replaced by the key's name; with a note (stderr,
+    once per process, from rank 0) unless the layer is a saved config, which its user did not write."""
+    for section, former, name in RENAMED:
+        values = layer.get(section)
+        if not isinstance(values, dict) or former not in values:
+            continue
+        if name in values:
+            raise ConfigError(
+                f"{source}: {section}.{former} and {section}.{name} are both set: keep {section}.{name}"
+            )
+        layer = layer | {section: {(name if k == former else k): v for k, v in values.items()}}
+        if note:
+            _note_renamed(f"{section}.{former}", f"{section}.{name}")
+    return layer
+
+
+@functools.cache
+def _note_renamed(former: str, name: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {former} is deprecated, read as {name}: rename it", file=sys.stderr, flush=True)
+
+
+def _merge_layer(
+    base: DictConfig, layer: dict[str, Any], cls: type, source: str, *, note: bool = True
+) -> DictConfig:
     """Merge one layer onto the typed config, naming the key and the source on failure."""
+    layer = _renamed(layer, source, note=note)
     _check_shape(layer, cls, source)
     try:
         return OmegaConf.merge(base, layer)
@@ -196,7 +230,7 @@ def finetune_config_from_dict(values: dict[str, Any]) -> FinetuneConfig:
     """A FinetuneConfig from a saved run_config.json (its extra keys, such as model, are ignored)."""
     sections = {k: v for k, v in values.items() if k in {f.name for f in fields(FinetuneConfig)}}
     return _to_object(
-        _merge_layer(_schema(FinetuneConfig), sections, FinetuneConfig, "run_config.json")
+        _merge_layer(_schema(FinetuneConfig), sections, FinetuneConfig, "run_config.json", note=False)
     ).check_runnable()
 
 

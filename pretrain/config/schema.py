@@ -1,7 +1,7 @@
 """The run configuration's schema: one dataclass per concern, each checking its own fields in
 `__post_init__` (one line that names the key: `ConfigError`) and filling in derived values
-(`n_kv_heads`, `d_ff`) once. The `monitor:` section is monitoring's own (`monitoring/config.py`).
-No torch, no deepspeed."""
+(`n_kv_heads`, `d_ff`) once; each is keyword-only, built by name as YAML names its keys. The
+`monitor:` section is monitoring's own (`monitoring/config.py`). No torch, no deepspeed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ _choice = functools.partial(check_choice, error=ConfigError)
 _positive = functools.partial(check_positive, error=ConfigError)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     """The decoder's shape and its architecture switches (defaults are the Llama style)."""
 
@@ -98,14 +98,14 @@ def default_ffn_dim(d_model: int, activation: str, multiple_of: int) -> int:
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunSection:
     dir: str = "runs/default"  # everything the run writes goes here
     seed: int = 0
     deterministic: bool = False  # deterministic kernels and settings for bitwise resume
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MixtureSource:
     """One corpus of `data.mixture`: its name (in TensorBoard tags), prepared shards and weight."""
 
@@ -138,7 +138,7 @@ def check_mixture(sources: list[tuple[str, Any, float]], error: type[Exception] 
         seen.add(name)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataConfig:
     dir: str | None = None  # prepared shards (`pretrain data prepare --out`); or data.mixture
     # several prepared corpora, interleaved by weight: [{name: web, dir: DIR, weight: 0.7}, ...]
@@ -175,7 +175,7 @@ class DataConfig:
         return [("data", self.dir, 1.0)] if self.dir is not None else []
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 1000  # optimizer steps
     micro_batch_size: int = 8  # windows per rank per forward/backward
@@ -199,7 +199,7 @@ def _check_train_section(train, optional: tuple[str, ...]) -> None:
     _positive("train.grad_clip", train.grad_clip, allow_zero=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimConfig:
     lr: float = 3e-4  # peak learning rate
     weight_decay: float = 0.1  # not applied to norms, biases and embeddings
@@ -220,7 +220,7 @@ class OptimConfig:
         _positive("optim.eps", self.eps)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneOptimConfig(OptimConfig):
     """Fine-tuning's optimizer: as pretraining's, with a learning rate that follows the checkpoint
     when left unset (`pretrain/finetune/initial.py`, `InitialModel.learning_rate`)."""
@@ -236,7 +236,7 @@ class FinetuneOptimConfig(OptimConfig):
         self._check_all_but_lr()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LossConfig:
     """The pretraining objective beyond next-token cross-entropy (evaluation reports plain CE)."""
 
@@ -248,7 +248,7 @@ class LossConfig:
         _positive("loss.z_loss", self.z_loss, allow_zero=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScheduleConfig:
     name: str = "cosine"  # cosine | wsd | inverse_sqrt | constant
     warmup_steps: int = 100
@@ -266,7 +266,7 @@ class ScheduleConfig:
             raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must be in (0, 1]")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
     deepspeed_config: str = "configs/deepspeed/zero2.json"  # a standard DeepSpeed JSON file
     activation_checkpointing: bool = False
@@ -278,43 +278,7 @@ class EngineConfig:
             _positive("engine.peak_flops", self.peak_flops)
 
 
-def _keyword_key(key: str):
-    """A config key that is a Python keyword (`checkpoint.async`): in Python the field is `KEY_`
-    (`cfg.checkpoint.async_`; the class also answers to `getattr(cfg, "async")` and takes `async`
-    as a keyword argument), and it is `KEY` wherever a config is read or written by name — YAML,
-    dotted overrides, `dataclasses.fields`/`asdict` (run.json, run_config.json), OmegaConf
-    (`config show`, merging, unknown-key messages)."""
-    attribute = key + "_"
-
-    def rename(cls):
-        renamed = {}
-        for name, f in cls.__dataclass_fields__.items():
-            if name == attribute:
-                f.name, name = key, key
-            renamed[name] = f
-        cls.__dataclass_fields__ = renamed
-        cls.__annotations__[key] = cls.__annotations__[attribute]  # (what OmegaConf types it by)
-        setattr(
-            cls,
-            key,
-            property(lambda self: getattr(self, attribute), lambda self, v: setattr(self, attribute, v)),
-        )
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            if key in kwargs:
-                kwargs[attribute] = kwargs.pop(key)
-            init(self, *args, **kwargs)
-
-        cls.__init__ = __init__
-        return cls
-
-    return rename
-
-
-@_keyword_key("async")
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints
     keep: int = 3  # newest complete checkpoints kept, plus the current rollback target
@@ -324,15 +288,16 @@ class CheckpointConfig:
     save_retries: int = (
         2  # failed saves in a row the run survives (trying again at the next save); then it stops
     )
-    # `checkpoint.async` (a keyword in Python: the attribute is `async_`): the loop waits only while
-    # the state is copied off the training buffers; the files, their hashes and the completion
-    # marker are written in the background (docs/run-directory.md, "Checkpoints in the background")
-    async_: bool = False
+    # the loop waits only while the state is copied off the training buffers; the files, their
+    # hashes and the completion marker are written in the background (docs/run-directory.md,
+    # "Checkpoints in the background"). Megatron's --async-save; its former name, checkpoint.async,
+    # still reads as this key (pretrain/config/loading.py, RENAMED)
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every", self.every)
-        if not isinstance(self.async_, bool):
-            raise ConfigError(f"checkpoint.async={self.async_!r}: use true or false")
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"checkpoint.async_save={self.async_save!r}: use true or false")
         _positive("checkpoint.save_retries", self.save_retries, allow_zero=True)
         if not isinstance(self.resume, str) or not self.resume:
             raise ConfigError(
@@ -345,7 +310,7 @@ class CheckpointConfig:
             )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvalConfig:
     every: int = 500  # steps between held-out evaluations; 0 disables
     batches: int = 20  # validation micro-batches per evaluation
@@ -371,7 +336,7 @@ class EvalConfig:
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WandbConfig:
     """Weights & Biases (extra `[wandb]`): off while `project` is null."""
 
@@ -384,7 +349,7 @@ class WandbConfig:
         _choice("logging.wandb.mode", self.mode, WANDB_MODES)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoggingConfig:
     every: int = 10  # steps between console/TensorBoard scalar writes
     layer_grad_norms_every: int = 50  # steps between per-layer-group gradient norms; 0 disables
@@ -405,7 +370,7 @@ class LoggingConfig:
         _positive("logging.precursor_tokens", self.precursor_tokens)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FaultsConfig:
     """Fault injection for tests and rehearsals; everything is off unless set. Each fault fires once."""
 
@@ -441,7 +406,7 @@ class FaultsConfig:
         _positive("faults.slow_save_seconds", self.slow_save_seconds, allow_zero=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -474,7 +439,7 @@ RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))
 FINETUNE_TASKS = ("classification", "sft")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneSection:
     init: str | None = (
         None  # our checkpoint (a run or checkpoint directory) or a Hugging Face Llama directory
@@ -491,7 +456,7 @@ class FinetuneSection:
             raise ConfigError(f"finetune.max_length={self.max_length} must be at least 2")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneDataConfig:
     train: str | None = None  # a local .csv/.jsonl/.json/.parquet file, or a split of data.hub
     validation: str | None = None
@@ -503,7 +468,7 @@ class FinetuneDataConfig:
     completion_column: str = "completion"  # sft
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneTrainConfig:
     steps: int | None = None  # optimizer steps; default: finetune.epochs over the training split
     micro_batch_size: int = 8  # examples per rank per forward/backward
@@ -515,12 +480,12 @@ class FinetuneTrainConfig:
         _check_train_section(self, optional=("steps", "global_batch_size"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneEvalConfig:
     every: int = 0  # steps between validation passes (always one at the end); 0: only at the end
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneConfig:
     """`pretrain finetune` / `python -m pretrain.finetune`: the model comes from `finetune.init`."""
 

@@ -160,11 +160,10 @@ def build_trainer(
     checkpointer = Checkpointer(
         run_dir,
         env,
-        cfg.checkpoint.keep,
-        run_config,
-        tokenizer.path,
-        config_hash(cfg),
-        cfg.checkpoint.save_retries,
+        cfg.checkpoint,
+        run_config=run_config,
+        tokenizer=tokenizer.path,
+        config_hash=config_hash(cfg),
     )
     state = TrainState()
     if resume is not None:

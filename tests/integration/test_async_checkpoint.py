@@ -1,4 +1,4 @@
-"""`checkpoint.async=true` in real 2-process jobs: a kill during a background save leaves the
+"""`checkpoint.async_save=true` in real 2-process jobs: a kill during a background save leaves the
 previous checkpoint the newest intact one and the resumed run is the golden run, which saves
 synchronously (losses, DeepSpeed's files byte for byte, the weight digests); a rollback the
 monitor decides while a save is in flight waits for it and loads a complete checkpoint. (The slow
@@ -35,7 +35,7 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint_and_resum
         tmp_path,
         train_data,
         *RUN,
-        "checkpoint.async=true",
+        "checkpoint.async_save=true",
         "faults.slow_save_step=10",
         "faults.slow_save_seconds=2",
         "faults.kill_step=11",
@@ -52,7 +52,7 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint_and_resum
     assert ck.read_latest(tmp_path) == "step_00000005"
     assert ck.newest_intact(tmp_path, read_only=True, log=lambda line: None) == "step_00000005"
 
-    resumed = train(torchrun(2), tmp_path, train_data, *RUN, "checkpoint.async=true")
+    resumed = train(torchrun(2), tmp_path, train_data, *RUN, "checkpoint.async_save=true")
     assert "resumed from step_00000005" in resumed.stdout
     assert "step_00000010: no completion marker" in resumed.stderr
     ours, theirs = metrics(tmp_path), metrics(golden_run)
@@ -87,7 +87,7 @@ def test_a_rollback_decided_while_a_save_is_in_flight_waits_for_it(tmp_path, tra
             "train.steps=12",
             "checkpoint.every=4",
             "eval.every=0",
-            "checkpoint.async=true",
+            "checkpoint.async_save=true",
             "monitor.enabled=true",
             "monitor.timeout=0.5",
             "faults.spike_steps=[9]",

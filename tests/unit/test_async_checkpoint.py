@@ -1,7 +1,7 @@
-"""`checkpoint.async` in one process, without a process group: the copy taken in the loop, the
-completion marker written only once the background writer is done, failures counted at the next
-wait, the key itself (a Python keyword) in YAML, overrides, `config show` and run.json, and the
-slow-save fault. The real 2-process runs (a kill during a save, a rollback while one is in flight)
+"""`checkpoint.async_save` in one process, without a process group: the copy taken in the loop,
+the completion marker written only once the background writer is done, failures counted at the
+next wait, the key in YAML, overrides, `config show` and run.json (and its former name,
+`checkpoint.async`), and the slow-save fault. The real 2-process runs (a kill during a save, a rollback while one is in flight)
 are tests/integration/test_async_checkpoint.py."""
 
 from __future__ import annotations
@@ -145,8 +145,15 @@ def background_checkpointer(tmp_path, **config):
     engine = WriterEngine(model, torch.optim.AdamW(model.parameters()))
     tokenizer = tmp_path / "tokenizer.model"
     tokenizer.write_bytes(b"a tokenizer")
-    run_config = {"checkpoint": {"async": True}, "faults": config}
-    saver = Checkpointer(tmp_path / "run", ONE_PROCESS, 2, run_config, tokenizer, "0123456789abcdef")
+    saver = Checkpointer(
+        tmp_path / "run",
+        ONE_PROCESS,
+        CheckpointConfig(keep=2, async_save=True),
+        run_config={"checkpoint": {"async_save": True}},
+        tokenizer=tokenizer,
+        config_hash="0123456789abcdef",
+        faults=FaultsConfig(**config),
+    )
     return engine, saver, tmp_path / "run"
 
 
@@ -210,7 +217,7 @@ def test_an_engine_it_cannot_copy_through_is_saved_in_the_loop(tmp_path, capsys)
 
 def test_the_slow_save_fault_pauses_that_steps_save(tmp_path, capsys):
     assert save_pause(FaultsConfig(slow_save_step=4, slow_save_seconds=0.2), 4) == 0.2
-    assert save_pause({"slow_save_step": 4, "slow_save_seconds": 0.2}, 3) == 0.0
+    assert save_pause(FaultsConfig(slow_save_step=4, slow_save_seconds=0.2), 3) == 0.0
     assert save_pause(None, 4) == 0.0 and save_pause(FaultsConfig(), 4) == 0.0
     with pytest.raises(ConfigError, match="faults.slow_save_seconds"):
         FaultsConfig(slow_save_seconds=-1)
@@ -222,17 +229,38 @@ def test_the_slow_save_fault_pauses_that_steps_save(tmp_path, capsys):
 # ---------------------------------------------------------------------------------- the key
 
 
-def test_checkpoint_async_is_a_key_in_yaml_overrides_config_show_and_run_json(tmp_path):
-    assert CheckpointConfig().async_ is False and load_config(TINY).checkpoint.async_ is False
-    cfg = load_config(TINY, ["checkpoint.async=true"])
-    assert cfg.checkpoint.async_ is True and getattr(cfg.checkpoint, "async") is True
-    assert "  async: true" in to_yaml(cfg).splitlines()  # pretrain config show
-    assert flatten(asdict(cfg))["checkpoint.async"] is True  # run.json, run_config.json
+def test_checkpoint_async_save_is_a_key_in_yaml_overrides_config_show_and_run_json(tmp_path):
+    assert CheckpointConfig().async_save is False and load_config(TINY).checkpoint.async_save is False
+    cfg = load_config(TINY, ["checkpoint.async_save=true"])
+    assert cfg.checkpoint.async_save is True
+    assert "  async_save: true" in to_yaml(cfg).splitlines()  # pretrain config show
+    assert flatten(asdict(cfg))["checkpoint.async_save"] is True  # run.json, run_config.json
+    text = Path(TINY).read_text().replace("checkpoint:\n", "checkpoint:\n  async_save: true\n")
+    (tmp_path / "run.yaml").write_text(text)
+    assert load_config(tmp_path / "run.yaml").checkpoint.async_save is True
+    with pytest.raises(ConfigError, match="checkpoint.async_save"):
+        load_config(TINY, ["checkpoint.async_save=sometimes"])
+
+
+def test_the_former_name_checkpoint_async_still_reads_with_one_note(tmp_path, capsys):
+    """`checkpoint.async` (its name until the rename) in a YAML file or an override is read as
+    `checkpoint.async_save`, with one line on stderr, once; a fine-tuned checkpoint's saved
+    run_config.json that holds it loads without a note (its user did not write it)."""
+    from pretrain.config import finetune_config_from_dict, loading
+
+    loading._note_renamed.cache_clear()
+    assert load_config(TINY, ["checkpoint.async=true"]).checkpoint.async_save is True
     text = Path(TINY).read_text().replace("checkpoint:\n", "checkpoint:\n  async: true\n")
     (tmp_path / "run.yaml").write_text(text)
-    assert load_config(tmp_path / "run.yaml").checkpoint.async_ is True
-    assert CheckpointConfig(**{"async": True}) == CheckpointConfig(async_=True)
-    with pytest.raises(ConfigError, match="unknown key 'checkpoint.async_'.*save_retries, async"):
-        load_config(TINY, ["checkpoint.async_=true"])
-    with pytest.raises(ConfigError, match="checkpoint.async"):
+    assert load_config(tmp_path / "run.yaml").checkpoint.async_save is True
+    assert load_config(tmp_path / "run.yaml", ["checkpoint.async=false"]).checkpoint.async_save is False
+    err = capsys.readouterr().err
+    assert err == "note: checkpoint.async is deprecated, read as checkpoint.async_save: rename it\n"
+    with pytest.raises(ConfigError, match="checkpoint.async and checkpoint.async_save are both set"):
+        load_config(TINY, ["checkpoint.async=true", "checkpoint.async_save=true"])
+    with pytest.raises(ConfigError, match="checkpoint.async_save"):
         load_config(TINY, ["checkpoint.async=sometimes"])
+    loading._note_renamed.cache_clear()
+    saved = {"finetune": {"init": "a run"}, "data": {"train": "a.csv"}, "checkpoint": {"async": True}}
+    assert finetune_config_from_dict(saved).checkpoint.async_save is True
+    assert capsys.readouterr().err == ""

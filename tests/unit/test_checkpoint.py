@@ -158,6 +158,7 @@ def checkpointer(tmp_path, keep=2):
     import torch
 
     from pretrain.checkpoint.checkpointer import Checkpointer
+    from pretrain.config import CheckpointConfig
     from tests.conftest import random_weights_model
     from tests.unit.fakes import ONE_PROCESS, FakeEngine
 
@@ -166,7 +167,12 @@ def checkpointer(tmp_path, keep=2):
     tokenizer = tmp_path / "tokenizer.model"
     tokenizer.write_bytes(b"a tokenizer")
     return engine, Checkpointer(
-        tmp_path / "run", ONE_PROCESS, keep, {"model": {}}, tokenizer, "0123456789abcdef"
+        tmp_path / "run",
+        ONE_PROCESS,
+        CheckpointConfig(keep=keep),
+        run_config={"model": {}},
+        tokenizer=tokenizer,
+        config_hash="0123456789abcdef",
     )
 
 

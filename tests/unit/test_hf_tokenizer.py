@@ -485,14 +485,21 @@ def test_a_megatron_corpus_tokenized_with_it_converts_as_it_is(hf_dirs, tmp_path
 def test_checkpoints_carry_it_saved_in_the_loop_or_in_the_background(prepared, in_background, tmp_path):
     from pretrain import checkpoint as ck
     from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
+    from pretrain.config import CheckpointConfig
     from tests.conftest import random_weights_model
     from tests.unit.test_async_checkpoint import WriterEngine
 
     kind, data_dir = prepared
     model = random_weights_model()
     engine = WriterEngine(model, torch.optim.AdamW(model.parameters()))
-    run_config = {"checkpoint": {"async": in_background}}
-    saver = Checkpointer(tmp_path / "run", ONE_PROCESS, 2, run_config, data_dir / HF_FILE, "0123456789abcdef")
+    saver = Checkpointer(
+        tmp_path / "run",
+        ONE_PROCESS,
+        CheckpointConfig(keep=2, async_save=in_background),
+        run_config={},
+        tokenizer=data_dir / HF_FILE,
+        config_hash="0123456789abcdef",
+    )
     assert saver.in_background == in_background
     saver.save(engine, TrainState(1), {"consumed": 1})
     if in_background:
