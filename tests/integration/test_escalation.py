@@ -57,7 +57,9 @@ def test_repeated_spikes_climb_the_ladder_across_a_restart_of_the_service_and_th
     assert all(len(q["windows"]) == 4 for q in quarantined)  # 2 ranks x 2 sequences
     (lowered,) = [e for e in events(tmp_path) if e["type"] == "lr_lowered"]
     assert (lowered["step"], lowered["until"], lowered["factor"]) == (10, 14, 0.5)
-    assert train_state(tmp_path, 13)["hooks"]["monitor"] == {"factor": 0.5, "until": 14, "decision": 3}
+    monitor = train_state(tmp_path, 13)["hooks"]["monitor"]
+    assert monitor["lr"] == {"scale": 1.0, "factor": 0.5, "until": 14, "decision": 3}
+    assert monitor["rollback"] == {k: v for k, v in decided[2].items() if k not in ("type", "time")}
 
     # A new service process (its ladder from events.jsonl) and the job resumed from step 13.
     (tmp_path / "monitor" / "endpoint.json").unlink()  # (the stopped one's: wait for the new one's)
@@ -72,7 +74,7 @@ def test_repeated_spikes_climb_the_ladder_across_a_restart_of_the_service_and_th
     assert "resumed from step_00000013" in second.stdout
     (stopped,) = [e for e in events(tmp_path) if e["type"] == "repeats_stopped"]
     diagnosis = stopped["diagnosis"]
-    assert stopped["step"] == 14 and [t["stage"] for t in stopped["tried"]] == [
+    assert stopped["step"] == 14 and [t.get("stage") for t in stopped["tried"]] == [
         None,
         "quarantine",
         "lower_lr",

@@ -89,17 +89,18 @@ def test_service_orders_rollbacks_and_reports_them(service):
             == "continue"
         )
     answer = json.loads(request(url, "/v1/metrics", metrics(10, grad=500.0).to_json(), token)[1])
+    decided = answer["rollback"]
     assert (
         answer["action"] == "rollback"
-        and answer["tag"] == "step_00000006"
-        and answer["decision"] == 1
-        and answer["step"] == 10
-        and isinstance(answer["seed"], int)
+        and decided["target"] == "step_00000006"
+        and decided["decision"] == 1
+        and decided["step"] == 10
+        and isinstance(decided["seed"], int)
     )
     assert answer["bands"]["grad_norm"]["threshold"] < 500 and answer["verdict"]["level"] == "rollback"
     # Until the trainer says what became of it, later steps are not judged: the answer repeats it.
     again = json.loads(request(url, "/v1/metrics", metrics(11, grad=900.0).to_json(), token)[1])
-    assert again["decision"] == 1 and again["verdict"]["level"] == "superseded"
+    assert again["rollback"] == decided and again["verdict"]["level"] == "superseded"
     code, text = request(url, "/v1/rollback", {"reason": "operator says so"}, token)
     assert code == 409 and "not applied yet" in json.loads(text)["error"]
     outcome = {"decision": 1, "decided_at": 10, "applied": True, "applied_at": 11, "tag": "step_00000006"}
@@ -108,7 +109,9 @@ def test_service_orders_rollbacks_and_reports_them(service):
     assert request(url, "/v1/rollback", {"reason": "operator says so"}, token)[0] == 202
     manual = json.loads(request(url, "/v1/metrics", metrics(7).to_json(), token)[1])
     assert (
-        manual["action"] == "rollback" and "operator says so" in manual["reason"] and manual["decision"] == 2
+        manual["action"] == "rollback"
+        and "operator says so" in manual["rollback"]["reason"]
+        and manual["rollback"]["decision"] == 2
     )
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["type"] == "step"] == [*range(1, 12), 7]
