@@ -3,9 +3,8 @@
 `preflight` finds what can be wrong with the input before any process group starts (`pretrain
 launch` runs it too, before it starts the service or any process); `pretrain` gives the run's
 lifecycle (`pretrain/run_builder.py`: the run directory, the process group, the checkpoint to
-resume from, the engine) what is pretraining's own: its identity, the model, and `build_trainer`,
-which makes the `LanguageModeling` task and the step hooks, restores the checkpoint, and hands
-them to the loop (`pretrain/train/loop.py`).
+resume from and its restore, the engine, the trainer) what is pretraining's own (`run_plan`): its
+identity, the model, the `LanguageModeling` task, the step hooks and the first line.
 """
 
 from __future__ import annotations
@@ -13,15 +12,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pretrain.checkpoint import resolve_resume
-from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState
-from pretrain.config import RunConfig, config_hash, to_yaml
+from pretrain.config import RunConfig
 from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
@@ -31,17 +29,16 @@ from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, continuations, validation_loss
 from pretrain.faults import FaultInjector
-from pretrain.flops import current_device_peak_flops, describe_model, flops_per_token
-from pretrain.metrics import MetricsWriter
+from pretrain.flops import describe_model, flops_per_token
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
-from pretrain.run_builder import RunPlan, run
+from pretrain.run_builder import RunParts, RunPlan, run
 from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
 from pretrain.skip_step import SkipGuard
 from pretrain.tokenizer import Tokenizer, check_beside, load_run_tokenizer, run_special_tokens, run_tokenizer
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
-from pretrain.train.loop import Cadence, Trainer
+from pretrain.train.loop import Cadence
 from pretrain.train.monitor_hook import Monitored
 from pretrain.train.precursor_hook import InstabilityPrecursors
 from pretrain.train.skip_hook import SkipBadUpdates
@@ -295,86 +292,53 @@ def build_model(cfg: RunConfig) -> Transformer:
 
 def pretrain(cfg: RunConfig) -> dict:
     """Train as `cfg` says, on every rank the launcher started; returns the run's summary."""
-
-    def check(env: DistEnv) -> RunPlan:
-        checked = preflight(cfg, env.world_size)  # all bad input is found here
-
-        def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
-            return build_trainer(cfg, env, engine, optimizer, checked.plan, checked.data_dir, resume, zero)
-
-        return RunPlan(
-            cfg.run,
-            cfg.checkpoint,
-            cfg.engine,
-            cfg.optim,
-            cfg.train.steps,
-            checked.identity,
-            asdict(cfg),
-            checked.ds_config,
-            functools.partial(build_model, cfg),
-            make_trainer,
-        )
-
-    return run(cfg.run.dir, check)
+    return run(cfg.run.dir, functools.partial(run_plan, cfg))
 
 
-def build_trainer(
-    cfg: RunConfig,
-    env: DistEnv,
-    engine,
-    optimizer,
-    plan: BatchPlan,
-    data_dir: Path,
-    resume: Resume | None,
-    zero: int,
-) -> Trainer:
-    """Everything the loop needs around an engine: the task, checkpoints (restored when resuming),
-    metrics, faults and the monitor link."""
-    run_dir = Path(cfg.run.dir)
-    task = LanguageModeling(cfg, data_dir, plan, env, engine.device)
-    tokenizer = run_tokenizer(cfg.data.tokenizer, data_dir)
-    checkpointer = Checkpointer(
-        run_dir,
-        env,
-        cfg.checkpoint,
-        run_config=asdict(cfg),
+def run_plan(cfg: RunConfig, env: DistEnv) -> RunPlan:
+    """Pretraining's part of the lifecycle: its checks (all bad input is found here), identity,
+    model, schedule, the `LanguageModeling` task, its step hooks and its first line."""
+    checked = preflight(cfg, env.world_size)
+    tokenizer = run_tokenizer(cfg.data.tokenizer, checked.data_dir)
+    cadence = Cadence.of(cfg, cfg.train.steps, cfg.train.stop_at_step)
+    return RunPlan(
+        config=cfg,
+        steps=cfg.train.steps,
+        identity=checked.identity,
+        ds_config=checked.ds_config,
+        batches=checked.plan,
+        cadence=cadence,
+        lr_at=schedule_for(cfg.optim.lr, cfg.train.steps, cfg.schedule, cfg.model.d_model),
         tokenizer=tokenizer,
-        config_hash=config_hash(cfg),
+        special_tokens=run_special_tokens(tokenizer, checked.data_dir),
         faults=cfg.faults,
-        special_tokens=run_special_tokens(tokenizer, data_dir),
+        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
+        make_model=functools.partial(build_model, cfg),
+        make_task=lambda env, engine: LanguageModeling(
+            cfg, checked.data_dir, checked.plan, env, engine.device
+        ),
+        make_hooks=functools.partial(step_hooks, cfg, cadence),
+        first_lines=lambda parts: [first_line(cfg, checked.plan, parts)],
     )
-    state = TrainState()
-    if resume is not None:
-        state = checkpointer.restore(engine, resume)
-        task.load_state_dict(resume.data)
-    writer = MetricsWriter(
-        run_dir,
-        cfg.train.steps,
-        enabled=env.is_main,
-        tensorboard=cfg.logging.tensorboard,
-        wandb=cfg.logging.wandb,
-        run_config=asdict(cfg),
+
+
+def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts) -> str:
+    """What trains on what, and from which step."""
+    return (
+        f"training {describe_model(cfg.model)} on {parts.env.world_size} process(es), ZeRO-{parts.zero} bf16: "
+        f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {parts.state.step + 1}..{cfg.train.steps}"
+        + (f" (resumed from {parts.resume.tag})" if parts.resume else "")
     )
-    monitor = (
-        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
-        if cfg.monitor.enabled
-        else None
-    )
-    if monitor is not None:
-        writer.band_layout()
-    writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
-    writer.message(
-        f"training {describe_model(cfg.model)} on {env.world_size} process(es), ZeRO-{zero} bf16: "
-        f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {state.step + 1}..{cfg.train.steps}"
-        + (f" (resumed from {resume.tag})" if resume else "")
-    )
-    # In this order: a Rewind or Stop skips the hooks after the one that gave it, and the faults'
-    # record of what fired (InjectedFaults.after_step) must never be skipped, or a loss fault would
-    # fire again after every rollback of its step.
+
+
+def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHook]:
+    """The step hooks, in this order: a Rewind or Stop skips the hooks after the one that gave it,
+    and the faults' record of what fired (InjectedFaults.after_step) must never be skipped, or a
+    loss fault would fire again after every rollback of its step."""
+    run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
     hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
-    cadence = Cadence.of(cfg, cfg.train.steps, cfg.train.stop_at_step)
     if cfg.logging.precursors_every:  # (before the monitor's: its report carries them)
         hooks.append(
             InstabilityPrecursors(
@@ -384,25 +348,12 @@ def build_trainer(
     if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
         guard = SkipGuard.for_run(cfg.monitor.skip_ratio, cfg.monitor.skip_window)
         hooks.append(SkipBadUpdates(guard, engine, env, run_dir, writer))
-    if monitor is not None:
+    if cfg.monitor.enabled:
+        monitor = MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
+        writer.band_layout()
         hooks.append(
-            Monitored(monitor, env, run_dir, engine, task, checkpointer, writer, cfg.monitor.quarantine)
+            Monitored(
+                monitor, env, run_dir, engine, parts.task, parts.checkpointer, writer, cfg.monitor.quarantine
+            )
         )
-    schedule = schedule_for(cfg.optim.lr, cfg.train.steps, cfg.schedule, cfg.model.d_model)
-    return Trainer(
-        env=env,
-        run_dir=run_dir,
-        engine=engine,
-        optimizer=optimizer,
-        task=task,
-        cadence=cadence,
-        lr_at=schedule,
-        grad_accum=plan.grad_accum,
-        writer=writer,
-        checkpointer=checkpointer,
-        hooks=hooks,
-        flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
-        peak_flops=cfg.engine.peak_flops or current_device_peak_flops(),
-        state=state,
-        summary={"world_size": env.world_size, "zero_stage": zero},
-    )
+    return hooks

@@ -5,20 +5,23 @@
     3. determinism settings, then the process group
     4. choose where to resume from, or say the run is already complete (its last step saved and
        its summary written) and stop there
-    5. build the model in its engine, then the trainer around it
+    5. build the model in its engine, then the trainer around it: the task, the checkpointer,
+       the restore (weights, optimizer, RNG and the task's data position), the metrics writer,
+       the step hooks
     6. train
 
-A task supplies step 1 as a function of the job's `DistEnv` that returns a `RunPlan`: its
-identity, what `run.json` records, the DeepSpeed JSON, its model factory and how to build its
-trainer (the task, its hooks, the summary). `pretrain.pretraining.pretrain` and
-`pretrain.finetune.finetune` are each that function and one call of `run`.
+A task supplies step 1 as a function of the job's `DistEnv` that returns a `RunPlan`: its config,
+identity, DeepSpeed JSON and schedule, its model factory, and its own parts of the trainer (the
+task, its hooks, its first lines, its summary). `pretrain.pretraining.pretrain` and
+`pretrain.finetune.finetune` are each that function and one call of `run`; the unit tier runs
+steps 4-5 (`start`) with a stand-in engine.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +29,61 @@ from torch import nn
 
 from monitoring.protocol import SUMMARY_FILE
 from pretrain import atomic
-from pretrain.checkpoint.checkpointer import Resume, choose_resume
-from pretrain.config import CheckpointConfig, EngineConfig, OptimConfig, RunSection
+from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
+from pretrain.config import FaultsConfig, FinetuneConfig, RunConfig, config_hash, to_yaml
 from pretrain.distributed import DistEnv, barrier
-from pretrain.engine import build, set_determinism_and_connect, zero_stage
+from pretrain.engine import BatchPlan, build, set_determinism_and_connect
+from pretrain.flops import current_device_peak_flops
 from pretrain.lifeline import watch_supervisor
+from pretrain.metrics import MetricsWriter
 from pretrain.run_dir import owning_run_dir
-from pretrain.train.loop import Trainer
+from pretrain.train.hooks import StepHook
+from pretrain.train.loop import Cadence, Task, Trainer
 
-# (env, engine, optimizer, resume or None, ZeRO stage) → the trainer around the engine
-MakeTrainer = Callable[[DistEnv, Any, Any, "Resume | None", int], Trainer]
+# (run, engine, optim sections, model factory, DeepSpeed JSON) → (engine, optimizer): engine.build
+MakeEngine = Callable[..., tuple[Any, Any]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class RunParts:
+    """What the builder made around the engine, for a task's hooks and first lines."""
+
+    env: DistEnv
+    engine: Any  # a DeepSpeed engine (or anything with its interface)
+    task: Task
+    checkpointer: Checkpointer
+    writer: MetricsWriter
+    state: TrainState  # where the run starts: restored when resuming
+    resume: Resume | None
+    zero: int  # the engine's ZeRO stage
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """What a task's checks found and what the lifecycle needs from the task."""
 
-    run: RunSection
-    checkpoint: CheckpointConfig
-    engine: EngineConfig
-    optim: OptimConfig
+    # the run
+    config: RunConfig | FinetuneConfig  # as the run trains: run.json, run_config.json, the config text
     steps: int  # the run's last step
     identity: dict  # what defines the run: another one in the same directory is refused
-    run_config: dict  # the whole config, as run.json records it
     ds_config: dict  # the completed DeepSpeed JSON
+    batches: BatchPlan
+    cadence: Cadence
+    lr_at: Callable[[int], float]  # the schedule
+    flops_per_token: float | None = None  # for MFU
+    # its checkpoints
+    tokenizer: Path  # copied into every checkpoint
+    special_tokens: dict | None = None  # a Hugging Face tokenizer's, as the run uses it
+    saved_config: dict = field(default_factory=dict)  # run_config.json's keys besides the config's
+    faults: FaultsConfig | None = None  # the checkpointer's (faults.slow_save_step)
+    # a checkpoint that did not record the task's data position: the position at its step
+    position_at: Callable[[int], dict] | None = None
+    # the task's own parts
     make_model: Callable[[], nn.Module]
-    make_trainer: MakeTrainer
+    make_task: Callable[[DistEnv, Any], Task]  # (env, engine) → the task
+    make_hooks: Callable[[RunParts], list[StepHook]] = lambda parts: []
+    first_lines: Callable[[RunParts], list[str]]  # what the run says before its first step
+    summary: dict = field(default_factory=dict)  # its keys of the run's summary
 
 
 def run(run_dir: str | Path, check: Callable[[DistEnv], RunPlan]) -> dict:
@@ -59,18 +91,105 @@ def run(run_dir: str | Path, check: Callable[[DistEnv], RunPlan]) -> dict:
     watch_supervisor(run_dir)
     env = DistEnv.from_environ()
     plan = check(env)
+    cfg = plan.config
     with owning_run_dir(
-        plan.run.dir, env.is_main, plan.identity, plan.run_config, plan.checkpoint.resume
+        cfg.run.dir, env.is_main, plan.identity, asdict(cfg), cfg.checkpoint.resume
     ) as setting:
-        set_determinism_and_connect(plan.run, env)
-        resume = choose_resume(plan.run.dir, setting, env)
-        if resume is not None and resume.state.step >= plan.steps and summary_complete(Path(plan.run.dir)):
-            return already_complete(Path(plan.run.dir), plan.steps, env, resume)
-        # (the last step saved but the run not finished, e.g. killed before its last evaluation or
-        # results were written: the trainer does what is left, training nothing)
-        ds_config = resume.deepspeed_config(plan.ds_config) if resume else plan.ds_config
-        engine, optimizer = build(plan.run, plan.engine, plan.optim, plan.make_model, ds_config)
-        return plan.make_trainer(env, engine, optimizer, resume, zero_stage(ds_config)).train()
+        set_determinism_and_connect(cfg.run, env)
+        made = start(plan, env, setting, build)
+        return made.train() if isinstance(made, Trainer) else made
+
+
+def start(plan: RunPlan, env: DistEnv, setting: str, make_engine: MakeEngine) -> Trainer | dict:
+    """Every rank, with the run directory owned and the process group up: the trainer, built on
+    the checkpoint the resume `setting` leads to (or none), or the summary of a run already complete."""
+    cfg, run_dir = plan.config, Path(plan.config.run.dir)
+    resume = choose_resume(run_dir, setting, env)
+    if resume is not None and resume.state.step >= plan.steps and summary_complete(run_dir):
+        return already_complete(run_dir, plan.steps, env, resume)
+    # (the last step saved but the run not finished, e.g. killed before its last evaluation or
+    # results were written: the trainer does what is left, training nothing)
+    ds_config = resume.deepspeed_config(plan.ds_config) if resume else plan.ds_config
+    engine, optimizer = make_engine(cfg.run, cfg.engine, cfg.optim, plan.make_model, ds_config)
+    return build_trainer(plan, env, engine, optimizer, resume)
+
+
+def build_trainer(plan: RunPlan, env: DistEnv, engine, optimizer, resume: Resume | None) -> Trainer:
+    """Everything the loop needs around an engine: the task, checkpoints (restored when resuming),
+    metrics, the task's hooks and first lines."""
+    cfg, run_dir = plan.config, Path(plan.config.run.dir)
+    task = plan.make_task(env, engine)
+    checkpointer = Checkpointer(
+        run_dir,
+        env,
+        cfg.checkpoint,
+        run_config=asdict(cfg) | plan.saved_config,
+        tokenizer=plan.tokenizer,
+        config_hash=config_hash(cfg),
+        faults=plan.faults,
+        special_tokens=plan.special_tokens,
+    )
+    state = restore(checkpointer, engine, task, resume, plan.position_at)
+    writer = MetricsWriter(
+        run_dir,
+        plan.steps,
+        enabled=env.is_main,
+        tensorboard=cfg.logging.tensorboard,
+        wandb=cfg.logging.wandb,
+        run_config=asdict(cfg),
+    )
+    zero = engine.zero_optimization_stage()
+    parts = RunParts(
+        env=env,
+        engine=engine,
+        task=task,
+        checkpointer=checkpointer,
+        writer=writer,
+        state=state,
+        resume=resume,
+        zero=zero,
+    )
+    hooks = plan.make_hooks(parts)
+    writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
+    for line in plan.first_lines(parts):
+        writer.message(line)
+    return Trainer(
+        env=env,
+        run_dir=run_dir,
+        engine=engine,
+        optimizer=optimizer,
+        task=task,
+        cadence=plan.cadence,
+        lr_at=plan.lr_at,
+        grad_accum=plan.batches.grad_accum,
+        writer=writer,
+        checkpointer=checkpointer,
+        hooks=hooks,
+        flops_per_token=plan.flops_per_token,
+        peak_flops=cfg.engine.peak_flops or current_device_peak_flops(),
+        state=state,
+        summary={"world_size": env.world_size, "zero_stage": zero} | plan.summary,
+    )
+
+
+def restore(
+    checkpointer: Checkpointer,
+    engine,
+    task: Task,
+    resume: Resume | None,
+    position_at: Callable[[int], dict] | None = None,
+) -> TrainState:
+    """Every rank: where the run starts. Resuming, the checkpoint's weights, optimizer and RNG
+    states go into the engine (`Checkpointer.restore`) and its data position into the task
+    (`position_at` its step where it recorded none); else step 0."""
+    if resume is None:
+        return TrainState()
+    state = checkpointer.restore(engine, resume)
+    data = resume.data
+    if data is None and position_at is not None:
+        data = position_at(state.step)
+    task.load_state_dict(data)
+    return state
 
 
 def summary_complete(run_dir: Path) -> bool:

@@ -6,6 +6,7 @@ needs one) and the loop (`pretrain/train/loop.py`) with a fine-tuning task."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,26 +14,24 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import resolve_resume
-from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState
 from pretrain.classifier import SequenceClassifier
-from pretrain.config import FinetuneConfig, config_hash, to_yaml
+from pretrain.config import FinetuneConfig
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.finetune.data import Examples, load_examples, padding_id
 from pretrain.finetune.initial import InitialModel, find_initial
 from pretrain.finetune.tasks import SFT, Classification, majority_share
-from pretrain.metrics import MetricsWriter
-from pretrain.run_builder import RunPlan, run
+from pretrain.run_builder import RunParts, RunPlan, run
 from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
 from pretrain.tokenizer import sha256_file
 from pretrain.train.hooks import DataTrace
-from pretrain.train.loop import Cadence, Trainer
+from pretrain.train.loop import Cadence
 from pretrain.wandb_sink import check_available
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuneInputs:
     """What a fine-tuning run starts from, checked before any process group starts."""
 
@@ -62,7 +61,9 @@ def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> FinetuneInputs:
         1, math.ceil(cfg.finetune.epochs * len(examples.train.ids) / plan.global_batch_size)
     )
     lr, lr_source = (cfg.optim.lr, "optim.lr") if cfg.optim.lr is not None else initial.learning_rate()
-    return FinetuneInputs(initial, examples, max_length, steps, lr, lr_source)
+    return FinetuneInputs(
+        initial=initial, examples=examples, max_length=max_length, steps=steps, lr=lr, lr_source=lr_source
+    )
 
 
 def as_it_trains(cfg: FinetuneConfig, inputs: FinetuneInputs) -> FinetuneConfig:
@@ -92,143 +93,85 @@ def identity(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune as `cfg` says, on every rank the launcher started; returns the run's summary."""
-
-    def check(env: DistEnv) -> RunPlan:
-        plan = plan_batches(cfg.train, 0, env.world_size)
-        ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
-        inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
-        resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
-        trained = as_it_trains(cfg, inputs)
-
-        def make_trainer(env, engine, optimizer, resume, zero) -> Trainer:
-            return build_trainer(trained, env, engine, optimizer, plan, inputs, resume, zero)
-
-        return RunPlan(
-            trained.run,
-            trained.checkpoint,
-            trained.engine,
-            trained.optim,
-            inputs.steps,
-            identity(trained, inputs),
-            asdict(trained),
-            ds_config,
-            inputs.model,
-            make_trainer,
-        )
-
-    return run(cfg.run.dir, check)
+    return run(cfg.run.dir, functools.partial(run_plan, cfg))
 
 
-def build_trainer(
-    cfg: FinetuneConfig,
-    env: DistEnv,
-    engine,
-    optimizer,
-    plan: BatchPlan,
-    inputs: FinetuneInputs,
-    resume: Resume | None,
-    zero: int,
-) -> Trainer:
-    """Everything the loop needs around an engine: the task, checkpoints (restored when resuming), metrics."""
-    run_dir, initial, examples = Path(cfg.run.dir), inputs.initial, inputs.examples
-    train_data, val_data, labels, tokenizer = (
-        examples.train,
-        examples.validation,
-        examples.labels,
-        initial.tokenizer,
+def run_plan(cfg: FinetuneConfig, env: DistEnv) -> RunPlan:
+    """Fine-tuning's part of the lifecycle: its checks (all bad input is found here), identity,
+    model, schedule, its task (classification or sft), its first lines and its summary."""
+    plan = plan_batches(cfg.train, 0, env.world_size)
+    ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
+    inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
+    resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
+    trained, initial, examples = as_it_trains(cfg, inputs), inputs.initial, inputs.examples
+    return RunPlan(
+        config=trained,
+        steps=inputs.steps,
+        identity=identity(trained, inputs),
+        ds_config=ds_config,
+        batches=plan,
+        cadence=Cadence.of(trained, inputs.steps),
+        lr_at=schedule_for(trained.optim.lr, inputs.steps, trained.schedule, initial.model_cfg.d_model),
+        tokenizer=initial.tokenizer.path,
+        saved_config={
+            "model": asdict(initial.model_cfg),
+            "labels": examples.labels,
+            "init_source": initial.source,
+        },
+        make_model=inputs.model,
+        make_task=functools.partial(make_task, trained, inputs, plan),
+        make_hooks=lambda parts: (  # (no faults, no monitor)
+            [DataTrace(Path(cfg.run.dir), parts.env.rank)] if cfg.logging.data_trace else []
+        ),
+        first_lines=functools.partial(first_lines, trained, inputs, plan),
+        summary=summary(trained, inputs),
+        # (a checkpoint written before the data position was recorded: the examples of its steps)
+        position_at=lambda step: {"examples": step * plan.global_batch_size},
     )
+
+
+def make_task(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, env: DistEnv, engine):
+    """The fine-tuning task: sft, or classification when the examples have labels."""
+    examples = inputs.examples
     common = dict(
-        train=train_data,
-        validation=val_data,
+        train=examples.train,
+        validation=examples.validation,
         micro_batch_size=plan.micro_batch_size,
-        pad_id=padding_id(tokenizer),
+        pad_id=padding_id(inputs.initial.tokenizer),
         seed=cfg.run.seed,
         env=env,
         device=engine.device,
-        run_dir=run_dir,
+        run_dir=Path(cfg.run.dir),
     )
-    task = (
-        SFT(**common)
-        if labels is None
-        else Classification(**common, num_labels=len(labels), bag_of_words=examples.bag_of_words)
-    )
-    run_config = asdict(cfg) | {
-        "model": asdict(initial.model_cfg),
-        "labels": labels,
-        "init_source": initial.source,
-    }
-    checkpointer = Checkpointer(
-        run_dir,
-        env,
-        cfg.checkpoint,
-        run_config=run_config,
-        tokenizer=tokenizer.path,
-        config_hash=config_hash(cfg),
-    )
-    state = TrainState()
-    if resume is not None:
-        state = checkpointer.restore(engine, resume)
-        # (a checkpoint written before the data position was recorded: the old rule, from the step)
-        task.load_state_dict(resume.data or {"examples": state.step * plan.global_batch_size})
-    writer = MetricsWriter(
-        run_dir,
-        inputs.steps,
-        enabled=env.is_main,
-        tensorboard=cfg.logging.tensorboard,
-        wandb=cfg.logging.wandb,
-        run_config=asdict(cfg),
-    )
-    writer.text("config", "```\n" + to_yaml(cfg) + "\n```", state.step)
-    for line in first_lines(cfg, inputs, env.world_size, zero, plan, state.step, resume):
-        writer.message(line)
-    summary = {
+    if examples.labels is None:
+        return SFT(**common)
+    return Classification(**common, num_labels=len(examples.labels), bag_of_words=examples.bag_of_words)
+
+
+def summary(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
+    """The run summary's fine-tuning keys: the task, its steps and its examples."""
+    train_data, val_data = inputs.examples.train, inputs.examples.validation
+    return {
         "task": cfg.finetune.task,
-        "world_size": env.world_size,
-        "zero_stage": zero,
         "steps": inputs.steps,
         "train_examples": len(train_data.ids),
         "train_truncated": train_data.truncated,
         "validation_examples": len(val_data.ids) if val_data else 0,
         "validation_truncated": val_data.truncated if val_data else 0,
     }
-    cadence = Cadence.of(cfg, inputs.steps)
-    schedule = schedule_for(cfg.optim.lr, inputs.steps, cfg.schedule, initial.model_cfg.d_model)
-    return Trainer(
-        env=env,
-        run_dir=run_dir,
-        engine=engine,
-        optimizer=optimizer,
-        task=task,
-        cadence=cadence,
-        lr_at=schedule,
-        grad_accum=plan.grad_accum,
-        writer=writer,
-        checkpointer=checkpointer,
-        hooks=[DataTrace(run_dir, env.rank)] if cfg.logging.data_trace else [],  # (no faults, no monitor)
-        state=state,
-        summary=summary,
-    )
 
 
-def first_lines(
-    cfg: FinetuneConfig,
-    inputs: FinetuneInputs,
-    world_size: int,
-    zero: int,
-    plan: BatchPlan,
-    step: int,
-    resume: Resume | None,
-) -> list[str]:
+def first_lines(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, parts: RunParts) -> list[str]:
     """What the run says before its first step: what trains on what, how many steps and why, the
     learning rate and where it comes from, and (classification) the baselines it must beat."""
     train_data, val_data, labels = inputs.examples.train, inputs.examples.validation, inputs.examples.labels
     lines = [
-        f"fine-tuning ({cfg.finetune.task}) from {inputs.initial.source} on {world_size} process(es), "
-        f"ZeRO-{zero} bf16: {len(train_data.ids):,} examples "
+        f"fine-tuning ({cfg.finetune.task}) from {inputs.initial.source} on {parts.env.world_size} process(es), "
+        f"ZeRO-{parts.zero} bf16: {len(train_data.ids):,} examples "
         f"({train_data.truncated:,} truncated to {inputs.max_length} tokens)"
         + (f", {len(labels)} labels" if labels else "")
-        + f", global batch {plan.global_batch_size}, steps {step + 1}..{inputs.steps}"
-        + (f" (resumed from {resume.tag})" if resume else ""),
+        + f", global batch {plan.global_batch_size}, steps {parts.state.step + 1}..{inputs.steps}"
+        + (f" (resumed from {parts.resume.tag})" if parts.resume else ""),
         f"{inputs.steps:,} steps "
         + (
             "(train.steps)"

@@ -5,6 +5,7 @@ real engine is exercised by the integration tier; these tests are about everythi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict
@@ -13,13 +14,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from pretrain.checkpoint.checkpointer import choose_resume
+from pretrain import pretraining, run_builder
 from pretrain.config import FinetuneConfig, RunConfig
 from pretrain.distributed import DistEnv
-from pretrain.engine import make_optimizer, plan_batches
+from pretrain.engine import make_optimizer
 from pretrain.finetune import finetuning
-from pretrain.finetune.finetuning import check_inputs
-from pretrain.pretraining import build_model, build_trainer, preflight
+from pretrain.run_builder import RunPlan
 from pretrain.run_dir import claim
 from pretrain.train.loop import Trainer
 
@@ -113,35 +113,34 @@ class FakeEngine:
         return str(directory), {}
 
 
-def pretraining_trainer(cfg: RunConfig, device: str = "cpu") -> Trainer:
+def pretraining_trainer(cfg: RunConfig, device: str = "cpu") -> Trainer | dict:
     """`pretrain.pretraining.pretrain` up to the loop, in this process, with a FakeEngine where
     DeepSpeed's would be: the same checks, task, checkpointer, resume, writer, faults and monitor link.
     The optimizer is torch's AdamW on any device (also on CUDA, in the GPU tier): these tests are
     about the loop, not DeepSpeed's fused Adam."""
-    checked = preflight(cfg, 1)
-    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    setting = claim(cfg.run.dir, checked.identity, asdict(cfg), cfg.checkpoint.resume)
-    resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
-    torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg).to(device)
-    optimizer = make_optimizer(model, cfg.optim, {}, on_gpu=False)
-    engine = FakeEngine(model, optimizer, checked.plan.grad_accum, cfg.train.grad_clip)
-    return build_trainer(
-        cfg, ONE_PROCESS, engine, engine.optimizer, checked.plan, checked.data_dir, resume, zero=0
-    )
+    return one_process(pretraining.run_plan(cfg, ONE_PROCESS), device)
 
 
-def finetuning_trainer(cfg: FinetuneConfig) -> Trainer:
+def finetuning_trainer(cfg: FinetuneConfig) -> Trainer | dict:
     """`pretrain.finetune.finetune` up to the loop, in this process, with a FakeEngine."""
-    plan = plan_batches(cfg.train, 0, 1)
-    inputs = check_inputs(cfg, plan)
-    cfg = finetuning.as_it_trains(cfg, inputs)
-    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-    setting = claim(cfg.run.dir, finetuning.identity(cfg, inputs), asdict(cfg), cfg.checkpoint.resume)
-    resume = choose_resume(cfg.run.dir, setting, ONE_PROCESS)
-    torch.manual_seed(cfg.run.seed)
-    model = inputs.model()
-    engine = FakeEngine(
-        model, make_optimizer(model, cfg.optim, {}, on_gpu=False), plan.grad_accum, cfg.train.grad_clip
+    return one_process(finetuning.run_plan(cfg, ONE_PROCESS))
+
+
+def one_process(plan: RunPlan, device: str = "cpu") -> Trainer | dict:
+    """`run_builder.run` but the run directory's lock, the process group and the loop: the run
+    claimed, then `run_builder.start` with FakeEngines; the trainer (or, for a run already
+    complete, its summary)."""
+    config = plan.config
+    setting = claim(config.run.dir, plan.identity, asdict(config), config.checkpoint.resume)
+    return run_builder.start(plan, ONE_PROCESS, setting, functools.partial(fake_engine, device=device))
+
+
+def fake_engine(run, engine, optim, make_model, ds_config: dict, device: str = "cpu"):
+    """`pretrain.engine.build` with a FakeEngine: (engine, optimizer)."""
+    torch.manual_seed(run.seed)
+    model = make_model().to(device)
+    optimizer = make_optimizer(model, optim, {}, on_gpu=False)
+    fake = FakeEngine(
+        model, optimizer, ds_config["gradient_accumulation_steps"], ds_config["gradient_clipping"]
     )
-    return finetuning.build_trainer(cfg, ONE_PROCESS, engine, engine.optimizer, plan, inputs, resume, zero=0)
+    return fake, fake.optimizer

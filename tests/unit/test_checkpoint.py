@@ -306,6 +306,43 @@ def test_restore_brings_back_weights_and_rng(tmp_path):
     )
 
 
+def test_the_run_builder_restores_the_engine_and_the_tasks_data_position(tmp_path):
+    """`run_builder.restore`: resuming, the checkpoint's weights, optimizer and RNG states go into
+    the engine and its data position into the task (a position from its step where it recorded
+    none: fine-tuning's older checkpoints); a fresh start is step 0 with nothing loaded."""
+    import dataclasses
+
+    import torch
+
+    from pretrain.checkpoint.checkpointer import TrainState, choose_resume, weights_digest
+    from pretrain.run_builder import restore
+    from tests.unit.fakes import ONE_PROCESS
+
+    class Task:
+        def __init__(self):
+            self.loaded = []
+
+        def load_state_dict(self, state):
+            self.loaded.append(state)
+
+    engine, saver = checkpointer(tmp_path)
+    saver.save(engine, TrainState(3, tokens=300), {"consumed": 3})
+    saved, expected = weights_digest(engine), torch.rand(4)  # (drawn right after the save)
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.add_(1.0)
+    task, resume = Task(), choose_resume(tmp_path / "run", "auto", ONE_PROCESS)
+    assert restore(
+        saver, engine, task, resume, lambda step: pytest.fail("it has its position")
+    ) == TrainState(3, tokens=300)
+    assert weights_digest(engine) == saved and torch.equal(torch.rand(4), expected)
+    assert task.loaded == [{"consumed": 3}]
+    unrecorded = dataclasses.replace(resume, saved={k: v for k, v in resume.saved.items() if k != "data"})
+    assert restore(saver, engine, task, unrecorded, lambda step: {"examples": 4 * step}).step == 3
+    assert task.loaded[-1] == {"examples": 12}
+    assert restore(saver, engine, task, None) == TrainState() and len(task.loaded) == 2
+
+
 def test_a_rollback_is_seen_not_to_match_its_checkpoint_when_any_held_weight_differs(tmp_path):
     """`matches_checkpoint` (the rollback_applied event): the bf16 module weights and the fp32 master
     weights the optimizer holds apart from them (as DeepSpeed's bf16 optimizers do) are both in the

@@ -218,19 +218,12 @@ def finetune_config(path, run_dir, init, *overrides):
 def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, hf_init, sentiment):
     import json
 
+    from monitoring.protocol import SUMMARY_FILE
     from tests.unit.fakes import finetuning_trainer
 
     train_csv, val_csv = sentiment
-    cfg = finetune_config(
-        CLASSIFICATION,
-        tmp_path,
-        hf_init,
-        f"data.train={train_csv}",
-        f"data.validation={val_csv}",
-        "train.steps=6",
-        "eval.every=3",
-        "checkpoint.every=3",
-    )
+    run = (CLASSIFICATION, tmp_path, hf_init, f"data.train={train_csv}", f"data.validation={val_csv}")
+    cfg = finetune_config(*run, "train.steps=6", "eval.every=3", "checkpoint.every=3")
     summary = finetuning_trainer(cfg).train()
     assert summary["completed"] and summary["task"] == "classification" and summary["steps"] == 6
     assert summary["train_examples"] == 192 and summary["validation_examples"] == 64
@@ -245,18 +238,13 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     assert run_config["labels"] == ["negative", "positive"] and run_config["init_source"].startswith(
         "Hugging Face"
     )
-    # Resumed at its last step, the run still reports its final evaluation.
-    again = finetuning_trainer(
-        finetune_config(
-            CLASSIFICATION,
-            tmp_path,
-            hf_init,
-            f"data.train={train_csv}",
-            f"data.validation={val_csv}",
-            "train.steps=6",
-            "checkpoint.resume=auto",
-        )
-    )
+    # Run again, a complete run says so and trains nothing; killed after its last save but before
+    # its summary was written, it is resumed at its last step and still reports its final evaluation.
+    again = finetune_config(*run, "train.steps=6", "checkpoint.resume=auto")
+    written = json.loads((tmp_path / SUMMARY_FILE).read_text())
+    assert written["completed"] and finetuning_trainer(again) == written  # (the summary, no trainer)
+    (tmp_path / SUMMARY_FILE).unlink()
+    again = finetuning_trainer(again)
     assert again.state.step == 6 and again.task.examples == 24
     assert again.train()["eval"][-1]["step"] == 6
     assert json.loads((tmp_path / "eval_results.json").read_text())["accuracy"] == results["accuracy"]
