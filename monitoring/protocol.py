@@ -101,12 +101,7 @@ class StepMetrics:
 
     @classmethod
     def from_json(cls, payload: Any) -> StepMetrics:
-        if not isinstance(payload, dict):
-            raise ProtocolError("metrics must be a JSON object")
-        unknown = set(payload) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ProtocolError(f"unknown metric fields {sorted(unknown)}")
-        payload = {k: _json_to_float(v) for k, v in payload.items()}
+        payload = {k: _json_to_float(v) for k, v in _object(payload, "metric", fields(cls)).items()}
         step, tokens = payload.get("step"), payload.get("tokens")
         for key, value in (("step", step), ("tokens", tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_INT:
@@ -149,6 +144,16 @@ class StepMetrics:
             tokens=tokens,
             layer_grad_norms=layers,
         )
+
+
+def _object(payload: Any, what: str, names) -> dict:
+    """`payload`, a JSON object with no key but `names` (field names, or dataclass fields)."""
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{what} must be a JSON object")
+    unknown = set(payload) - {getattr(n, "name", n) for n in names}
+    if unknown:
+        raise ProtocolError(f"unknown {what} fields {sorted(unknown)}")
+    return payload
 
 
 def _sender(payload: Any, what: str) -> tuple[dict, str | None, int | None]:
@@ -220,11 +225,7 @@ class Rollback:
 
     @classmethod
     def from_json(cls, payload: Any) -> Rollback:
-        if not isinstance(payload, dict):
-            raise ProtocolError("a rollback must be a JSON object")
-        unknown = set(payload) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ProtocolError(f"unknown rollback fields {sorted(unknown)}")
+        payload = _object(payload, "rollback", fields(cls))
         try:
             return cls(**{k: _json_to_float(v) for k, v in payload.items()})
         except TypeError as exc:  # a field missing
@@ -239,23 +240,19 @@ class Rollback:
 def check_types(record: Any, cls: type) -> None:
     """Every field of `cls` in `record` has its declared type (an int is no bool; a float may be
     an int; None only where the declaration allows it)."""
+    names = {f.name for f in fields(cls)}
     for name, hint in get_type_hints(cls).items():
-        if name not in {f.name for f in fields(cls)}:
+        if name not in names:
             continue
-        value = getattr(record, name)
-        allowed = getattr(hint, "__args__", (hint,))
-        if value is None and type(None) in allowed:
+        value, allowed = getattr(record, name), getattr(hint, "__args__", (hint,))
+        types = [t for t in allowed if t is not type(None)]
+        if value is None and len(types) < len(allowed):
             continue
-        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
             continue
-        if not any(
-            isinstance(value, t) and (t is bool or not isinstance(value, bool))
-            for t in allowed
-            if t is not type(None)
-        ):
-            raise ProtocolError(
-                f"{name!r} must be a {' or '.join(t.__name__ for t in allowed)}, got {value!r}"
-            )
+        if not any(isinstance(value, t) and (t is bool or not isinstance(value, bool)) for t in types):
+            kinds = " or ".join(t.__name__ for t in types) + (" or null" if len(types) < len(allowed) else "")
+            raise ProtocolError(f"{name!r} must be a {kinds}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -285,11 +282,7 @@ class Action:
 
     @classmethod
     def from_json(cls, payload: Any) -> Action:
-        if not isinstance(payload, dict):
-            raise ProtocolError("an action must be a JSON object")
-        unknown = set(payload) - {"action", "reason", "rollback"}
-        if unknown:
-            raise ProtocolError(f"unknown action fields {sorted(unknown)}")
+        payload = _object(payload, "action", ("action", "reason", "rollback"))
         rollback = payload.get("rollback")
         return cls(
             payload.get("action", "continue"),
@@ -362,27 +355,21 @@ class Outcome:
     tag: str | None = None
     reason: str | None = None
 
+    def __post_init__(self) -> None:
+        check_types(self, Outcome)
+        for key in ("decision", "decided_at", "applied_at"):
+            if not 0 <= getattr(self, key) < MAX_INT:
+                raise ProtocolError(f"{key!r} must be a non-negative integer, got {getattr(self, key)!r}")
+
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
     def from_json(cls, payload: Any) -> Outcome:
-        if not isinstance(payload, dict):
-            raise ProtocolError("an outcome must be a JSON object")
-        names = {f.name for f in fields(cls)}
-        unknown = set(payload) - names
-        if unknown:
-            raise ProtocolError(f"unknown outcome fields {sorted(unknown)}")
-        for key in ("decision", "decided_at", "applied_at"):
-            value = payload.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
-                raise ProtocolError(f"{key!r} must be a non-negative integer, got {value!r}")
-        if not isinstance(payload.get("applied"), bool):
-            raise ProtocolError(f"'applied' must be true or false, got {payload.get('applied')!r}")
-        for key in ("tag", "reason"):
-            if payload.get(key) is not None and not isinstance(payload[key], str):
-                raise ProtocolError(f"{key!r} must be a string, got {payload[key]!r}")
-        return cls(**payload)
+        try:
+            return cls(**_object(payload, "outcome", fields(cls)))
+        except TypeError as exc:  # a field missing
+            raise ProtocolError(f"an outcome is incomplete: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------ events.jsonl

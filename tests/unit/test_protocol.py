@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from monitoring.protocol import CONTINUE, Action, ProtocolError, Rollback, StepMetrics
+from monitoring.protocol import CONTINUE, Action, Outcome, ProtocolError, Rollback, StepMetrics
 
 
 def test_metrics_round_trip_through_json_text_including_nan():
@@ -237,3 +237,28 @@ def test_every_kind_of_event_is_written_once_as_a_type_and_read_back_as_it(tmp_p
     assert lines[0]["loss"] == "nan" and lines[8]["step"] is None
     with pytest.raises(TypeError):
         p.append_event(tmp_path, {"type": "step", "step": 1})
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ([], "must be a JSON object"),
+        ({"decision": 1, "decided_at": 1, "applied": 1, "applied_at": 1}, "'applied' must be a bool"),
+        ({"decision": -1, "decided_at": 1, "applied": True, "applied_at": 1}, "non-negative"),
+        ({"decision": True, "decided_at": 1, "applied": True, "applied_at": 1}, "'decision' must be a int"),
+        ({"decision": 1, "decided_at": 1, "applied": True}, "incomplete"),
+        (
+            {"decision": 1, "decided_at": 1, "applied": True, "applied_at": 1, "tag": 3},
+            "'tag' must be a str or null",
+        ),
+        (
+            {"decision": 1, "decided_at": 1, "applied": True, "applied_at": 1, "why": "x"},
+            "unknown outcome fields",
+        ),
+    ],
+)
+def test_bad_outcomes_are_refused(payload, message):
+    with pytest.raises(ProtocolError, match=message):
+        Outcome.from_json(payload)
+    good = {"decision": 1, "decided_at": 1, "applied": True, "applied_at": 2, "tag": "step_00000001"}
+    assert Outcome.from_json(good).to_json() == good
