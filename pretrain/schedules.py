@@ -8,7 +8,7 @@
     constant      warm-up, then optim.lr
 
 `lr_at(step)` returns the learning rate itself; the trainer passes lr_at(step) / optim.lr to a
-LambdaLR-style multiplier, scaled again by the monitor's rollback lr_scale.
+LambdaLR-style multiplier, times the step hooks' factors (the monitor's `LrScale` after a rollback).
 """
 
 from __future__ import annotations

@@ -53,7 +53,6 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0
-    lr_scale: float = 1.0
     hooks: dict = field(default_factory=dict)  # the loop's step hooks' own state, by hook name
 
 
@@ -68,10 +67,10 @@ class Resume:
 
     @property
     def state(self) -> TrainState:
-        saved = self.saved
-        return TrainState(
-            saved["step"], saved.get("tokens", 0), saved.get("lr_scale", 1.0), saved.get("hooks", {})
-        )
+        saved, hooks = self.saved, dict(self.saved.get("hooks", {}))
+        if saved.get("lr_scale", 1.0) != 1.0 and "monitor" not in hooks:  # (a checkpoint from before
+            hooks["monitor"] = {"lr": {"scale": saved["lr_scale"]}}  # the monitor's hook kept its scale)
+        return TrainState(saved["step"], saved.get("tokens", 0), hooks)
 
     @property
     def data(self) -> dict | None:

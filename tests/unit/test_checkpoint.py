@@ -192,7 +192,6 @@ def test_the_checkpointer_writes_complete_checkpoints_and_keeps_the_newest(tmp_p
     assert state == {
         "step": 4,
         "tokens": 400,
-        "lr_scale": 1.0,
         "data": {"consumed": 4},
         "world_size": 1,
         "config_hash": "0123456789abcdef",
@@ -209,12 +208,13 @@ def test_resuming_finds_the_checkpoint_and_knows_when_the_world_size_changed(tmp
     from tests.unit.fakes import ONE_PROCESS
 
     engine, saver = checkpointer(tmp_path)
-    saver.save(engine, TrainState(7, tokens=70, lr_scale=0.5), {"consumed": 7})
+    saver.save(engine, TrainState(7, tokens=70, hooks={"monitor": {"lr": {"scale": 0.5}}}), {"consumed": 7})
     run_dir = tmp_path / "run"
     assert choose_resume(tmp_path / "elsewhere", "auto", ONE_PROCESS) is None
     same = choose_resume(run_dir, "auto", ONE_PROCESS)
     assert same.tag == "step_00000007" and not same.universal and same.data == {"consumed": 7}
-    assert same.state == TrainState(7, 70, 0.5) and same.deepspeed_config({"a": 1}) == {"a": 1}
+    assert same.state == TrainState(7, 70, {"monitor": {"lr": {"scale": 0.5}}})
+    assert same.deepspeed_config({"a": 1}) == {"a": 1}
     other = choose_resume(run_dir, "step_00000007", DistEnv(0, 0, 4))
     assert other.universal
     assert other.deepspeed_config({"checkpoint": {"tag_validation": "Warn"}}) == {
@@ -368,3 +368,13 @@ def test_a_rollback_is_seen_not_to_match_its_checkpoint_when_any_held_weight_dif
         next(engine.module.parameters()).view(-1)[0] += 1.0  # the module's alone
     assert saver.matches(engine, saved) is False
     assert saver.matches(engine, saved | {"weights_sha256": ["x", "y"]}) is None  # another world size
+
+
+def test_a_checkpoint_from_before_the_monitors_hook_kept_the_lr_scale_still_gives_it():
+    """train_state.json once held the rollbacks' learning-rate scale at its top level; the
+    monitor's hook gets it (the one scale is its `LrScale` now)."""
+    from pretrain.checkpoint.checkpointer import Resume
+
+    old = Resume("step_00000007", {"step": 7, "tokens": 70, "lr_scale": 0.25}, universal=False)
+    assert old.state.hooks == {"monitor": {"lr": {"scale": 0.25}}}
+    assert Resume("step_00000007", {"step": 7, "lr_scale": 1.0}, universal=False).state.hooks == {}
