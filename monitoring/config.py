@@ -72,17 +72,24 @@ class TrainerLinkConfig:
     # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
     quarantine: bool = False
     # Skip a bad update in place (pretrain/skip_step.py): a step whose loss or gradient norm is
-    # non-finite or above skip_ratio × its running median (of the last skip_window) never lands.
+    # non-finite or above skip_ratio × its running median (of the last skip_window) never lands
+    # (the gradient norm against skip_grad_norm_ratio instead, when that is set).
     # The trainer does it, with or without the service; the service then rolls back only when
     # more than monitor.skip_max_consecutive steps in a row were skipped, or for what a skip cannot fix.
     skip_step: bool = False
     skip_ratio: float = 3.0
+    skip_grad_norm_ratio: float | None = None  # the gradient norm's own ratio; None: skip_ratio
     skip_window: int = 64
 
     def check_trainer_link(self) -> None:
         check_positive("monitor.timeout", self.timeout)
         if not (math.isfinite(self.skip_ratio) and self.skip_ratio > 1):
             raise SettingError(f"monitor.skip_ratio={self.skip_ratio} must be a finite number > 1")
+        ratio = self.skip_grad_norm_ratio
+        if ratio is not None and not (math.isfinite(ratio) and ratio > 1):
+            raise SettingError(
+                f"monitor.skip_grad_norm_ratio={ratio} must be a finite number > 1 (or null: skip_ratio)"
+            )
         if self.skip_window < 2:
             raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
 

@@ -346,7 +346,9 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
             )
         )
     if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
-        guard = SkipGuard.for_run(cfg.monitor.skip_ratio, cfg.monitor.skip_window)
+        guard = SkipGuard.for_run(
+            cfg.monitor.skip_ratio, cfg.monitor.skip_window, grad_norm_ratio=cfg.monitor.skip_grad_norm_ratio
+        )
         hooks.append(SkipBadUpdates(guard, engine, env, run_dir, writer))
     if cfg.monitor.enabled:
         monitor = MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)

@@ -157,6 +157,7 @@ ADDED_KEYS = {
     "loss.z_loss": 0.0,
     "monitor.skip_step": False,
     "monitor.skip_ratio": 3.0,
+    "monitor.skip_grad_norm_ratio": None,
     "monitor.skip_window": 64,
     "monitor.skip_max_consecutive": 3,
     "monitor.on_repeat": [],

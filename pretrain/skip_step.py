@@ -226,10 +226,15 @@ class SkipGuard:
         self._optimizer = None
 
     @classmethod
-    def for_run(cls, ratio: float, window: int, act: bool = True) -> SkipGuard:
-        """The guard `monitor.skip_step` runs with (monitor.skip_ratio, monitor.skip_window): the
-        ratio test starts once a signal has MIN_COUNT values (or a whole, smaller window)."""
-        return cls(ratio, window=window, min_count=min(MIN_COUNT, window), act=act)
+    def for_run(
+        cls, ratio: float, window: int, act: bool = True, grad_norm_ratio: float | None = None
+    ) -> SkipGuard:
+        """The guard `monitor.skip_step` runs with (monitor.skip_ratio, skip_grad_norm_ratio,
+        skip_window): the ratio test starts once a signal has MIN_COUNT values (or a whole,
+        smaller window)."""
+        return cls(
+            ratio, window=window, min_count=min(MIN_COUNT, window), act=act, grad_norm_ratio=grad_norm_ratio
+        )
 
     # ------------------------------------------------------------------ per step
 

@@ -140,7 +140,9 @@ def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> lis
     from pretrain.skip_step import SkipGuard, SkipOutcome
 
     config = config or TrainerLinkConfig()
-    guard = SkipGuard.for_run(config.skip_ratio, config.skip_window, act=False)
+    guard = SkipGuard.for_run(
+        config.skip_ratio, config.skip_window, act=False, grad_norm_ratio=config.skip_grad_norm_ratio
+    )
     steps = []
     for row in rows:
         guard.set_loss(torch.tensor(_number(row["train/loss"]), dtype=torch.float64))

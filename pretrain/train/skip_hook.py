@@ -4,8 +4,8 @@ how, inside DeepSpeed's ZeRO optimizer, and why it is bit-exact).
 Each step the loop hands it the step's mean loss over every rank before the update lands
 (`before_update`); DeepSpeed's own gradient norm is judged inside the optimizer step, against the
 running medians of both. A step whose loss or gradient norm is non-finite, or above
-`monitor.skip_ratio` × its median, does not change the weights or the optimizer's state on any
-rank, and training goes on. What it read joins the step's one host read (`readings`): the step's
+`monitor.skip_ratio` × its median (the gradient norm: `monitor.skip_grad_norm_ratio`, when set),
+does not change the weights or the optimizer's state on any rank, and training goes on. What it read joins the step's one host read (`readings`): the step's
 metrics get `train/update_skipped` (1 for a skipped step), the real gradient norm (DeepSpeed
 reports inf for a skipped step) and the two levels; rank 0 appends an `update_skipped` event, and
 the monitor is told in the step's report. The levels are kept in every checkpoint (train_state.json

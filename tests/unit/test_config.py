@@ -238,7 +238,8 @@ def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_ea
     names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in owners}
     assert sum(len(n) for n in names.values()) == len(set.union(*names.values()))  # no overlap
     assert {f.name for f in dataclasses.fields(MonitorConfig)} == set.union(*names.values())
-    assert {"timeout", "quarantine", "skip_step", "skip_ratio", "skip_window"} == names[TrainerLinkConfig]
+    trainers = {"timeout", "quarantine", "skip_step", "skip_ratio", "skip_grad_norm_ratio", "skip_window"}
+    assert trainers == names[TrainerLinkConfig]
     cfg = load_config(
         "tiny",
         ["monitor.max_restarts=5", "monitor.window=64", "monitor.hang_factor=4", "monitor.timeout=0.5"],
@@ -246,7 +247,7 @@ def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_ea
     assert all(isinstance(cfg.monitor, cls) for cls in owners)
     assert (cfg.monitor.max_restarts, cfg.monitor.window, cfg.monitor.hang_factor) == (5, 64, 4.0)
     assert cfg.monitor.timeout == 0.5 and cfg.monitor.skip_window == 64
-    for key, value in (("timeout", 0), ("skip_ratio", 1), ("skip_window", 1)):  # (checked as before)
+    for key, value in (("timeout", 0), ("skip_ratio", 1), ("skip_grad_norm_ratio", 1), ("skip_window", 1)):
         with pytest.raises(ConfigError, match=f"monitor.{key}={value}"):
             load_config("tiny", [f"monitor.{key}={value}"])
     root = Path(__file__).resolve().parents[2]

@@ -264,3 +264,26 @@ def test_optimizers_it_cannot_skip_inside_are_refused():
     no_check = stand_in(DeepSpeedZeroOptimizer, check_grad_overflow=False, compute_grad_norm=True)
     with pytest.raises(SkipUnsupported, match="check_grad_overflow"):
         SkipGuard().arm(no_check)
+
+
+def test_the_run_configs_two_ratios_reach_the_guard_each_in_its_place(tmp_path):
+    """monitor.skip_ratio is the loss's ratio and monitor.skip_grad_norm_ratio the gradient norm's
+    (null: the same as the loss's), as the pretraining hooks build the guard."""
+    from types import SimpleNamespace
+
+    from pretrain.config import load_config
+    from pretrain.pretraining import step_hooks
+    from pretrain.train.skip_hook import SkipBadUpdates
+    from tests.helpers import TINY
+    from tests.unit.fakes import ONE_PROCESS
+
+    def guard(*overrides):
+        settings = [f"run.dir={tmp_path}", "monitor.skip_step=true", "logging.precursors_every=0"]
+        cfg = load_config(TINY, [*settings, *overrides])
+        parts = SimpleNamespace(env=ONE_PROCESS, engine=None, writer=None, task=None, checkpointer=None)
+        cadence = SimpleNamespace(logged=lambda step: True)
+        (hook,) = [h for h in step_hooks(cfg, cadence, parts) if isinstance(h, SkipBadUpdates)]
+        return hook.guard.ratio, hook.guard.grad_norm_ratio
+
+    assert guard("monitor.skip_ratio=2", "monitor.skip_grad_norm_ratio=5") == (2.0, 5.0)
+    assert guard("monitor.skip_ratio=2") == (2.0, 2.0)
