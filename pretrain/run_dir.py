@@ -170,7 +170,14 @@ ADDED_KEYS = {
 }
 
 
+# Keys renamed after runs were first recorded: an older run.json's value is the new key's.
+RENAMED_KEYS = {"checkpoint.async": "checkpoint.async_save"}
+
+
 def _differences(old: dict, new: dict, keys) -> list[str]:
+    old = {RENAMED_KEYS.get(k, k): v for k, v in old.items()}
+    keys = {RENAMED_KEYS.get(k, k) for k in keys}
+
     def was(k):
         return old.get(k, ADDED_KEYS.get(k))
 

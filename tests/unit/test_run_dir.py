@@ -207,3 +207,19 @@ def test_pretrain_verify_reports_each_checkpoint_and_its_throughput(tmp_path, cl
     )
     assert "1 of 2 checkpoint(s) failed verification" in result.stderr
     assert ck.tags_on_disk(tmp_path) == ["step_00000010", "step_00000020"]  # read-only
+
+
+def test_a_renamed_key_is_no_change(tmp_path, capsys):
+    """A run recorded with checkpoint.async (now checkpoint.async_save) resumes without listing
+    the rename as a change; a changed value is still listed, under the new name."""
+    run_dir = tmp_path / "run"
+    identity = {"model.d_model": 64}
+    claim(run_dir, identity, {"checkpoint": {"async": True}}, "auto")
+    (ck.checkpoints_dir(run_dir) / "step_00000010").mkdir(parents=True)
+    capsys.readouterr()
+    claim(run_dir, identity, {"checkpoint": {"async_save": True}}, "auto")
+    assert "changed since" not in capsys.readouterr().out
+    claim(run_dir, identity, {"checkpoint": {"async_save": False}}, "auto")
+    assert (
+        capsys.readouterr().out.strip() == "changed since the last start: checkpoint.async_save True → False"
+    )
