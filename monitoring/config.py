@@ -21,6 +21,7 @@ FINDINGS = (
 )
 RESPONSES = ("ignore", "warn", "rollback", "stop")  # what a finding may do, least to most drastic
 REPEAT_STAGES = ("quarantine", "lower_lr", "stop")  # monitor.on_repeat: what a repeated rollback adds
+STRAGGLER_RESPONSES = ("warn", "replace")  # monitor.on_straggler
 
 
 class SettingError(ValueError):
@@ -50,7 +51,8 @@ class SupervisorConfig:
     """The supervisor's settings (`pretrain launch`: restart a crashed or hung job from its newest
     checkpoint). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
 
-    max_restarts: int = 3  # restarts of the job over the whole run; then `pretrain launch` gives up
+    max_restarts: int = 3  # restarts within restart_window_hours; one more and `pretrain launch` gives up
+    restart_window_hours: float = 1.0  # the window the restart budget counts over (a rate, not a total)
     hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps
     hang_min_seconds: float = 300.0  # ... and never sooner than this (covers a first checkpoint save)
     startup_seconds: float = 1800.0  # hung: no first step this long after (re)starting the job
@@ -58,6 +60,7 @@ class SupervisorConfig:
 
     def check_supervisor(self) -> None:
         check_positive("monitor.max_restarts", self.max_restarts, allow_zero=True)
+        check_positive("monitor.restart_window_hours", self.restart_window_hours)
         for key in ("hang_factor", "hang_min_seconds", "startup_seconds", "stop_grace_seconds"):
             check_positive(f"monitor.{key}", getattr(self, key))
 
@@ -80,6 +83,12 @@ class TrainerLinkConfig:
     skip_ratio: float = 3.0
     skip_grad_norm_ratio: float | None = None  # the gradient norm's own ratio; None: skip_ratio
     skip_window: int = 64
+    # A rank whose compute time per step is above straggler_factor × the median rank's for
+    # straggler_windows logging intervals in a row is a straggler: an event and a warning (warn), or
+    # also a checkpoint and a restart with a spare node in its host's place (replace).
+    straggler_factor: float = 1.5
+    straggler_windows: int = 3
+    on_straggler: str = "warn"
 
     def check_trainer_link(self) -> None:
         check_positive("monitor.timeout", self.timeout)
@@ -92,6 +101,12 @@ class TrainerLinkConfig:
             )
         if self.skip_window < 2:
             raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
+        if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 1):
+            raise SettingError(
+                f"monitor.straggler_factor={self.straggler_factor} must be a finite number > 1"
+            )
+        check_positive("monitor.straggler_windows", self.straggler_windows)
+        check_choice("monitor.on_straggler", self.on_straggler, STRAGGLER_RESPONSES)
 
 
 @dataclass(kw_only=True)

@@ -386,6 +386,7 @@ class Event:
 
     type: ClassVar[str] = ""
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+    KEYS: ClassVar[dict[str, str]] = {}  # a field whose key in the line is another (a Python keyword)
     step: int | None
     time: float = field(default_factory=_now)
 
@@ -395,7 +396,7 @@ class Event:
             value = getattr(self, f.name)
             if value is None and f.name in self.OMITTED_WHEN_NONE:
                 continue
-            payload[f.name] = value
+            payload[self.KEYS.get(f.name, f.name)] = value
         return payload
 
     @classmethod
@@ -407,8 +408,9 @@ class Event:
         if kind is None:
             return other
         names = {f.name for f in fields(kind)}
+        fields_of = {kind.KEYS.get(name, name): name for name in names}
         try:
-            return kind(**{k: _json_to_float(v) for k, v in payload.items() if k in names})
+            return kind(**{fields_of[k]: _json_to_float(v) for k, v in payload.items() if k in fields_of})
         except (TypeError, ProtocolError):  # a field missing or malformed: kept whole, like an unknown type
             return other
 
@@ -581,6 +583,60 @@ class Restart(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class NodeLost(Event):
+    """A node of the running job was lost (its launcher exited, its ssh stopped answering): the job
+    stops and starts again without it. `ranks`: the ranks it held."""
+
+    type: ClassVar[str] = "node_lost"
+    host: str
+    ranks: list[int]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeExcluded(Event):
+    """A host left out of the next start: its check failed (ssh, Python, the run directory, GPUs)
+    or it straggled. `ranks`: those it held in the job before, if any."""
+
+    type: ClassVar[str] = "node_excluded"
+    host: str
+    ranks: list[int]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeReplaced(Event):
+    """A spare host takes a lost or excluded one's place (the same world size)."""
+
+    type: ClassVar[str] = "node_replaced"
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldResized(Event):
+    """The job starts again on fewer nodes (no healthy spare, `--min-nodes`): the world size `from`
+    → `to` processes, the global batch kept by `accumulation` micro-batches per step."""
+
+    type: ClassVar[str] = "world_resized"
+    KEYS: ClassVar[dict[str, str]] = {"previous": "from", "size": "to"}  # field → its key in the line
+    previous: int
+    size: int
+    accumulation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Straggler(Event):
+    """Rank `rank` on `host` took `factor` × the median rank's compute time per step for
+    monitor.straggler_windows logging intervals in a row, up to step `step`."""
+
+    type: ClassVar[str] = "straggler"
+    rank: int
+    host: str
+    factor: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobStopped(Event):
     """The supervisor gave up on the job: why, what was saved and how to go on."""
 
@@ -624,6 +680,11 @@ EVENT_TYPES: dict[str, type[Event]] = {
         LrRestored,
         CircuitBreaker,
         Restart,
+        NodeLost,
+        NodeExcluded,
+        NodeReplaced,
+        WorldResized,
+        Straggler,
         JobStopped,
         CheckpointCorrupt,
         StopRequested,

@@ -118,12 +118,13 @@ class MonitorState:
         with self.lock:
             self.watch = watch
 
-    def job_started(self, attempt: int) -> None:
-        """The supervisor started the job (again): the hang watch starts over, /status shows it."""
+    def job_started(self, attempt: int, hosts: dict | None = None) -> None:
+        """The supervisor started the job (again): the hang watch starts over, /status shows it
+        (`hosts`: over ssh, {"in_use", "spares", "excluded": {host: reason}})."""
         with self.lock:
             if self.watch is not None:
                 self.watch.start(time.monotonic())
-            self.job = {"attempt": attempt, "state": "running"}
+            self.job = {"attempt": attempt, "state": "running"} | ({"hosts": hosts} if hosts else {})
 
     def overdue(self) -> str | None:
         """Why the job looks hung (no step for too long), or None."""

@@ -30,6 +30,9 @@ class ExitCode(IntEnum):
     CHECKPOINT_FAILED = (
         4  # checkpoints could not be saved (no space, no permission): a restart would not help
     )
+    REPLACE_NODE = (
+        5  # saved and stopped to move off a node (monitor.on_straggler=replace): restart without it
+    )
     INTERRUPTED = 130  # Ctrl-C
 
 

@@ -205,6 +205,11 @@ def one_of_each_event() -> list:
         ),
         p.LrLowered(step=6, decision=2, factor=0.5, until=10),
         p.LrRestored(step=11, decision=2, factor=0.5),
+        p.NodeLost(step=12, host="node-b", ranks=[1], reason="its launcher exited with status 255"),
+        p.NodeExcluded(step=12, host="node-b", ranks=[1], reason="ssh: connection refused"),
+        p.NodeReplaced(step=12, old="node-b", new="node-c"),
+        p.WorldResized(step=12, previous=2, size=1, accumulation=2),
+        p.Straggler(step=20, rank=1, host="node-b", factor=1.9),
     ]
 
 
@@ -235,6 +240,8 @@ def test_every_kind_of_event_is_written_once_as_a_type_and_read_back_as_it(tmp_p
     assert "documents_unavailable" not in lines[4] and lines[4]["windows"] == [3, 9]
     assert "target" not in lines[5] and lines[5]["tag"] == "step_00000002"
     assert lines[0]["loss"] == "nan" and lines[8]["step"] is None
+    resized = next(line for line in lines if line["type"] == "world_resized")
+    assert (resized["from"], resized["to"], resized["accumulation"]) == (2, 1, 2)  # (keys, not fields)
     with pytest.raises(TypeError):
         p.append_event(tmp_path, {"type": "step", "step": 1})
 
