@@ -16,6 +16,8 @@ can be replaced or inspected with curl. Unknown fields are refused, so a typo ne
     RUN_DIR/monitor/endpoint.json   where the service listens ({"url", "host", "port", "pid"})
     RUN_DIR/monitor/token           the bearer token for requests that change state (mode 0600)
     RUN_DIR/monitor/supervisor.json the supervisor's view of the job (`pretrain launch`)
+    RUN_DIR/monitor/hosts.json      its host set over ssh: in use, spares, excluded, lost
+    RUN_DIR/monitor/replace.json    a node the trainer asks to be moved off (a straggler's)
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ MONITOR_DIR = "monitor"
 ENDPOINT_FILE = "endpoint.json"
 TOKEN_FILE = "token"
 SUPERVISOR_FILE = "supervisor.json"
+# RUN_DIR/monitor/hosts.json: the supervisor's host set over ssh ({"in_use", "spares", "excluded":
+# {host: reason}, "lost": [host, ...]}), rewritten at each start (launch/slurm.sbatch reads it to
+# leave a lost node out of a requeued job).
+HOSTS_FILE = "hosts.json"
+# RUN_DIR/monitor/replace.json: written by the trainer's rank 0 before it exits with
+# ExitCode.REPLACE_NODE ({"host", "rank", "step", "reason"}): the supervisor restarts without it.
+REPLACE_FILE = "replace.json"
 EVENTS_FILE = "events.jsonl"
 # RUN_DIR/train_summary.json, written by rank 0 when the loop ends: `"completed": true` once the
 # last step is trained and its checkpoint saved (the supervisor reads it: a finished run whose
