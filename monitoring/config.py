@@ -52,7 +52,8 @@ class SupervisorConfig:
     checkpoint). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
 
     max_restarts: int = 3  # restarts within restart_window_hours; one more and `pretrain launch` gives up
-    restart_window_hours: float = 1.0  # the window the restart budget counts over (a rate, not a total)
+    # the window the restart budget counts over (a rate, not a total); null: the whole run
+    restart_window_hours: float | None = 1.0
     hang_factor: float = 10.0  # hung: no step for this many times the longest interval between steps
     hang_min_seconds: float = 300.0  # ... and never sooner than this (covers a first checkpoint save)
     startup_seconds: float = 1800.0  # hung: no first step this long after (re)starting the job
@@ -60,7 +61,8 @@ class SupervisorConfig:
 
     def check_supervisor(self) -> None:
         check_positive("monitor.max_restarts", self.max_restarts, allow_zero=True)
-        check_positive("monitor.restart_window_hours", self.restart_window_hours)
+        if self.restart_window_hours is not None:
+            check_positive("monitor.restart_window_hours", self.restart_window_hours)
         for key in ("hang_factor", "hang_min_seconds", "startup_seconds", "stop_grace_seconds"):
             check_positive(f"monitor.{key}", getattr(self, key))
 

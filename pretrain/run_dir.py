@@ -160,6 +160,10 @@ ADDED_KEYS = {
     "monitor.skip_grad_norm_ratio": None,
     "monitor.skip_window": 64,
     "monitor.skip_max_consecutive": 3,
+    "monitor.restart_window_hours": None,  # (max_restarts counted over the whole run)
+    "monitor.straggler_factor": 1.5,
+    "monitor.straggler_windows": 3,
+    "monitor.on_straggler": "warn",
     "monitor.on_repeat": [],
     "monitor.repeat_window": 100,
     "monitor.repeat_lr_factor": 0.5,
