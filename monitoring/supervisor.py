@@ -56,7 +56,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from monitoring.config import MonitorConfig, SupervisorConfig
-from monitoring.protocol import SUMMARY_FILE, SUPERVISOR_FILE, JobStopped, Restart, append_event, monitor_dir
+from monitoring.hosts import HostSet, check_hosts
+from monitoring.protocol import (
+    HOSTS_FILE,
+    REPLACE_FILE,
+    SUMMARY_FILE,
+    SUPERVISOR_FILE,
+    Event,
+    JobStopped,
+    NodeExcluded,
+    NodeLost,
+    NodeReplaced,
+    Restart,
+    WorldResized,
+    append_event,
+    monitor_dir,
+)
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
 from pretrain.errors import ExitCode
@@ -346,13 +361,17 @@ class Supervisor:
         poll_seconds: float = 0.2,  # how soon an exit or a hang is noticed
         log=print,
         lock: RunLock | None = None,
-        ssh_nodes: list[str] | None = None,  # the hosts, in node-rank order, when pdsh reaches them
+        hosts: HostSet | None = None,  # over ssh (pdsh): the host set it chooses each start's hosts from
         job_env: dict[str, str] | None = None,
         resume: Callable[[int | None], str] | None = None,  # how to go on after a stop by a signal (or none)
     ):
         self.make_command, self.run_dir, self.config = make_command, Path(run_dir), config
         self.leader, self.poll_seconds, self.log, self.lock = leader, poll_seconds, log, lock
-        self.ssh_nodes, self.job_env, self.resume = ssh_nodes or [], job_env or {}, resume
+        self.hosts, self.job_env, self.resume = hosts, job_env or {}, resume
+        self.ssh_nodes: list[str] = []  # the current start's hosts, in node-rank order, over ssh
+        self.restart_times: list[float] = []  # when the restarts the budget counts were made
+        self.clock: Callable[[], float] = time.monotonic  # (what the restart budget's window is read on)
+        self.extra_overrides: list[str] = []  # what later starts add (a replacement that cannot be)
         self._state_write_failed = False
         self.server = self.state = None
         if leader:
@@ -378,6 +397,9 @@ class Supervisor:
             restarts = 0
             while True:
                 job = self._start(restarts)
+                if job is None:  # too few healthy hosts to start on
+                    self._set_state("failed", restarts)
+                    return ExitCode.FAILED
                 outcome, detail = self._watch(job, interrupt)
                 if outcome == "interrupted":
                     self._set_state("stopped", job.attempt)
@@ -389,6 +411,10 @@ class Supervisor:
                     if signum == signal.SIGUSR1 and detail == 0:
                         return 0  # the scheduler's warning was heeded: saved and stopped cleanly
                     return 128 + signum
+                if outcome == "exit" and detail == ExitCode.REPLACE_NODE and self._leader_running():
+                    restarts += 1  # (asked for by the trainer, not a failure: outside the budget)
+                    self._record_restart(restarts, self._replace_node(job))
+                    continue
                 if outcome == "exit" and (detail in NOT_RESTARTED or not self._leader_running()):
                     stopped_early = detail == ExitCode.DONE and not self._completed_since(job.started_at)
                     self._set_state(
@@ -403,14 +429,17 @@ class Supervisor:
                         )
                     return detail
                 reason = self._why_failed(job, detail) if outcome == "exit" else detail
-                if restarts >= self.config.max_restarts:
+                self._note_lost_nodes(job)
+                if len(self._recent_restarts()) >= self.config.max_restarts:
                     self._set_state("failed", job.attempt)
                     self.log(
                         f"launch: the job failed ({reason}) and the restart budget "
-                        f"(monitor.max_restarts={self.config.max_restarts}) is spent; giving up"
+                        f"(monitor.max_restarts={self.config.max_restarts} {self._window_words()}) "
+                        "is spent; giving up"
                     )
                     return detail if outcome == "exit" and detail > 0 else ExitCode.FAILED
                 restarts += 1
+                self.restart_times.append(self.clock())
                 self._record_restart(restarts, reason)
         finally:
             # However the supervisor leaves (an exception included), no job runs on without it.
@@ -428,10 +457,19 @@ class Supervisor:
                 self.server.shutdown()
                 self.server.server_close()
 
-    def _start(self, restarts: int) -> Job:
-        command = self.make_command() + (["checkpoint.resume=auto"] if restarts else [])
+    def _start(self, restarts: int) -> Job | None:
+        """Start the job (attempt `restarts`); over ssh, on hosts that pass their checks (None when
+        too few do)."""
+        if self.hosts is not None:
+            choice = self._choose_hosts()
+            if choice is None:
+                return None
+            command = self.make_command(choice)
+        else:
+            command = self.make_command()
+        command += (["checkpoint.resume=auto"] if restarts else []) + self.extra_overrides
         if self.state is not None:
-            self.state.job_started(restarts)
+            self.state.job_started(restarts, self.hosts.view() if self.hosts is not None else None)
         # The job inherits the run directory's lock (held until its last process is gone) and is
         # told who supervises it: its ranks stop if this process dies (pretrain/lifeline.py).
         env = os.environ | self.job_env | {OWNER_ENV: owner_tag(os.getpid())}
@@ -559,6 +597,108 @@ class Supervisor:
         and a margin: a safety net for a launcher that is stuck, not a race with a slow one."""
         return LAUNCHER_RANKS_SECONDS + 5
 
+    # --------------------------------------------------------------------------- the hosts
+
+    def _choose_hosts(self):
+        """Check every host, choose the next start's, and say (console, events) what changed: a
+        host left out and why, a spare in a lost one's place, a smaller world. None, with the
+        reason, when fewer than --min-nodes hosts can take part."""
+        hosts, before = self.hosts, list(self.hosts.in_use)
+        excluded_before = dict(hosts.excluded)
+        choice = hosts.choose(check_hosts(hosts.slots, self.run_dir))
+        for host, why in hosts.excluded.items():
+            if excluded_before.get(host) != why:
+                self.log(f"launch: {host} left out: {why}")
+                self._append(
+                    NodeExcluded(step=self._step(), host=host, ranks=hosts.ranks(host, before), reason=why)
+                )
+        for refused in choice.refused if choice is not None else []:
+            self.log(f"launch: not on {refused}")
+        if choice is None:
+            self.log(
+                f"launch: fewer than --min-nodes {hosts.min_nodes} host(s) can take part "
+                f"({', '.join(f'{h}: {w}' for h, w in (hosts.excluded | hosts.banned).items()) or 'none healthy'}); "
+                "giving up: bring hosts back and run the same command again"
+            )
+            return None
+        gone = [h for h in before if h not in choice.hosts]
+        for old, new in zip(gone, [h for h in choice.hosts if h not in before], strict=False):
+            self.log(f"launch: {new} replaces {old}")
+            self._append(NodeReplaced(step=self._step(), old=old, new=new))
+        world = sum(hosts.slots[h] for h in choice.hosts)
+        previous = sum(hosts.slots[h] for h in before) if before else None
+        if previous is not None and world != previous:
+            self.log(
+                f"launch: {previous} -> {world} process(es) on {len(choice.hosts)} node(s), "
+                f"{choice.grad_accum} micro-batches per step (the global batch kept)"
+            )
+            self._append(
+                WorldResized(step=self._step(), previous=previous, size=world, accumulation=choice.grad_accum)
+            )
+        hosts.in_use, self.ssh_nodes = list(choice.hosts), list(choice.hosts)
+        if self.leader:
+            with contextlib.suppress(OSError):
+                atomic.write_json(monitor_dir(self.run_dir) / HOSTS_FILE, hosts.view())
+        return choice
+
+    def _note_lost_nodes(self, job: Job) -> None:
+        """A failed job's lost nodes, events and the last place in the host set's preference: of
+        the hosts pdsh reported, those whose ranks vanished (killed with their node, not exited
+        with a reason as the survivors that lost them do); the first reported when no record says."""
+        if self.hosts is None or not job.node_exits:
+            return
+        vanished = {r.get("node") for r in rank_records(self.run_dir) if not r.get("exited")}
+        nodes = self.ssh_nodes
+        dead = [nodes[n] for n in sorted(n for n in vanished if isinstance(n, int) and 0 <= n < len(nodes))]
+        reported = {failed.host: failed for failed in job.node_exits}
+        for host in dead or [job.node_exits[0].host]:
+            if host in self.hosts.lost:
+                continue
+            self.hosts.lost.append(host)
+            failed = reported.get(host)
+            why = "its ranks vanished" if failed is None else f"its launcher exited with status {failed.code}"
+            if failed is not None and failed.last_line:
+                why += f": {failed.last_line}"
+            self.log(f"launch: {host} lost ({why})")
+            self._append(NodeLost(step=self._step(), host=host, ranks=self.hosts.ranks(host), reason=why))
+
+    def _replace_node(self, job: Job) -> str:
+        """The trainer saved and stopped to move off a node (RUN_DIR/monitor/replace.json: a
+        straggler's): leave that host out for the rest of the run; without a host set or a spare
+        to take its place, go on with it and warn instead. The restart's reason."""
+        try:
+            asked = json.loads((monitor_dir(self.run_dir) / REPLACE_FILE).read_text())
+            host, why = str(asked["host"]), str(asked.get("reason") or "asked by the trainer")
+        except (OSError, ValueError, KeyError, TypeError):
+            host, why = "?", "asked by the trainer"
+        able = self.hosts is not None and host in self.hosts.in_use
+        if able and (self.hosts.spares() or len(self.hosts.in_use) > self.hosts.min_nodes):
+            self.hosts.banned[host] = why
+            self.log(f"launch: moving off {host}: {why}")
+            self._append(NodeExcluded(step=self._step(), host=host, ranks=self.hosts.ranks(host), reason=why))
+            return f"replace {host} ({why})"
+        self.log(f"launch: no spare to take {host}'s place ({why}); going on with it, stragglers only warned")
+        self.extra_overrides = [*self.extra_overrides, "monitor.on_straggler=warn"]
+        return f"{host} straggles and cannot be replaced ({why})"
+
+    def _recent_restarts(self) -> list[float]:
+        """The counted restarts within monitor.restart_window_hours (all of them when it is null)."""
+        hours, now = self.config.restart_window_hours, self.clock()
+        return [t for t in self.restart_times if hours is None or now - t < hours * 3600]
+
+    def _window_words(self) -> str:
+        hours = self.config.restart_window_hours
+        return "in the run" if hours is None else f"within monitor.restart_window_hours={hours:g}"
+
+    def _step(self) -> int | None:
+        return self.state.last_step() if self.state is not None else None
+
+    def _append(self, event: Event) -> None:
+        """Node 0: an event of the host set; a full disk loses the line, not the supervisor."""
+        if self.leader:
+            with contextlib.suppress(OSError):
+                append_event(self.run_dir, event)
+
     # --------------------------------------------------------------------------- records
 
     def _record_restart(self, restarts: int, reason: str) -> None:
@@ -574,7 +714,7 @@ class Supervisor:
             resume_from=resume,
         )
         self.log(
-            f"launch: restart {restarts}/{self.config.max_restarts} after {reason}, "
+            f"launch: restart {len(self._recent_restarts())}/{self.config.max_restarts} after {reason}, "
             f"from {resume or 'the beginning (no complete checkpoint yet)'}"
         )
         if self.state is not None:  # node 0: the service records it (events, /status, Prometheus)

@@ -1,7 +1,12 @@
 """`pretrain launch`: check the run as its job would, then run the DeepSpeed launcher under the
 supervisor and the monitoring service (`monitoring/supervisor.py`).
 
-    pretrain launch --config CFG [--nproc N] [--hostfile H] [--no-ssh --node-rank K] [--fresh] [overrides...]
+    pretrain launch --config CFG [--nproc N] [--hostfile H [--nodes N] [--min-nodes M]]
+                    [--no-ssh --node-rank K] [--fresh] [overrides...]
+
+Over ssh, the supervisor owns the host set (`monitoring/hosts.py`): it checks the hostfile's hosts
+before each start, trains on `--nodes` of them, keeps the rest as spares, and after a node is lost
+starts again on healthy ones (fewer, down to `--min-nodes`, when no spare is left).
 
 Node 0's launch holds the run directory's lock (`pretrain/run_dir.py`) for the job's life; the
 job's launcher inherits it, so it is released only when the last process of the job is gone.
@@ -18,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from monitoring.hosts import Choice, HostSet
 from monitoring.supervisor import Supervisor, run_completed
 from pretrain import atomic
 from pretrain.config import load_config
@@ -38,11 +44,13 @@ def launcher_command(
     master_port: int | None = None,
     no_ssh: bool = False,
     node_rank: int = 0,
+    force_multi: bool = False,
 ) -> list[str]:
-    """The DeepSpeed launcher running `python -m pretrain.train MODULE_ARGS` on this node or a hostfile's."""
+    """The DeepSpeed launcher running `python -m pretrain.train MODULE_ARGS` on this node or a
+    hostfile's (`force_multi`: over ssh even when the hostfile names one host)."""
     command = [sys.executable, "-m", "pretrain.cli.deepspeed_runner", "--log_level", deepspeed_log_level()]
     if hostfile:
-        command += ["--hostfile", hostfile]
+        command += ["--hostfile", hostfile] + (["--force_multi"] if force_multi else [])
         if master_addr:
             command += ["--master_addr", master_addr]
     if no_ssh:
@@ -128,6 +136,56 @@ def read_hostfile(path: str) -> dict[str, int]:
     return dict(hosts)
 
 
+def what_next(cfg, run_dir: Path) -> str:
+    """After a complete run: where to look next."""
+    lines = [f"tensorboard --logdir {run_dir / 'tensorboard'}"] if cfg.logging.tensorboard else []
+    lines += [
+        f'pretrain generate --checkpoint {run_dir} --prompt "..."',
+        f"pretrain export-hf --checkpoint {run_dir} --out {run_dir / 'hf'}",
+    ]
+    return "next: " + "\n      ".join(lines)
+
+
+ATTEMPT_HOSTFILE = "monitor/hostfile"  # over ssh: the hosts of the current start, written before it
+
+
+def host_set(
+    hosts: dict[str, int] | None, nodes: int | None, min_nodes: int | None, no_ssh: bool, cfg
+) -> HostSet | None:
+    """The supervisor's host set for a launch over ssh (more than one host, or --nodes); None for
+    a launch on this machine or in the no-ssh mode. One clear error for counts that cannot be."""
+    if (nodes is not None or min_nodes is not None) and (hosts is None or no_ssh):
+        raise UserError(
+            "--nodes and --min-nodes need --hostfile over ssh (not --no-ssh): they choose among its hosts"
+        )
+    if hosts is None or no_ssh or (len(hosts) == 1 and nodes is None):
+        return None
+    nodes = len(hosts) if nodes is None else nodes
+    if not 1 <= nodes <= len(hosts):
+        raise UserError(f"--nodes {nodes}: the hostfile lists {len(hosts)} host(s); pass 1 to {len(hosts)}")
+    min_nodes = nodes if min_nodes is None else min_nodes
+    if not 1 <= min_nodes <= nodes:
+        raise UserError(f"--min-nodes {min_nodes} must be from 1 to --nodes ({nodes})")
+    return HostSet(
+        slots=dict(hosts),
+        nodes=nodes,
+        min_nodes=min_nodes,
+        micro_batch=cfg.train.micro_batch_size,
+        grad_accum=cfg.train.grad_accum,
+    )
+
+
+def write_attempt_hostfile(run_dir: Path, slots: dict[str, int]) -> str:
+    """RUN_DIR/monitor/hostfile: the hosts a start runs on, for DeepSpeed's launcher."""
+    path = run_dir / ATTEMPT_HOSTFILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, "".join(f"{host} slots={n}\n" for host, n in slots.items()))
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}: free space or fix permissions") from None
+    return str(path.absolute())
+
+
 def launch(
     config_path: str,
     overrides: list[str],
@@ -138,6 +196,8 @@ def launch(
     master_port: int | None = None,
     no_ssh: bool = False,
     node_rank: int = 0,
+    nodes: int | None = None,
+    min_nodes: int | None = None,
     log=None,
     next_steps: bool = True,
 ) -> int:
@@ -154,9 +214,13 @@ def launch(
     hosts = read_hostfile(hostfile) if hostfile else None
     if hosts is not None and node_rank >= len(hosts):
         raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
-    over_ssh = hosts is not None and len(hosts) > 1 and not no_ssh  # DeepSpeed's launcher then uses pdsh
     per_node = nproc if nproc is not None or hosts else local_process_count()
-    world_size = sum(per_node or slots for slots in hosts.values()) if hosts else per_node
+    if hosts is not None and nproc is not None:
+        hosts = {host: nproc for host in hosts}  # (--num_gpus: that many processes on every host)
+    spares = host_set(hosts, nodes, min_nodes, no_ssh, cfg)
+    over_ssh = spares is not None  # DeepSpeed's launcher then uses pdsh
+    used = list(hosts)[: spares.nodes] if spares is not None else list(hosts or [])
+    world_size = sum(hosts[h] for h in used) if hosts else per_node
     checked = preflight(cfg, world_size)
     pin_accelerator()  # the job's processes skip DeepSpeed's accelerator probe (and its note)
     if master_addr is None and hosts:
@@ -172,7 +236,19 @@ def launch(
         if cfg.checkpoint.resume == "fresh":
             module_args.append("checkpoint.resume=auto")  # started over above: not again at each restart
 
-        def make_command() -> list[str]:
+        def make_command(choice: Choice | None = None) -> list[str]:
+            if choice is not None:  # over ssh: this start's hosts, with the accumulation they need
+                resized = [f"train.grad_accum={choice.grad_accum}"] * (
+                    choice.grad_accum != cfg.train.grad_accum
+                )
+                return launcher_command(
+                    [*module_args, *resized],
+                    nproc=per_node,
+                    hostfile=write_attempt_hostfile(run_dir, {h: hosts[h] for h in choice.hosts}),
+                    master_addr=master_addr if master_addr in choice.hosts else choice.hosts[0],
+                    master_port=master_port,
+                    force_multi=True,
+                )
             return launcher_command(
                 module_args,
                 nproc=per_node,
@@ -195,20 +271,17 @@ def launch(
             base_seed=cfg.run.seed,
             log=log,
             lock=lock,
-            ssh_nodes=list(hosts) if over_ssh else None,
+            hosts=spares,
             job_env=job_env,
             resume=resume_hint(no_ssh),
         )
-        where = f"{len(hosts)} node(s) from {hostfile}" if hosts else "this machine"
+        where = f"{len(used)} node(s) from {hostfile}" if hosts else "this machine"
+        if spares is not None and len(hosts) > spares.nodes:
+            where += f" ({len(hosts) - spares.nodes} spare(s); at least {spares.min_nodes} node(s))"
         log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
         code = supervisor.run()
         if code == ExitCode.DONE and node_rank == 0 and next_steps and run_completed(run_dir):
-            lines = [f"tensorboard --logdir {run_dir / 'tensorboard'}"] if cfg.logging.tensorboard else []
-            lines += [
-                f'pretrain generate --checkpoint {run_dir} --prompt "..."',
-                f"pretrain export-hf --checkpoint {run_dir} --out {run_dir / 'hf'}",
-            ]
-            log("next: " + "\n      ".join(lines))
+            log(what_next(cfg, run_dir))
         return code
     finally:
         if lock is not None:

@@ -81,6 +81,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         no_ssh=args.no_ssh,
         node_rank=args.node_rank,
+        nodes=args.nodes,
+        min_nodes=args.min_nodes,
     )
 
 
@@ -144,6 +146,18 @@ def register(sub) -> None:
         "--no-ssh", action="store_true", help="the launcher's no-ssh mode: run on every node with --node-rank"
     )
     launch.add_argument("--node-rank", type=int, default=0, help="this node's rank in --no-ssh mode")
+    launch.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="train on this many of --hostfile's hosts and keep the rest as spares (default: all of them)",
+    )
+    launch.add_argument(
+        "--min-nodes",
+        type=int,
+        default=None,
+        help="with no healthy spare, restart on fewer nodes down to this many, the global batch kept (default: --nodes)",
+    )
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     launch.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     launch.set_defaults(handler=cmd_launch)

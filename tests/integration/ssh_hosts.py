@@ -17,6 +17,8 @@ Use: `from tests.integration.ssh_hosts import ssh_hosts  # noqa: F401` in a conf
         subprocess.run(["deepspeed", "--hostfile", str(hostfile), ...], env=ssh_hosts.env)
 """
 
+from __future__ import annotations
+
 import contextlib
 import getpass
 import os
@@ -61,15 +63,87 @@ class SshHosts:
         finally:
             wrapper.write_text(original)
 
-    def remote_pids(self) -> list[int]:
-        """The live processes started through this sshd and their descendants, wherever they are in the
-        process tree now (a remote command outlives its ssh client, pdsh and sshd's session)."""
-        entry, found = f"{TAG}={self.root}".encode(), []
+    @contextlib.contextmanager
+    def extra_host(self, name: str) -> Iterator[ExtraHost]:
+        """One more host name for this machine, `name`, served by an sshd of its own on another port,
+        which `stop()` takes down with everything started through it: a node that dies."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        tag = f"{self.root}/{name}"
+        config = self.root / f"sshd_config.{name}"
+        config.write_text(_sshd_config(self.root, port, self.env["PATH"], tag, pid_file=f"sshd.{name}.pid"))
+        client = self.root / "ssh_config"
+        block = _client_block(self.root, name, port)
+        client.write_text(block + client.read_text())
+        host = ExtraHost(name, _start_sshd(config, self.root / f"sshd.{name}.log", port), tag, self)
+        try:
+            yield host
+        finally:
+            host.stop()
+            client.write_text(client.read_text().replace(block, ""))
+
+    def remote_pids(self, tag: str | None = None) -> list[int]:
+        """The live processes started through this sshd (or the extra host's whose `tag` is given)
+        and their descendants, wherever they are in the process tree now (a remote command outlives
+        its ssh client, pdsh and sshd's session)."""
+        entry, found = f"{TAG}={tag or self.root}".encode(), []
         for proc in Path("/proc").iterdir():
             with contextlib.suppress(OSError):
                 if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
                     found.append(int(proc.name))
         return found
+
+
+@dataclass
+class ExtraHost:
+    name: str
+    sshd: subprocess.Popen
+    tag: str
+    hosts: SshHosts
+
+    def stop(self) -> None:
+        """The node dies: its sshd and every process started through it, at once (SIGKILL)."""
+        if self.sshd.poll() is None:
+            self.sshd.kill()
+            self.sshd.wait(timeout=10)
+        for _ in range(100):
+            if not (pids := self.hosts.remote_pids(self.tag)):
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def _sshd_config(root: Path, port: int, path: str, tag: str, pid_file: str = "sshd.pid") -> str:
+    return (
+        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {root / 'host_key'}\nPidFile {root / pid_file}\n"
+        f"AuthorizedKeysFile {root / 'authorized_keys'}\nAllowUsers {getpass.getuser()}\n"
+        "StrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nPermitUserEnvironment no\nX11Forwarding no\nPrintMotd no\n"
+        f'PrintLastLog no\nMaxStartups 100\nSetEnv "PATH={path}" "{TAG}={tag}"\n'
+    )
+
+
+def _client_block(root: Path, hosts: str, port: int) -> str:
+    return (
+        f"Host {hosts}\n  HostName 127.0.0.1\n  Port {port}\n  IdentityFile {root / 'id_ed25519'}\n"
+        f"  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile {root / 'known_hosts'}\n"
+        "  GlobalKnownHostsFile /dev/null\n  CheckHostIP no\n  LogLevel ERROR\n  BatchMode yes\n"
+    )
+
+
+def _start_sshd(config: Path, log: Path, port: int) -> subprocess.Popen:
+    with log.open("w") as out:
+        sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", config], stdout=out, stderr=out)
+    deadline = time.monotonic() + 10
+    while f"listening on 127.0.0.1 port {port}" not in log.read_text():
+        if sshd.poll() is not None or time.monotonic() > deadline:
+            sshd.kill()
+            pytest.fail(f"ssh hosts: sshd did not start: {_last_line(log.read_text())}")
+        time.sleep(0.02)
+    return sshd
 
 
 def _last_line(text: str) -> str:
@@ -104,31 +178,16 @@ def _serve(root: Path) -> Iterator[SshHosts]:
         "down",
         root,
     )
-    (root / "sshd_config").write_text(
-        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {root / 'host_key'}\nPidFile {root / 'sshd.pid'}\n"
-        f"AuthorizedKeysFile {root / 'authorized_keys'}\nAllowUsers {getpass.getuser()}\n"
-        "StrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\nPermitUserEnvironment no\nX11Forwarding no\nPrintMotd no\n"
-        f'PrintLastLog no\nMaxStartups 100\nSetEnv "PATH={remote.env["PATH"]}" "{TAG}={root}"\n'
-    )
+    (root / "sshd_config").write_text(_sshd_config(root, port, remote.env["PATH"], str(root)))
     (root / "ssh_config").write_text(
-        f"Host {' '.join(hosts)}\n  HostName 127.0.0.1\n  Port {port}\n  IdentityFile {root / 'id_ed25519'}\n"
-        f"  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile {root / 'known_hosts'}\n"
-        "  GlobalKnownHostsFile /dev/null\n  CheckHostIP no\n  LogLevel ERROR\n  BatchMode yes\n"
-        f"Host {remote.down}\n  HostName 127.0.0.1\n  Port {closed_port}\n  BatchMode yes\n  LogLevel ERROR\n"
+        _client_block(root, " ".join(hosts), port)
+        + f"Host {remote.down}\n  HostName 127.0.0.1\n  Port {closed_port}\n  BatchMode yes\n  LogLevel ERROR\n"
     )
     (root / "bin" / "ssh").write_text(f'#!/bin/sh\nexec {SSH} -F "{root / "ssh_config"}" "$@"\n')
     (root / "bin" / "ssh").chmod(0o755)
 
-    log = root / "sshd.log"
-    with log.open("w") as out:
-        sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", root / "sshd_config"], stdout=out, stderr=out)
+    sshd = _start_sshd(root / "sshd_config", root / "sshd.log", port)
     try:
-        deadline = time.monotonic() + 10
-        while f"listening on 127.0.0.1 port {port}" not in log.read_text():
-            if sshd.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ssh hosts: sshd did not start: {_last_line(log.read_text())}")
-            time.sleep(0.02)
         check = subprocess.run(
             ["ssh", hosts[-1], "true"], env=remote.env, capture_output=True, text=True, timeout=30
         )

@@ -41,6 +41,18 @@ def test_launch_refuses_bad_input_before_starting_anything(tmp_path, train_data,
     common = ["--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST]
     for args in (["--nproc", "0"], ["--hostfile", str(tmp_path / "missing")], ["--node-rank", "1"]):
         assert_one_line_error(cli("launch", *args, *common))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=1\nb slots=1\n")
+    for args, message in (
+        (["--nodes", "2"], "--nodes and --min-nodes need --hostfile over ssh"),
+        (["--hostfile", str(hostfile), "--nodes", "3"], "--nodes 3: the hostfile lists 2 host(s)"),
+        (["--hostfile", str(hostfile), "--nodes", "2", "--min-nodes", "3"], "--min-nodes 3 must be from 1"),
+        (
+            ["--hostfile", str(hostfile), "--no-ssh", "--nodes", "1"],
+            "need --hostfile over ssh (not --no-ssh)",
+        ),
+    ):
+        assert_one_line_error(cli("launch", *args, *common), message)
     result = cli("launch", "--nproc", "2", *common, "faults.kill_step=3", "faults.kill_rank=2")
     assert_one_line_error(result, "faults.kill_rank=2 but the job has 2 rank(s)")
     assert_one_line_error(
@@ -148,3 +160,37 @@ def test_a_hang_with_every_rank_alive_or_cleanly_exited_is_a_hang(tmp_path, monk
     job = FakeJob(exits_after=None, status=1, stopped_with=143)
     reason, log = first_restart(tmp_path, monkeypatch, job, ranks)
     assert reason.startswith("hang: no step for 10 s (limit 1 s)") and job.stopped, log
+
+
+@pytest.mark.parametrize(
+    "minutes_apart, window_hours, starts, code",
+    [
+        (1, 1.0, 4, 1),  # a crash loop: the 4th failure within the hour finds the budget (3) spent
+        (30, 1.0, 11, 0),  # a failure every half hour: never more than 2 restarts in an hour
+        (30, None, 4, 1),  # null: the whole run counts, the rule before the window
+    ],
+)
+def test_the_restart_budget_counts_restarts_within_a_window_of_time(
+    tmp_path, monkeypatch, minutes_apart, window_hours, starts, code
+):
+    """monitor.max_restarts (3) restarts within monitor.restart_window_hours: a job that fails
+    every `minutes_apart` minutes (a fake clock) is restarted until it completes at its 11th start,
+    or given up on when the budget is spent."""
+    now = [0.0]
+
+    def start(command, attempt, **kwargs):
+        now[0] += minutes_apart * 60
+        if attempt == 10:
+            (tmp_path / SUMMARY_FILE).write_text(json.dumps({"completed": True, "step": 10}))
+            return FakeJob(exits_after=1, status=0, attempt=attempt)
+        return FakeJob(exits_after=1, status=1, attempt=attempt)
+
+    monkeypatch.setattr(sv.Job, "start", start)
+    log: list[str] = []
+    config = MonitorConfig(max_restarts=3, restart_window_hours=window_hours)
+    supervisor = Supervisor(lambda: ["train"], tmp_path, config, poll_seconds=0.01, log=log.append)
+    supervisor.clock = lambda: now[0]
+    assert supervisor.run() == code
+    assert sum(line.startswith("launch: restart") for line in log) == starts - 1, log
+    if code:
+        assert "is spent; giving up" in log[-1], log
