@@ -434,8 +434,8 @@ class Supervisor:
                     self._set_state("failed", job.attempt)
                     self.log(
                         f"launch: the job failed ({reason}) and the restart budget "
-                        f"(monitor.max_restarts={self.config.max_restarts} {self._window_words()}) "
-                        "is spent; giving up"
+                        f"(monitor.max_restarts={self.config.max_restarts}) is spent "
+                        f"{self._window_words()}; giving up"
                     )
                     return detail if outcome == "exit" and detail > 0 else ExitCode.FAILED
                 restarts += 1

@@ -64,6 +64,23 @@ class SshHosts:
             wrapper.write_text(original)
 
     @contextlib.contextmanager
+    def refuses_launch(self, host: str) -> Iterator[None]:
+        """Within this block, ssh to `host` fails as a refused connection when it would start a
+        DeepSpeed launcher there (other commands, a host's check before a start, still reach it):
+        a host that goes down between its check and the launch."""
+        wrapper = self.root / "bin" / "ssh"
+        original = wrapper.read_text()
+        refuse = (
+            f'case " $* " in *" {host} "*" -m deepspeed.launcher.launch "*) '
+            f'echo "ssh: connect to host {host} port 22: Connection refused" >&2; exit 255;; esac\n'
+        )
+        wrapper.write_text(original.replace("exec ", refuse + "exec ", 1))
+        try:
+            yield
+        finally:
+            wrapper.write_text(original)
+
+    @contextlib.contextmanager
     def extra_host(self, name: str) -> Iterator[ExtraHost]:
         """One more host name for this machine, `name`, served by an sshd of its own on another port,
         which `stop()` takes down with everything started through it: a node that dies."""

@@ -76,15 +76,16 @@ def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_
 
 
 def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_hosts, tmp_path, train_data):
-    """The second host is down (its ssh connection is refused): rank 0 would wait for it in the
-    rendezvous until the startup limit; pdsh's report of that host ends the job within seconds.
-    The live host is slow to start its launcher, as a loaded machine can be: the stop reaches it
-    before its launcher is there, and must still stop the rank it starts (else that rank waits in
-    the rendezvous, the job's stop waits out its grace, and the supervisor waits for the rank)."""
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text(f"localhost slots=1\n{ssh_hosts.down} slots=1\n")
+    """The second host passes its check, then goes down as the job starts (its ssh connection is
+    refused): rank 0 would wait for it in the rendezvous until the startup limit; pdsh's report of
+    that host ends the job within seconds. The live host is slow to start its launcher, as a loaded
+    machine can be: the stop reaches it before its launcher is there, and must still stop the rank
+    it starts (else that rank waits in the rendezvous, the job's stop waits out its grace, and the
+    supervisor waits for the rank)."""
+    hostfile = ssh_hosts.write_hostfile(tmp_path / "hostfile")
+    second = ssh_hosts.hosts[1]
     started = time.time()
-    with ssh_hosts.slow_to_launch("localhost", seconds=2):
+    with ssh_hosts.slow_to_launch("localhost", seconds=2), ssh_hosts.refuses_launch(second):
         result = subprocess.run(
             launch_command(
                 hostfile, tmp_path / "run", train_data, "train.steps=10", "monitor.max_restarts=0"
@@ -98,8 +99,37 @@ def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_ho
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 255, output
     (line,) = [line for line in result.stdout.splitlines() if "failed: its launcher exited" in line]
-    assert line.startswith(f"launch: node 1 ({ssh_hosts.down}) failed: its launcher exited with status 255: ")
+    assert line.startswith(f"launch: node 1 ({second}) failed: its launcher exited with status 255: ")
     assert "Connection refused" in line and line.endswith("stopping the job on every node")
-    assert took < 30, f"{took:.0f} s\n{output}"  # not the 30-minute startup limit, nor the stop's grace
+    assert took < 60, f"{took:.0f} s\n{output}"  # not the 30-minute startup limit, nor the stop's grace
     assert not ssh_hosts.remote_pids() and not processes_of(tmp_path / "run")
     print(f"the job ended {took:.1f} s after it was started")
+
+
+def test_a_host_down_before_the_start_is_named_and_nothing_is_started(ssh_hosts, tmp_path, train_data):
+    """The second host is down (its ssh connection is refused): its check before the start fails,
+    so the job is not started at all (rank 0 would wait for it in the rendezvous until the startup
+    limit); with no spare and --min-nodes at its default (every host), the launch gives up at
+    once, naming the host and why."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"localhost slots=1\n{ssh_hosts.down} slots=1\n")
+    started = time.time()
+    result = subprocess.run(
+        launch_command(hostfile, tmp_path / "run", train_data, "train.steps=10"),
+        env=ssh_hosts.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    took = time.time() - started
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 1, output
+    (line,) = [line for line in result.stdout.splitlines() if "left out" in line]
+    assert line.startswith(f"launch: {ssh_hosts.down} left out: ssh: ") and "Connection refused" in line
+    assert "fewer than --min-nodes 2 host(s) can take part" in result.stdout
+    assert (tmp_path / "run" / "monitor" / "hosts.json").exists() is False  # (no start: no host set)
+    assert took < 60, f"{took:.0f} s\n{output}"  # the check, not the 30-minute startup limit
+    assert not ssh_hosts.remote_pids() and not processes_of(tmp_path / "run")
+    (excluded,) = [e for e in events(tmp_path / "run") if e["type"] == "node_excluded"]
+    assert excluded["host"] == ssh_hosts.down and excluded["ranks"] == []
+    print(f"the launch gave up {took:.1f} s after it was started")
