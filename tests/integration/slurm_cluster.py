@@ -12,6 +12,12 @@ backed by links to /dev/null: Slurm drops the device index of a plain file and t
 CUDA_VISIBLE_DEVICES. A job with `--gpus-per-node=2` sees SLURM_GPUS_ON_NODE=2, SLURM_GPUS_PER_NODE=2,
 SLURM_JOB_GPUS=0,1, CUDA_VISIBLE_DEVICES=0,1 and GPU_DEVICE_ORDINAL=0,1 (its srun steps also
 SLURM_STEP_GPUS=0,1). Processes are tracked by proctrack/linuxproc (no cgroup, no systemd needed).
+A second node, `node1` (`ABSENT`), is declared DOWN and never started; it is in partition `pair`
+(`PAIR`) with node0, while the default partition, debug, is node0 alone. A job in `pair` runs on node0;
+excluded from node0 (`ExcNodeList=node0`) it stays PENDING (Reason=ReqNodeNotAvail,...node1), and
+runs again once the exclusion is cleared (`scontrol update JobId=N ExcNodeList=`). Slurm refuses a
+running job's ExcNodeList ("Job is no longer pending execution"); a requeued one, COMPLETING or
+PENDING, takes it.
 
 Timing, Slurm 22.05: slurmctld tests time limits every 30 to 31 s (PERIODIC_TIMEOUT, fixed at build
 time; `TIME_LIMIT_CHECK_S`), the first 30 s after its start (`started_at`). `--signal=B:SIG@N` goes out
@@ -48,6 +54,8 @@ from pathlib import Path
 import pytest
 
 NODE = "node0"
+ABSENT = "node1"  # declared DOWN, never started
+PAIR = "pair"  # the partition of NODE and ABSENT
 GPUS = 2
 CPUS = 16
 TIME_LIMIT_CHECK_S = 30
@@ -179,7 +187,9 @@ MinJobAge=3600
 ReturnToService=2
 SlurmdParameters=config_overrides
 NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory=16000 Gres=gpu:{GPUS}
+NodeName={ABSENT} NodeAddr=192.0.2.1 CPUs={CPUS} RealMemory=16000 State=DOWN Reason=absent
 PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
+PartitionName={PAIR} Nodes={NODE},{ABSENT} MaxTime=INFINITE State=UP
 """)
         (root / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={root}/dev/nvidia[0-{GPUS - 1}]\n")
 

@@ -1,13 +1,14 @@
 """launch/slurm.sbatch under a real one-machine Slurm (slurmctld, slurmd, munge; GPUs declared as
 GRES backed by placeholder devices: tests/integration/slurm_cluster.py): slots follow what Slurm
 allocated, zero slots is one line, the time-limit warning ends in a checkpoint saved by design and
-a requeued job that resumes from it, and scancel leaves nothing running."""
+a requeued job that resumes from it, a failed node is excluded from the requeued job (or, with no
+node left, the job is not requeued), and scancel leaves nothing running."""
 
 from pretrain import checkpoint as ck
 from pretrain.config import REPO_CONFIG_DIR
 from pretrain.distributed import free_port
 from tests.integration.runs import FAST, TINY, events
-from tests.integration.slurm_cluster import FINAL_STATES
+from tests.integration.slurm_cluster import ABSENT, FINAL_STATES, NODE, PAIR
 from tests.integration.test_ownership import CALM, processes_of, step_events, wait_for
 
 REPO = REPO_CONFIG_DIR.parent
@@ -33,6 +34,12 @@ def submit(slurm, tmp_path, *sbatch_args, steps=40):
         *CALM,
     ]
     return slurm.sbatch(args, cwd=REPO)
+
+
+def supervisor_of(run_dir):
+    """The node's `pretrain launch` (the Slurm task itself: multi_node.sh execs it), or None."""
+    found = [p for p in processes_of(run_dir) if "launch" in p.cmdline()[:4]]
+    return found[0] if found else None
 
 
 def training(slurm, job, run_dir) -> bool:
@@ -69,7 +76,7 @@ def test_the_time_limit_warning_saves_requeues_and_the_job_resumes(slurm, tmp_pa
     assert not processes_of(run_dir)
 
 
-def test_zero_slots_is_one_line_a_lost_supervisor_requeues_and_scancel_leaves_nothing_running(
+def test_zero_slots_is_one_line_a_lost_supervisor_requeues_without_its_node_and_scancel_leaves_nothing_running(
     slurm, tmp_path, train_data
 ):
     slurm.data = train_data
@@ -81,23 +88,62 @@ def test_zero_slots_is_one_line_a_lost_supervisor_requeues_and_scancel_leaves_no
 
     slurm.env["PROCS_PER_NODE"] = "2"  # a CPU node: processes per node as the user gives them
     run_dir = tmp_path / "run"
-    job = submit(slurm, tmp_path, "--nodes=1", steps=400)
+    # In partition PAIR: the job's node and ABSENT (down), so a node is left once NODE is excluded.
+    job = submit(slurm, tmp_path, "--nodes=1", f"--partition={PAIR}", steps=400)
     assert training(slurm, job, run_dir), slurm.log(tmp_path / "job.out")
-    (supervisor,) = [p for p in processes_of(run_dir) if "launch" in p.cmdline()[:4]]
+    supervisor = supervisor_of(run_dir)
     supervisor.kill()  # the node's supervisor is lost: its ranks save and stop, the step fails
     assert wait_for(lambda: slurm.job(job)["Restarts"] == "1", timeout=90), slurm.log(tmp_path / "job.out")
     (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
     assert all(f"its supervisor (pid {supervisor.pid} on" in r["why"] for r in stop["requested_by"])
+    # srun's own line named the node: the requeued job excludes it, and waits for a node (ABSENT's down)
+    output = slurm.log(tmp_path / "job.out")
+    assert f"srun: error: {NODE}: task 0: Killed" in output
+    assert (
+        f"slurm.sbatch: leaving {NODE} (node 0, ranks 0-1) out of the requeued job: srun: task 0: Killed "
+        f"(ExcNodeList={NODE})" in output
+    ), output
+    assert f"the job failed on some node (status 137); requeueing job {job} (1 of MAX_REQUEUES=10)" in output
+    (excluded,) = [e for e in events(run_dir) if e["type"] == "node_excluded"]
+    assert excluded["host"] == NODE and excluded["ranks"] == [0, 1] and excluded["step"] >= 3
+    assert excluded["reason"] == "srun: task 0: Killed"
+    assert slurm.job(job)["ExcNodeList"] == NODE
+    assert wait_for(lambda: ABSENT in slurm.job(job)["Reason"], timeout=30), slurm.job(job)  # not on NODE
+    assert slurm.state(job) == "PENDING"
+
+    slurm.run(["scontrol", "update", f"JobId={job}", "ExcNodeList="])  # the node is back: the job runs
     assert wait_for(
         lambda: max(step_events(run_dir)) > ck.step_of(stop["saved"]) + 2 or slurm.state(job) in FINAL_STATES,
         timeout=180,
     ), slurm.log(tmp_path / "job.out")
-    output = slurm.log(tmp_path / "job.out")
-    assert f"the job failed on some node (status 137); requeueing job {job} (1 of MAX_REQUEUES=10)" in output
-    assert f"(resumed from {stop['saved']})" in output
+    assert f"(resumed from {stop['saved']})" in slurm.log(tmp_path / "job.out")
 
     assert len(processes_of(run_dir)) >= 3  # the supervisor, the launcher, two ranks
     slurm.run(["scancel", str(job)])
     assert slurm.wait(job, timeout=60) == "CANCELLED"
     assert wait_for(lambda: not processes_of(run_dir), timeout=30), processes_of(run_dir)
     assert slurm.job(job)["Restarts"] == "1"  # a cancelled job is not requeued
+
+
+def test_a_job_whose_partition_has_no_node_left_without_the_failed_one_is_not_requeued(
+    slurm, tmp_path, train_data
+):
+    slurm.data = train_data
+    slurm.env["PROCS_PER_NODE"] = "2"
+    run_dir = tmp_path / "run"
+    job = submit(slurm, tmp_path, "--nodes=1")  # the default partition: NODE alone
+    assert wait_for(
+        lambda: supervisor_of(run_dir) is not None or slurm.state(job) in FINAL_STATES, timeout=60
+    )
+    supervisor_of(run_dir).kill()  # at once: the step fails before training
+    assert slurm.wait(job, timeout=60) == "FAILED", slurm.log(tmp_path / "job.out")
+    output = slurm.log(tmp_path / "job.out")
+    assert slurm.job(job)["ExitCode"] == "137:0" and slurm.job(job)["Restarts"] == "0", output
+    assert (
+        f"slurm.sbatch: not requeueing job {job}: it needs 1 node(s), and partition debug has 0 left without "
+        f"{NODE}; failed: {NODE} (srun: task 0: Killed)" in output
+    ), output
+    assert "the job failed on some node" not in output and slurm.job(job)["ExcNodeList"] == "(null)"
+    recorded = events(run_dir) if (run_dir / "events.jsonl").exists() else []
+    assert not [e for e in recorded if e["type"] == "node_excluded"]  # nothing was excluded
+    assert wait_for(lambda: not processes_of(run_dir), timeout=30), processes_of(run_dir)
