@@ -182,10 +182,17 @@ def blamed(job: SlurmJob, srun_log: Path) -> dict[str, str]:
     return found
 
 
-def record(run_dir: Path, job: SlurmJob, exclusion: Exclusion, slots: int) -> None:
-    """A `node_excluded` event per node left out (`step`: the last one the run's events name)."""
+def record(launch_args: list[str], job: SlurmJob, exclusion: Exclusion, slots: int) -> None:
+    """A `node_excluded` event per node left out, in the run directory of the script's arguments
+    (`step`: the last one the run's events name). Not recorded is one line: the exclusion stands."""
+    launch = parse(["launch", *launch_args])
+    try:
+        run_dir = Path(load_config(launch.config, launch.overrides).run.dir)
+    except UserError as exc:
+        print(f"{PROG}: the exclusion is not recorded: {exc}", file=sys.stderr)
+        return
     if not run_dir.is_dir():
-        print(f"{PROG}: {run_dir} does not exist (yet): the exclusion is not recorded there", file=sys.stderr)
+        print(f"{PROG}: the exclusion is not recorded: {run_dir} does not exist (yet)", file=sys.stderr)
         return
     step = next((e.step for e in reversed(read_events(run_dir)) if e.step is not None), None)
     for node, why in exclusion.failed.items():
@@ -195,8 +202,6 @@ def record(run_dir: Path, job: SlurmJob, exclusion: Exclusion, slots: int) -> No
 
 def exclude(job_id: str, srun_log: Path, slots: int, launch_args: list[str]) -> str:
     """The verdict line for the script (see the module's docstring), after its lines and events."""
-    launch = parse(["launch", *launch_args])
-    run_dir = Path(load_config(launch.config, launch.overrides).run.dir)
     job = slurm_job(job_id)
     exclusion = decide(job, blamed(job, srun_log))
     for line in lines_for(job, exclusion, slots):
@@ -205,7 +210,7 @@ def exclude(job_id: str, srun_log: Path, slots: int, launch_args: list[str]) -> 
         return "stop"
     if not exclusion.failed:
         return "requeue"
-    record(run_dir, job, exclusion, slots)
+    record(launch_args, job, exclusion, slots)
     return f"requeue {','.join(exclusion.excluded)}"
 
 

@@ -153,3 +153,27 @@ def test_the_lines_name_each_node_its_ranks_and_why_or_why_the_job_stops():
         "failed: a (k1), b (k2). Bring the node(s) back into service, or submit again elsewhere"
     )
     assert lines_for(the_job, decide(the_job, {}), slots=1) == []
+
+
+def test_the_exclusion_is_recorded_in_the_run_directory_of_the_scripts_arguments(tmp_path, capsys):
+    from monitoring.protocol import NodeExcluded, NodeLost, append_event, read_events
+    from pretrain.cli.slurm_exclude import record
+
+    the_job = job()
+    exclusion = decide(the_job, {"b": "srun: task 1: Killed"})
+    append_event(tmp_path, NodeLost(step=12, host="b", ranks=[2, 3], reason="r"), sync=False)
+    record(["--config", "tiny", f"run.dir={tmp_path}", "checkpoint.resume=auto"], the_job, exclusion, slots=2)
+    (*_, excluded) = read_events(tmp_path)
+    assert isinstance(excluded, NodeExcluded)
+    assert (excluded.step, excluded.host, excluded.ranks, excluded.reason) == (
+        12,
+        "b",
+        [2, 3],
+        "srun: task 1: Killed",
+    )
+
+    record(["--config", "tiny", f"run.dir={tmp_path / 'none'}"], the_job, exclusion, slots=2)  # not yet made
+    assert (
+        capsys.readouterr().err
+        == f"slurm.sbatch: the exclusion is not recorded: {tmp_path / 'none'} does not exist (yet)\n"
+    )
