@@ -171,6 +171,9 @@ ADDED_KEYS = {
     "logging.precursors_every": 0,
     "logging.precursor_tokens": 256,
     "data.tokenizer": None,
+    "data.cache_dir": None,
+    "data.cache_gib": 64.0,
+    "checkpoint.mirror": None,
 }
 
 

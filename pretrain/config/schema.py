@@ -18,6 +18,7 @@ __all__ = ["FINDINGS", "RESPONSES", "MonitorConfig"]  # (with the sections below
 
 # Windows shorter than this are allowed only in unit tests of the model itself.
 MIN_PRETRAIN_SEQ_LEN = 512
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # an object store's (data.dir, checkpoint.mirror)
 
 # The range checks every section uses (monitoring's sections raise their own SettingError with them).
 _choice = functools.partial(check_choice, error=ConfigError)
@@ -151,8 +152,19 @@ class DataConfig:
     # `pretrain data prepare` put beside the shards. Either way it must be the tokenizer the shards
     # were made with (the same sha256 as their manifest names).
     tokenizer: str | None = None
+    # A corpus in an object store (data.dir or a mixture's dir as s3://bucket/prefix, gs://, az://,
+    # hf://; docs/data.md): its shards are fetched into this node-local cache (null: the temporary
+    # directory's pretrain-cache-UID), at most cache_gib GiB of them (least recently used evicted)
+    cache_dir: str | None = None
+    cache_gib: float = 64.0
 
     def __post_init__(self) -> None:
+        if not (
+            isinstance(self.cache_gib, int | float) and math.isfinite(self.cache_gib) and self.cache_gib > 0
+        ):
+            raise ConfigError(f"data.cache_gib={self.cache_gib!r} must be a positive number of GiB")
+        if self.cache_dir is not None and URL.match(str(self.cache_dir)):
+            raise ConfigError(f"data.cache_dir={self.cache_dir} is a URL: the cache is a local directory")
         if self.seq_len < MIN_PRETRAIN_SEQ_LEN:
             raise ConfigError(
                 f"data.seq_len={self.seq_len} is below {MIN_PRETRAIN_SEQ_LEN}: "
@@ -293,9 +305,16 @@ class CheckpointConfig:
     # "Checkpoints in the background"). Megatron's --async-save; its former name, checkpoint.async,
     # still reads as this key (pretrain/config/loading.py, RENAMED)
     async_save: bool = False
+    # each complete checkpoint is also uploaded here (s3://bucket/prefix or another fsspec URL), in
+    # the background; a run whose run.dir holds none resumes from it (docs/run-directory.md)
+    mirror: str | None = None
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every", self.every)
+        if self.mirror is not None and not URL.match(str(self.mirror)):
+            raise ConfigError(
+                f"checkpoint.mirror={self.mirror}: use a URL (s3://bucket/prefix, gs://..., az://...), or null"
+            )
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"checkpoint.async_save={self.async_save!r}: use true or false")
         _positive("checkpoint.save_retries", self.save_retries, allow_zero=True)
