@@ -24,6 +24,7 @@ from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifes
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import fingerprint, split_windows
+from pretrain.data.views import local_sources
 from pretrain.distributed import DistEnv
 from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
@@ -74,7 +75,7 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
         "data.fingerprint": data_fingerprint(cfg, manifests),
         "data.seq_len": cfg.data.seq_len,
     }
-    return PreflightResult(plan, ds_config, Path(cfg.data.sources()[0][1]), identity)
+    return PreflightResult(plan, ds_config, local_sources(cfg.data)[0][1], identity)
 
 
 def data_fingerprint(cfg: RunConfig, manifests: list[dict]) -> str:
@@ -91,7 +92,7 @@ def data_fingerprint(cfg: RunConfig, manifests: list[dict]) -> str:
 def check_data(cfg: RunConfig, world_size: int) -> list[dict]:
     """Each prepared corpus, before it is trusted: its manifest, its tokenizer's sha256 (the same
     for all), every shard's size, and enough windows in each split the run reads for every rank."""
-    sources = cfg.data.sources()
+    sources = local_sources(cfg.data)  # (a URL: its local view in data.cache_dir)
     if not sources:
         raise UserError(
             "data.dir is not set: prepare a corpus with `pretrain data prepare` and pass data.dir=DIR "
@@ -176,7 +177,7 @@ class LanguageModeling:
         self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
         self.sampling = cfg.eval
         self.named_tokenizer = cfg.data.tokenizer
-        self.sources = cfg.data.sources()
+        self.sources = local_sources(cfg.data)
         stream = MixtureStream(self.sources, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
         self.loader = BatchLoader(stream, plan.micro_batch_size, device)
         # document masking: attention within each document; ids computed from EOS positions

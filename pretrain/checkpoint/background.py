@@ -300,6 +300,8 @@ class BackgroundSave:
         retention.apply_retention(run_dir, self.main_files["keep"])
         for rank in range(self.world_size):
             (self.directory / record_file(rank)).unlink(missing_ok=True)
+        if self.main_files.get("mirror") is not None:  # checkpoint.mirror: uploaded by its own thread
+            self.main_files["mirror"].submit(self.tag)
         if not self.last:
             say(
                 f"checkpoint {self.tag} saved in the background (training waited {self.copied_in:.2f} s "

@@ -34,6 +34,7 @@ import torch
 
 from pretrain import atomic
 from pretrain.checkpoint import background, integrity, layout, retention, rng
+from pretrain.checkpoint.mirror import Mirror
 from pretrain.config import CheckpointConfig, FaultsConfig
 from pretrain.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.errors import ExitCode, UserError
@@ -82,14 +83,20 @@ class Resume:
         return ds_config | {"checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
 
-def choose_resume(run_dir: str | Path, resume: str, env: DistEnv, log=None) -> Resume | None:
+def choose_resume(
+    run_dir: str | Path, resume: str, env: DistEnv, log=None, *, mirror: str | None = None
+) -> Resume | None:
     """Every rank, once the process group is up: the checkpoint to resume from, or None for a fresh
     start. Rank 0 picks it — the one `checkpoint.resume` names (a tag or directory; "auto": the
     newest) if its files verify, else the next older intact one — moves newer checkpoints, which
-    belong to another timeline, to checkpoints/abandoned/, and broadcasts its step."""
+    belong to another timeline, to checkpoints/abandoned/, and broadcasts its step. With
+    `checkpoint.mirror`, a run directory that never held a checkpoint (a new node, a wiped disk;
+    not a --fresh start) resumes from the newest complete, verified one in the mirror."""
     step = -1
     if env.is_main:
         wanted = layout.resolve_resume(run_dir, resume)
+        if mirror and wanted is None and never_checkpointed(run_dir):
+            Mirror(mirror, run_dir).restore_newest(log)
         tag = integrity.newest_intact(run_dir, None if wanted is None else layout.step_of(wanted), log=log)
         if tag is not None:
             step = layout.step_of(tag)
@@ -102,6 +109,12 @@ def choose_resume(run_dir: str | Path, resume: str, env: DistEnv, log=None) -> R
     tag = layout.tag_for(step)
     saved = read_train_state(run_dir, tag)
     return Resume(tag, saved, saved["world_size"] != env.world_size)
+
+
+def never_checkpointed(run_dir: str | Path) -> bool:
+    """No checkpoints/ and no previous/ (where --fresh moves an earlier run): nothing to resume
+    here, and no earlier run this one was told to start over from."""
+    return not layout.checkpoints_dir(run_dir).exists() and not (Path(run_dir) / "previous").exists()
 
 
 def read_train_state(run_dir: str | Path, tag: str) -> dict:
@@ -175,6 +188,9 @@ class Checkpointer:
         self.in_background = config.async_save
         self.pending: background.BackgroundSave | None = None  # the save in flight
         self._exit_hook = False
+        # rank 0: each complete checkpoint uploaded to checkpoint.mirror in the background
+        url = getattr(config, "mirror", None)
+        self.mirror = Mirror(url, run_dir) if url and env.is_main else None
 
     def save(self, engine, state: TrainState, data: dict | None, last: bool = False) -> str | None:
         """Every rank: write checkpoint `step_<state.step>`; its tag once it is complete, or None
@@ -320,6 +336,7 @@ class Checkpointer:
                 "tokenizer": self.tokenizer,
                 "tokenizer_name": stored_name(self.tokenizer),
                 "keep": self.keep,
+                "mirror": self.mirror,  # (uploads it once complete)
             }
         return background.BackgroundSave(
             directory=directory,
@@ -389,6 +406,8 @@ class Checkpointer:
         layout.mark_complete(directory, {"tag": tag, "step": step, "world_size": self.env.world_size})
         layout.set_latest(self.run_dir, tag)
         retention.apply_retention(self.run_dir, self.keep)
+        if self.mirror is not None:
+            self.mirror.submit(tag)
 
     def _make_room(self, tag: str) -> None:
         """Rank 0: an unfinished save of this tag is deleted; a complete checkpoint of it belongs to

@@ -11,7 +11,10 @@ from pretrain.errors import CommandParser
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from pretrain.data.storage import refuse_url
     from pretrain.tokenizer import train_tokenizer_on
+
+    refuse_url(args.out, "--out")  # (a local directory: upload it, or prepare a dataset into a bucket)
 
     tokenizer = train_tokenizer_on(
         args.input or args.source,
@@ -30,7 +33,15 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.prepare import prepare, skipped_report, validation_report
     from pretrain.data.sources import resolve_source
+    from pretrain.data.storage import is_url, refuse_url
+    from pretrain.errors import UserError
 
+    refuse_url(args.tokenizer, "--tokenizer")
+    for spec in args.source:
+        if is_url(spec):
+            raise UserError(
+                f"--source {spec} is a URL: prepare from local files (copy them here first); --out may be a URL"
+            )
     if args.format == "megatron":  # token ids already (pretrain/data/megatron.py)
         from pretrain.data.megatron import resolve_megatron_source
 
@@ -62,7 +73,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     print(windows)
     if warning:
         print(warning, file=sys.stderr)
-    print(f"wrote {Path(args.out) / 'manifest.json'} (corpus fingerprint {manifest['fingerprint']})")
+    from pretrain.data.storage import is_url, join
+
+    where = join(args.out, "manifest.json") if is_url(args.out) else Path(args.out) / "manifest.json"
+    print(f"wrote {where} (corpus fingerprint {manifest['fingerprint']})")
     return 0
 
 

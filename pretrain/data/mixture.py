@@ -40,6 +40,7 @@ import torch
 
 from pretrain.config.schema import check_mixture
 from pretrain.data.stream import WindowStream
+from pretrain.data.views import local_dataset
 from pretrain.errors import UserError
 
 
@@ -51,11 +52,19 @@ def source_seed(seed: int, name: str, sources: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def check_sources(sources: list[tuple[str, str | Path, float]]) -> list[tuple[str, Path, float]]:
+def check_sources(
+    sources: list[tuple[str, str | Path, float]],
+    cache_dir: str | Path | None = None,
+    cache_gib: float | None = None,
+) -> list[tuple[str, Path, float]]:
     """The sources as the stream keeps them, once `pretrain.config.check_mixture` (the run config's
-    own check of `data.mixture`) finds nothing wrong with them."""
+    own check of `data.mixture`) finds nothing wrong with them: a URL becomes its local view in the
+    cache (`storage.local_dataset`)."""
     check_mixture(sources, error=UserError)
-    return [(name, Path(directory), float(weight)) for name, directory, weight in sources]
+    return [
+        (name, local_dataset(directory, cache_dir, cache_gib), float(weight))
+        for name, directory, weight in sources
+    ]
 
 
 class MixtureStream:
@@ -68,10 +77,15 @@ class MixtureStream:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        *,
+        cache_dir: str | Path | None = None,
+        cache_gib: float | None = None,
     ):
+        """`cache_dir`, `cache_gib`: where sources given as URLs are cached, and its bound
+        (`data.cache_dir`, `data.cache_gib`)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        checked = check_sources(sources)
+        checked = check_sources(sources, cache_dir, cache_gib)
         self.names = [name for name, _, _ in checked]
         total = sum(weight for _, _, weight in checked)
         self.weights = [weight / total for _, _, weight in checked]

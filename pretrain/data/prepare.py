@@ -32,12 +32,14 @@ pretrain/data/megatron.py yields the same results as the tokenizing step, straig
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -49,6 +51,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pretrain import __version__, atomic
+from pretrain.data import storage
 from pretrain.data.progress import Progress, count_documents
 from pretrain.data.shards import (
     FORMAT,
@@ -64,6 +67,7 @@ from pretrain.data.shards import (
     token_dtype,
 )
 from pretrain.data.sources import Source
+from pretrain.data.storage import is_url
 from pretrain.errors import UserError
 from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
 
@@ -284,9 +288,13 @@ def prepare(
     if workers < 1:
         raise UserError(f"--workers {workers} must be at least 1")
     tokenizer = Tokenizer.load(tokenizer_path, special_tokens)
+    wanted = recipe(source, tokenizer, val_fraction, shard_tokens)
+    if is_url(out_dir):  # an object store: written here first, then uploaded, manifest last
+        return _prepare_into_store(
+            source, tokenizer, str(out_dir).rstrip("/"), wanted, workers, progress, overwrite
+        )
     out_dir = Path(out_dir)
     _check_source_outside(source, out_dir)
-    wanted = recipe(source, tokenizer, val_fraction, shard_tokens)
     existing = our_manifest(out_dir)
     if existing is not None and not overwrite:
         if not _same_recipe(existing, wanted):
@@ -315,6 +323,70 @@ def prepare(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Prepared(manifest, written=True)
+
+
+def _prepare_into_store(
+    source: Source,
+    tokenizer: Tokenizer,
+    url: str,
+    wanted: dict,
+    workers: int,
+    progress: bool,
+    overwrite: bool,
+) -> Prepared:
+    """`prepare` into a URL: the same recipe there is a no-op, another one needs --overwrite; the
+    dataset is written into a local staging directory, then its files are uploaded and the manifest
+    last, so a dataset half uploaded never looks complete (an older manifest is deleted first)."""
+    fs, root = storage.filesystem(url)
+    try:
+        existing = json.loads(fs.cat_file(f"{root}/{MANIFEST}")) if fs.exists(f"{root}/{MANIFEST}") else None
+    except Exception as exc:
+        raise UserError(storage.problem(url, exc)) from None
+    if isinstance(existing, dict) and existing.get("format") == FORMAT and not overwrite:
+        if not _same_recipe(existing, wanted):
+            raise UserError(
+                f"{url} already holds a different dataset: choose another --out, or pass --overwrite"
+            )
+        if _stored_shards_match(fs, root, existing):
+            print(
+                f"{url} already holds this dataset; nothing to do (--overwrite to rebuild)", file=sys.stderr
+            )
+            return Prepared(existing, written=False)
+        print(f"{url} holds this dataset but its shards do not match; rebuilding it", file=sys.stderr)
+    elif existing is not None and not overwrite:
+        raise UserError(
+            f"{url} holds another program's manifest.json; refusing to replace it: choose another --out"
+        )
+    staging = Path(tempfile.mkdtemp(prefix="pretrain-prepare-"))
+    try:
+        manifest = _write_dataset(source, tokenizer, staging, wanted, workers, progress)
+        try:
+            if existing is not None:
+                fs.rm_file(f"{root}/{MANIFEST}")  # (what follows is not yet a dataset)
+            for path in sorted(staging.iterdir()):
+                if path.name != MANIFEST:
+                    fs.put_file(str(path), f"{root}/{path.name}")
+            fs.put_file(str(staging / MANIFEST), f"{root}/{MANIFEST}")
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(f"{storage.problem(url, exc)} (uploading the dataset)") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Prepared(manifest, written=True)
+
+
+def _stored_shards_match(fs, root: str, manifest: dict) -> bool:
+    """Whether every shard is in the store with the size its manifest records (no hashing)."""
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    try:
+        for split in manifest["splits"].values():
+            for shard in split["shards"]:
+                if fs.size(f"{root}/{shard['file']}") != shard["tokens"] * itemsize:
+                    return False
+    except (OSError, KeyError, TypeError):
+        return False
+    return True
 
 
 def _check_source_outside(source: Source, out_dir: Path) -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.data import storage
+from pretrain.data.storage import Entry, ShardCache, Source, is_url, join
 from pretrain.errors import UserError
 
 FORMAT = "pretrain-token-shards"
@@ -157,6 +159,10 @@ class DocumentIndex:
             )
         self.origins = self.manifest["documents"]["origins"]
         path = self.data_dir / entry["file"]
+        source = Source.of(self.data_dir)
+        if source is not None:  # in an object store: its verified copy in the cache
+            wanted = Entry(join(source.url, entry["file"]), entry["rows"] * 24, entry["sha256"])
+            path = ShardCache.at(self.data_dir.parent.parent, source.cache_gib).fetch(wanted, reading=True)
         if not path.is_file() or path.stat().st_size != entry["rows"] * 24:
             raise UserError(f"{path} is missing or truncated: prepare the dataset again")
         rows = np.memmap(path, dtype="<i8", mode="r") if entry["rows"] else np.zeros(0, dtype="<i8")
@@ -197,6 +203,21 @@ def is_prepared_dataset(data_dir: str | Path) -> bool:
 
 
 def read_manifest(data_dir: str | Path) -> dict:
+    """The manifest of the dataset in `data_dir` (a directory, or a URL: read from the store),
+    checked for its format and version."""
+    if is_url(data_dir):
+        url = str(data_dir).rstrip("/")
+        if not storage.exists(join(url, MANIFEST)):
+            raise UserError(
+                f"{url} is not a prepared dataset (it holds no manifest.json): run "
+                f"`pretrain data prepare --out {url}`, or check the prefix"
+            )
+        try:
+            manifest = json.loads(storage.read_bytes(join(url, MANIFEST)))
+        except json.JSONDecodeError:
+            raise UserError(f"{join(url, MANIFEST)} is not valid JSON: prepare the dataset again") from None
+        check_manifest(manifest, join(url, MANIFEST))
+        return manifest
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
@@ -208,14 +229,19 @@ def read_manifest(data_dir: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise UserError(f"{path} is not valid JSON: prepare the dataset again") from None
+    check_manifest(manifest, path)
+    return manifest
+
+
+def check_manifest(manifest, where: str | Path) -> None:
+    """A manifest of ours, of a version this code reads."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise UserError(f"{path} is not a {FORMAT} manifest")
+        raise UserError(f"{where} is not a {FORMAT} manifest")
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise UserError(
-            f"{path} has format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}: "
+            f"{where} has format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}: "
             "prepare the dataset again"
         )
-    return manifest
 
 
 def check_tokenizer(data_dir: str | Path, manifest: dict) -> None:
@@ -233,12 +259,14 @@ def check_tokenizer(data_dir: str | Path, manifest: dict) -> None:
 
 @dataclass
 class ShardSet:
-    """The shards of one split, opened lazily as read-only memory maps (a shard is never read whole)."""
+    """The shards of one split, opened lazily as read-only memory maps (a shard is never read whole):
+    the files beside the manifest, or, for a dataset in an object store (a view made by
+    `storage.local_dataset`), the verified copies its cache fetches (`storage.ShardCache`)."""
 
     data_dir: Path
     split: str
     manifest: dict
-    files: list[Path] = field(init=False)
+    files: list = field(init=False)  # each shard's path, or its URL
     tokens: np.ndarray = field(init=False)  # tokens per shard
     dtype: np.dtype = field(init=False)
     _maps: dict[int, np.memmap] = field(init=False, default_factory=dict)
@@ -247,9 +275,23 @@ class ShardSet:
         if self.split not in SPLITS:
             raise UserError(f"unknown split {self.split!r}: use one of {', '.join(SPLITS)}")
         entries = self.manifest["splits"].get(self.split, {}).get("shards", [])
-        self.files = [self.data_dir / s["file"] for s in entries]
         self.tokens = np.array([s["tokens"] for s in entries], dtype=np.int64)
         self.dtype = np.dtype(self.manifest["dtype"])
+        self.source = Source.of(self.data_dir)
+        if self.source is not None:  # in an object store: fetched into the cache on first use
+            self.entries = [
+                Entry(join(self.source.url, s["file"]), int(s["tokens"]) * self.dtype.itemsize, s["sha256"])
+                for s in entries
+            ]
+            self.files = [entry.url for entry in self.entries]
+            self.cache = ShardCache.at(self.data_dir.parent.parent, self.source.cache_gib)
+            largest = max(
+                (s["tokens"] for split in self.manifest["splits"].values() for s in split["shards"]),
+                default=0,
+            )
+            self.cache.plan(int(largest) * self.dtype.itemsize)
+            return
+        self.files = [self.data_dir / s["file"] for s in entries]
         for path, count in zip(self.files, self.tokens, strict=True):
             if not path.is_file():
                 raise UserError(f"shard {path} is missing: prepare the dataset again")
@@ -264,10 +306,21 @@ class ShardSet:
     def open(cls, data_dir: str | Path, split: str) -> ShardSet:
         return cls(Path(data_dir), split, read_manifest(data_dir))
 
+    @property
+    def remote(self) -> bool:
+        return self.source is not None
+
     def shard(self, index: int) -> np.memmap:
+        if self.source is not None:
+            return self.cache.map(self.entries[index], self.dtype)
         if index not in self._maps:
             self._maps[index] = np.memmap(self.files[index], dtype=self.dtype, mode="r")
         return self._maps[index]
+
+    def prefetch(self, indices) -> None:
+        """The shards a reader will need next, in that order: fetched ahead (a local dataset: nothing to do)."""
+        if self.source is not None:
+            self.cache.hint([self.entries[int(i)] for i in indices])
 
     def __getstate__(self) -> dict:  # memory maps are reopened in the receiving process
         return {k: v for k, v in self.__dict__.items() if k != "_maps"} | {"_maps": {}}
@@ -275,49 +328,63 @@ class ShardSet:
 
 def verify_dataset(data_dir: str | Path) -> dict:
     """Read every shard whole: its size and sha256 against the manifest, and every id below the
-    vocabulary size. Returns {"shards", "tokens", "bytes", "seconds", "problems": [one line each]}."""
+    vocabulary size. `data_dir` may be a URL (each object is streamed from the store, not cached).
+    Returns {"shards", "tokens", "bytes", "seconds", "problems": [one line each]}."""
     import time
 
-    data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
+    files = _Files(data_dir)
     vocab, dtype = int(manifest["tokenizer"]["vocab_size"]), np.dtype(manifest["dtype"])
     problems, total, tokens, started = [], 0, 0, time.perf_counter()
     try:
-        check_tokenizer(data_dir, manifest)
+        if files.url is None:
+            check_tokenizer(data_dir, manifest)
+        else:
+            name = manifest["tokenizer"].get("file", "tokenizer.model")
+            if (
+                hashlib.sha256(storage.read_bytes(join(files.url, name))).hexdigest()
+                != manifest["tokenizer"]["sha256"]
+            ):
+                problems.append(f"{join(files.url, name)} is not the tokenizer the shards were made with")
     except UserError as exc:
         problems.append(str(exc))
     entries = [s for split in manifest["splits"].values() for s in split["shards"]]
     for entry in entries:
-        path = data_dir / entry["file"]
-        if not path.is_file():
-            problems.append(f"{path} is missing")
+        name = files.name(entry["file"])
+        digest, largest, offset, size = hashlib.sha256(), -1, 0, 0
+        try:
+            with files.open(entry["file"]) as f:
+                for block in iter(lambda f=f: f.read((1 << 24) * dtype.itemsize), b""):
+                    digest.update(block)
+                    size += len(block)
+                    ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
+                    if len(ids) and int(ids.max()) >= vocab and largest < vocab:
+                        problems.append(
+                            f"{name} holds id {int(ids.max())} at token offset "
+                            f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}"
+                        )
+                    largest = max(largest, int(ids.max()) if len(ids) else -1)
+                    offset += len(ids)
+                    total += len(block)
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
             continue
-        digest, largest, offset = hashlib.sha256(), -1, 0
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read((1 << 24) * dtype.itemsize), b""):
-                digest.update(block)
-                ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
-                if len(ids) and int(ids.max()) >= vocab and largest < vocab:
-                    problems.append(
-                        f"{path} holds id {int(ids.max())} at token offset "
-                        f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}"
-                    )
-                largest = max(largest, int(ids.max()) if len(ids) else -1)
-                offset += len(ids)
-                total += len(block)
-        if offset * dtype.itemsize != path.stat().st_size or offset != entry["tokens"]:
-            problems.append(
-                f"{path} holds {path.stat().st_size} bytes, the manifest says {entry['tokens']} tokens"
-            )
+        if offset * dtype.itemsize != size or offset != entry["tokens"]:
+            problems.append(f"{name} holds {size} bytes, the manifest says {entry['tokens']} tokens")
         elif digest.hexdigest() != entry["sha256"]:
-            problems.append(f"{path} does not match its sha256 in the manifest")
+            problems.append(f"{name} does not match its sha256 in the manifest")
         tokens += offset
     for entry in (manifest.get("documents") or {}).get("splits", {}).values():  # the document index
-        path = data_dir / entry["file"]
-        if not path.is_file() or path.stat().st_size != entry["rows"] * 24:
-            problems.append(f"{path} is missing or does not hold the {entry['rows']} rows the manifest says")
-        elif hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-            problems.append(f"{path} does not match its sha256 in the manifest")
+        name = files.name(entry["file"])
+        try:
+            with files.open(entry["file"]) as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = None
+        if data is None or len(data) != entry["rows"] * 24:
+            problems.append(f"{name} is missing or does not hold the {entry['rows']} rows the manifest says")
+        elif hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            problems.append(f"{name} does not match its sha256 in the manifest")
     seconds = time.perf_counter() - started
     return {
         "shards": len(entries),
@@ -326,6 +393,28 @@ def verify_dataset(data_dir: str | Path) -> dict:
         "seconds": seconds,
         "problems": problems,
     }
+
+
+class _Files:
+    """The files of a dataset, beside its manifest on disk or in a store, opened for reading."""
+
+    def __init__(self, data_dir: str | Path):
+        self.url = str(data_dir).rstrip("/") if is_url(data_dir) else None
+        self.dir = None if self.url else Path(data_dir)
+
+    def name(self, file: str) -> str:
+        return join(self.url, file) if self.url else str(self.dir / file)
+
+    def open(self, file: str):
+        if self.url is None:
+            return open(self.dir / file, "rb")
+        fs, path = storage.filesystem(join(self.url, file))
+        try:
+            return fs.open(path, "rb", block_size=1 << 24)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise UserError(storage.problem(join(self.url, file), exc)) from None
 
 
 def windows_per_shard(tokens, seq_len: int) -> np.ndarray:

@@ -39,6 +39,8 @@ import torch
 
 from pretrain.data.permutation import permute, round_keys
 from pretrain.data.shards import ShardSet, fingerprint, windows_per_shard
+from pretrain.data.storage import describe
+from pretrain.data.views import local_dataset
 from pretrain.errors import DataError, UserError
 
 BLOCK = 1024  # window indices computed per vectorized batch
@@ -58,6 +60,7 @@ class WindowStream:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if seq_len < 1:
             raise ValueError(f"seq_len {seq_len} must be positive")
+        data_dir = local_dataset(data_dir)  # (a URL: its view, in the default cache)
         self.shards = ShardSet.open(data_dir, split)
         self.seq_len, self.rank, self.world_size, self.split = seq_len, rank, world_size, split
         self.fingerprint = fingerprint(self.shards.manifest)
@@ -68,7 +71,7 @@ class WindowStream:
         if self.num_windows < world_size:
             total = int(self.shards.tokens.sum())
             raise UserError(
-                f"the {split} split of {data_dir} has {total} tokens: {self.num_windows} windows of "
+                f"the {split} split of {describe(data_dir)} has {total} tokens: {self.num_windows} windows of "
                 f"{seq_len + 1} tokens, fewer than the {world_size} ranks; lower data.seq_len or add data"
             )
         self.shuffle = split == "train"
@@ -131,11 +134,12 @@ class WindowStream:
             raise DataError(
                 f"{self.shards.files[shard]} holds token id {int(tokens[bad[0, 0]])} at token offset {offset}, "
                 f"but the vocabulary has {self.vocab_size} pieces: the shard is corrupt; run "
-                f"`pretrain data verify {self.shards.data_dir}` and prepare the dataset again"
+                f"`pretrain data verify {describe(self.shards.data_dir)}` and prepare the dataset again"
             )
 
     def _validation_pass(self) -> Iterator[torch.Tensor]:
         per_rank = self.num_windows // self.world_size
+        self.shards.prefetch(range(len(self.shards.tokens)))  # (file order: the pass reads them in turn)
         for k in range(per_rank):
             self.last_window = self.rank + k * self.world_size
             yield self.read(self.last_window)
@@ -153,6 +157,10 @@ class WindowStream:
             seeds = self._epoch_seeds if ahead == 0 else [(0, self._seed)]
             block[mask] = self._order(self._epoch + int(ahead), within[mask], seeds)
         self._block, self._block_at = block, self._local
+        if self.shards.remote:  # the shards of these windows, in the order they are first needed
+            shards = np.searchsorted(self._shard_starts, block, side="right") - 1
+            _, first = np.unique(shards, return_index=True)
+            self.shards.prefetch(shards[np.sort(first)])
 
     def _order(self, epoch: int, positions: np.ndarray, epoch_seeds: list[tuple[int, int]]) -> np.ndarray:
         """Window index at each position of `epoch` (the composition of its base order and reshuffles)."""
@@ -204,7 +212,7 @@ class WindowStream:
             )
         if state["fingerprint"] != self.fingerprint:
             raise UserError(
-                f"the stream state belongs to corpus {state['fingerprint']}, but {self.shards.data_dir} is corpus "
+                f"the stream state belongs to corpus {state['fingerprint']}, but {describe(self.shards.data_dir)} is corpus "
                 f"{self.fingerprint}: resume with the data the run was trained on (or start a new run)"
             )
         if state["seq_len"] != self.seq_len:
