@@ -104,7 +104,7 @@ def start(plan: RunPlan, env: DistEnv, setting: str, make_engine: MakeEngine) ->
     """Every rank, with the run directory owned and the process group up: the trainer, built on
     the checkpoint the resume `setting` leads to (or none), or the summary of a run already complete."""
     cfg, run_dir = plan.config, Path(plan.config.run.dir)
-    resume = choose_resume(run_dir, setting, env)
+    resume = choose_resume(run_dir, setting, env, mirror=cfg.checkpoint.mirror)
     if resume is not None and resume.state.step >= plan.steps and summary_complete(run_dir):
         return already_complete(run_dir, plan.steps, env, resume)
     # (the last step saved but the run not finished, e.g. killed before its last evaluation or
