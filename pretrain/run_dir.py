@@ -174,6 +174,11 @@ ADDED_KEYS = {
     "data.cache_dir": None,
     "data.cache_gib": 64.0,
     "checkpoint.mirror": None,
+    "optim.name": "adamw",  # (every run recorded before it existed trained with AdamW)
+    "optim.muon_lr": 0.02,
+    "optim.muon_momentum": 0.95,
+    "optim.muon_ns_method": "gram",
+    "optim.muon_scale": "original",
 }
 
 

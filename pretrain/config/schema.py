@@ -211,25 +211,49 @@ def _check_train_section(train, optional: tuple[str, ...]) -> None:
     _positive("train.grad_clip", train.grad_clip, allow_zero=True)
 
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_NS_METHODS = ("gram", "standard")
+MUON_SCALES = ("original", "match_rms_adamw")
+
+
 @dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = 3e-4  # peak learning rate
+    """The optimizer (docs/training.md, Optimizers). `muon`: DeepSpeed's Muon for the 2-D weights
+    inside the blocks, AdamW (lr, betas, eps) for the embeddings, the output head, norms and the
+    rest; weight decay as AdamW's, on both (`pretrain/optimizers.py`)."""
+
+    name: str = "adamw"  # adamw | muon
+    lr: float = 3e-4  # peak learning rate (with muon: the AdamW half's)
     weight_decay: float = 0.1  # not applied to norms, biases and embeddings
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # Muon's peak learning rate, on the same schedule (DeepSpeed's and Keller Jordan's default)
+    muon_lr: float = 0.02
+    # Muon's momentum (DeepSpeed's default); Nesterov is always on: DeepSpeed 0.19 has no switch
+    muon_momentum: float = 0.95
+    # the Newton–Schulz iteration, 5 steps (DeepSpeed has no setting for the count): gram
+    # (DeepSpeed's default; fp16, fewer products on wide matrices) | standard (bf16)
+    muon_ns_method: str = "gram"
+    # the update's size by the matrix's shape: original (DeepSpeed's √max(1, rows/cols), Jordan
+    # 2024) | match_rms_adamw (0.2·√max(rows, cols): AdamW's update RMS, Liu et al. 2025)
+    muon_scale: str = "original"
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
         self._check_all_but_lr()
 
     def _check_all_but_lr(self) -> None:
+        _choice("optim.name", self.name, OPTIMIZERS)
         _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
-        for key in ("beta1", "beta2"):
+        for key in ("beta1", "beta2", "muon_momentum"):
             value = getattr(self, key)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"optim.{key}={value} must be in [0, 1)")
         _positive("optim.eps", self.eps)
+        _positive("optim.muon_lr", self.muon_lr)
+        _choice("optim.muon_ns_method", self.muon_ns_method, MUON_NS_METHODS)
+        _choice("optim.muon_scale", self.muon_scale, MUON_SCALES)
 
 
 @dataclass(kw_only=True)
