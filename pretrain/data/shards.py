@@ -207,13 +207,8 @@ def read_manifest(data_dir: str | Path) -> dict:
     checked for its format and version."""
     if is_url(data_dir):
         url = str(data_dir).rstrip("/")
-        if not storage.exists(join(url, MANIFEST)):
-            raise UserError(
-                f"{url} is not a prepared dataset (it holds no manifest.json): run "
-                f"`pretrain data prepare --out {url}`, or check the prefix"
-            )
         try:
-            manifest = json.loads(storage.read_bytes(join(url, MANIFEST)))
+            manifest = json.loads(storage.read_manifest_bytes(url))
         except json.JSONDecodeError:
             raise UserError(f"{join(url, MANIFEST)} is not valid JSON: prepare the dataset again") from None
         check_manifest(manifest, join(url, MANIFEST))

@@ -63,7 +63,7 @@ PACKAGES |= {"hf": "huggingface_hub"}
 EXTRA = {"s3fs": "pip install 'pretrain[s3]' (or s3fs)"}
 # S3: an answer within these, or the request fails (and is retried, below). FSSPEC_S3's
 # config_kwargs (fsspec's own configuration, from the environment) take precedence.
-S3_CONFIG = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}}
+S3_CONFIG = {"connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
 VIEWS = "datasets"
 SHARDS = "shards"
 SOURCE = "source.json"
@@ -118,7 +118,7 @@ def filesystem(url: str):
         configured = fsspec.config.conf.get("s3", {}).get("config_kwargs", {})
         options["config_kwargs"] = S3_CONFIG | configured
     try:
-        return fsspec.core.url_to_fs(url, **options)
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError:
         package = PACKAGES.get(scheme, f"the fsspec filesystem for {scheme}://")
         raise UserError(
@@ -126,6 +126,9 @@ def filesystem(url: str):
         ) from None
     except ValueError as exc:
         raise UserError(f"{url}: {exc}: use s3://, gs://, az://, hf:// or another fsspec URL") from None
+    if scheme in ("s3", "s3a"):
+        fs.retries = 1  # (s3fs's own loop, besides botocore's: ours, with backoff, while training)
+    return fs, path
 
 
 def problem(url: str, exc: BaseException) -> str:
@@ -160,6 +163,23 @@ def read_bytes(url: str) -> bytes:
         return fs.cat_file(path)
     except Exception as exc:  # the filesystems raise their own kinds
         raise UserError(problem(url, exc)) from None
+
+
+def read_manifest_bytes(url: str) -> bytes:
+    """DIR/manifest.json of the dataset at `url`: a missing one is "not a prepared dataset"."""
+    fs, path = filesystem(join(url, "manifest.json"))
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError as exc:
+        line = problem(join(url, "manifest.json"), exc)
+        if line.endswith("does not exist"):
+            line = (
+                f"{url} is not a prepared dataset (it holds no manifest.json): run "
+                f"`pretrain data prepare --out {url}`, or check the prefix"
+            )
+        raise UserError(line) from None
+    except Exception as exc:
+        raise UserError(problem(join(url, "manifest.json"), exc)) from None
 
 
 def exists(url: str) -> bool:

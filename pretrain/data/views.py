@@ -25,11 +25,10 @@ from pretrain.data.storage import (
     Source,
     default_cache_dir,
     exists,
-    filesystem,
     is_url,
     join,
-    problem,
     read_bytes,
+    read_manifest_bytes,
 )
 from pretrain.errors import UserError
 
@@ -48,19 +47,7 @@ def local_dataset(
         return Path(location)
     url = location.rstrip("/")
     manifest_url = join(url, MANIFEST)
-    fs, path = filesystem(manifest_url)
-    try:
-        raw = fs.cat_file(path)
-    except FileNotFoundError as exc:
-        line = problem(manifest_url, exc)
-        if line.endswith("does not exist"):
-            line = (
-                f"{url} is not a prepared dataset (it holds no manifest.json): run "
-                f"`pretrain data prepare --out {url}`, or check the prefix"
-            )
-        raise UserError(line) from None
-    except Exception as exc:
-        raise UserError(problem(manifest_url, exc)) from None
+    raw = read_manifest_bytes(url)
     try:
         manifest = json.loads(raw)
     except ValueError:

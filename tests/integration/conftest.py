@@ -4,6 +4,7 @@ import pytest
 
 from tests.conftest import built_once
 from tests.integration.golden import run_golden
+from tests.integration.s3_server import s3_server  # noqa: F401  (a fixture)
 from tests.integration.slurm_cluster import slurm  # noqa: F401  (a fixture)
 from tests.integration.ssh_hosts import ssh_hosts  # noqa: F401  (a fixture)
 
