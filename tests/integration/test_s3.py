@@ -145,11 +145,11 @@ def test_bad_inputs_are_one_line_naming_the_url(s3_server, tmp_path, capsys):
             AWS_ENDPOINT_URL=silent,
             FSSPEC_S3='{"config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}',
         ),
-    ):
-        with pytest.raises(
+        pytest.raises(
             UserError, match=rf"{bucket}/x/manifest.json: the store did not answer .*check the network"
-        ):
-            local_dataset(f"{bucket}/x", tmp_path)
+        ),
+    ):
+        local_dataset(f"{bucket}/x", tmp_path)
 
 
 def test_a_store_that_stops_answering_mid_run_is_retried_then_stops_the_run(s3_server, tmp_path, capsys):
