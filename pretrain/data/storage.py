@@ -245,6 +245,7 @@ class ShardCache:
         self._fetching: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._hints: list[Entry] = []
         self._wake = threading.Event()
+        self._closed = threading.Event()  # set by close(): the prefetcher stops, its retries too
         self._thread: threading.Thread | None = None
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "evicted": 0, "refetched": 0}
         self.failed: str | None = None  # the prefetcher's last given-up fetch
@@ -311,9 +312,20 @@ class ShardCache:
         os.close(fd)  # (the map's views stay valid: the file is gone only once nothing maps it)
 
     def close(self) -> None:
+        """Unmap every file and stop the prefetcher (a fetch it is retrying gives up quietly)."""
+        self._closed.set()
+        self._wake.set()
         with self._lock:
             for sha in list(self._open):
                 self._close(sha)
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Close every cache of this process (a test's, before the next test)."""
+        with cls._instances_lock:
+            caches, cls._instances = list(cls._instances.values()), {}
+        for cache in caches:
+            cache.close()
 
     def fetch(
         self, entry: Entry, *, reading: bool = False, protect: frozenset[str] = frozenset()
@@ -379,8 +391,10 @@ class ShardCache:
                 if attempt + 1 == self.retries:
                     raise StorageUnavailable(f"{line}; gave up after {self.retries} tries") from None
                 wait = self.backoff * 2**attempt
+                if self._closed.is_set():
+                    raise StorageUnavailable(f"{line}; the cache is closed") from None
                 print(f"warning: {line}; trying again in {wait:g} s", file=sys.stderr, flush=True)
-                time.sleep(wait)
+                self._closed.wait(wait)
         return None
 
     @contextlib.contextmanager
@@ -504,6 +518,8 @@ class ShardCache:
         while True:
             self._wake.wait()
             self._wake.clear()
+            if self._closed.is_set():
+                return
             with self._lock:
                 hints = list(self._hints)
             protect: set[str] = set()
@@ -513,6 +529,8 @@ class ShardCache:
                     if self.fetch(entry, protect=frozenset(protect)) is None:
                         break  # no room without evicting what is needed sooner
                 except StorageUnavailable as exc:
+                    if self._closed.is_set():
+                        return
                     self.failed = str(exc)
                     request_stop(f"{exc}", exc)
                     break

@@ -24,6 +24,13 @@ from tests.integration.runs import FAST, TINY, metrics, torchrun
 from tests.integration.s3_server import blackhole
 
 
+@pytest.fixture(autouse=True)
+def closed_caches():
+    """Each test's shard caches are closed after it: no prefetcher of one test retries into the next."""
+    yield
+    ShardCache.close_all()
+
+
 def prepare_into(s3_server, train_data, tokenizer_dir, url: str) -> None:
     """The session's corpus, prepared into `url` with the settings the train_data fixture used."""
     with s3_server.environment():

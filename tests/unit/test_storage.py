@@ -25,6 +25,13 @@ from tests.conftest import write_synthetic_dataset
 SHARDS = [1000, 700, 1300, 900, 1100]  # tokens of uint32: the largest shard is 5,200 bytes
 
 
+@pytest.fixture(autouse=True)
+def closed_caches():
+    """Each test's shard caches are closed after it: no prefetcher of one test retries into the next."""
+    yield
+    ShardCache.close_all()
+
+
 @pytest.fixture
 def stored(tmp_path):
     """A synthetic dataset on disk and its copy in the in-memory store: (local dir, URL)."""
@@ -146,3 +153,22 @@ def test_a_url_is_never_a_relative_path(cli, tmp_path, monkeypatch):
     )
     assert result.returncode == 2 and "--out s3://b/tok is a URL" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_closing_a_cache_stops_its_prefetcher_even_while_it_waits_to_retry(tmp_path, capsys):
+    """A prefetch that keeps failing waits between tries; close() ends the wait and the thread at
+    once, and a closed cache asks no run to stop."""
+    import time
+
+    cache = ShardCache(tmp_path / "cache", 1 << 20, retries=5, backoff=30.0)
+    missing = Entry(url="memory://no-such-bucket/shard.bin", size=10, sha256="0" * 64)
+    cache.hint([missing])
+    said, deadline = "", time.monotonic() + 60
+    while "trying again in 30 s" not in said:  # the prefetcher is in its 30 s wait
+        assert time.monotonic() < deadline, said
+        said += capsys.readouterr().err
+        time.sleep(0.01)
+    cache.close()
+    cache._thread.join(timeout=10)  # a third of the wait it was in
+    assert not cache._thread.is_alive()
+    assert "stopping at the next step boundary" not in said + capsys.readouterr().err
