@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pretrain import optimizers
 from pretrain.config import EngineConfig, OptimConfig, RunSection, TrainConfig, config_dir
 from pretrain.deepspeed_ops import announced_builds
 from pretrain.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.errors import ConfigError
+from pretrain.optimizers import LR_RATIOS
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,13 @@ def resolve_deepspeed_path(path: str) -> Path:
     raise ConfigError(f"engine.deepspeed_config={path}: no such file; use one of configs/deepspeed/*.json")
 
 
-def deepspeed_config(engine: EngineConfig, grad_clip: float, plan: BatchPlan) -> dict[str, Any]:
+def deepspeed_config(
+    engine: EngineConfig, grad_clip: float, plan: BatchPlan, optim: OptimConfig | None = None
+) -> dict[str, Any]:
     """The run's DeepSpeed JSON (`engine.deepspeed_config`) with the derived batch sizes and
     clipping (`train.grad_clip`) written in; explicit values that disagree with the run config are
-    an error, not silently overridden."""
+    an error, not silently overridden. With `optim`, the optimizer is checked against it too
+    (`check_optimizer`; `build` checks it again, once the process group is up)."""
     path = resolve_deepspeed_path(engine.deepspeed_config)
     try:
         ds = json.loads(path.read_text())
@@ -99,6 +104,8 @@ def deepspeed_config(engine: EngineConfig, grad_clip: float, plan: BatchPlan) ->
     # check_grad_overflow: a step whose gradients hold NaN/Inf is skipped, never applied.
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": True, "check_grad_overflow": True}
     ds.setdefault("steps_per_print", 10**9)  # the trainer does its own logging
+    if optim is not None:
+        check_optimizer(optim, ds)
     return ds
 
 
@@ -128,24 +135,54 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def make_optimizer(
-    model: nn.Module, optim: OptimConfig, ds: dict[str, Any], on_gpu: bool | None = None
-) -> torch.optim.Optimizer:
+def _adamw_class(ds: dict[str, Any], on_gpu: bool | None) -> tuple[type, dict[str, Any]]:
     """DeepSpeed's CPU Adam when ZeRO offloads the optimizer, its fused Adam on GPUs, torch's AdamW
-    on CPU. `on_gpu`: where the parameters will train (default: on a GPU when there is one)."""
-    groups = param_groups(model, optim.weight_decay)
-    kwargs = {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
+    on CPU; with the keyword that makes each one AdamW."""
     if _offloads_optimizer(ds):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return DeepSpeedCPUAdam, {"adamw_mode": True}
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
     if on_gpu:
         from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        return FusedAdam, {"adam_w_mode": True}
+    return torch.optim.AdamW, {}
+
+
+def make_optimizer(
+    model: nn.Module, optim: OptimConfig, ds: dict[str, Any], on_gpu: bool | None = None
+) -> torch.optim.Optimizer:
+    """`optim.name`'s optimizer. AdamW: `_adamw_class`'s. Muon: DeepSpeed's `MuonWithAuxAdam` on
+    `pretrain.optimizers.muon_groups`, its AdamW half `_adamw_class`'s, each group's learning-rate
+    ratio kept for `set_lr`. `on_gpu`: where the parameters will train (default: on a GPU when
+    there is one)."""
+    groups = param_groups(model, optim.weight_decay)
+    adamw, adamw_kwargs = _adamw_class(ds, on_gpu)
+    if optim.name == "adamw":
+        return adamw(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **adamw_kwargs)
+    groups = optimizers.muon_groups(model, optim, groups)
+    optimizers.compile_muon_kernels(torch.cuda.is_available() if on_gpu is None else on_gpu)
+    muon = optimizers.deepspeed_muon_optimizer()(
+        groups, adam_optimizer=adamw, adam_optimizer_kwargs=adamw_kwargs, adam_w_mode=True
+    )
+    setattr(muon, LR_RATIOS, optimizers.lr_ratios(muon.param_groups, optim))
+    return muon
+
+
+def check_optimizer(optim: OptimConfig, ds: dict[str, Any]) -> None:
+    """The optimizer against the completed DeepSpeed JSON: Muon only where it is proven
+    (`pretrain.optimizers.check`), and not onto a checkpoint saved at another world size, whose
+    universal form has no place for Muon's momentum (DeepSpeed 0.19.8's `ds_to_universal` knows
+    only Adam's `exp_avg` and `exp_avg_sq`: it fails on a Muon group with KeyError 'exp_avg')."""
+    optimizers.check(optim, ds, offloads=_offloads_optimizer(ds))
+    if optim.name == "muon" and ds.get("checkpoint", {}).get("load_universal"):
+        raise ConfigError(
+            "optim.name=muon: this run's checkpoint was saved with another number of processes, and "
+            "DeepSpeed's universal checkpoint, which changes it, cannot carry Muon's momentum; resume "
+            "with the number of processes it was saved with"
+        )
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -178,7 +215,9 @@ def build(
     ds: dict[str, Any],
 ):
     """Every rank: the model (built after seeding with `run.seed`, so every rank builds the same
-    one) in its engine; returns (engine, optimizer)."""
+    one) in its engine; returns (engine, optimizer). The optimizer is checked against the DeepSpeed
+    JSON first (`check_optimizer`: bad input, before the model is built)."""
+    check_optimizer(optim, ds)
     torch.manual_seed(run.seed)
     return initialize(make_model(), engine, optim, ds)
 
@@ -192,61 +231,19 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
     if engine.compile:
         compile_blocks(model)
     with announced_builds(say_once_per_node(DistEnv.from_environ())):  # fused / CPU Adam: a JIT build
+        optimizers.import_deepspeed_muon_compiling_lazily()
         optimizer = make_optimizer(model, optim, ds)
-        import_deepspeed_muon_compiling_lazily()
+        ratios = getattr(optimizer, LR_RATIOS, None)
         wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    if ratios is not None:
+        setattr(optimizer, LR_RATIOS, ratios)  # on DeepSpeed's ZeRO optimizer, which set_lr is given
     return wrapped, optimizer
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
-
-
-def import_deepspeed_muon_compiling_lazily() -> None:
-    """Import DeepSpeed's Muon kernels with their `torch.compile` put off to their first call.
-
-    DeepSpeed imports its Muon optimizer at `deepspeed.initialize` (to list it among ZeRO's
-    optimizers) and in ZeRO-1/2's gradient reduction, whichever optimizer trains; that module
-    decorates three kernels with `torch.compile` (`deepspeed.runtime.compiler.compile()`) as it is
-    imported, and building those wrappers imports inductor's compiler: about 0.8 s of CPU in every
-    rank's start-up, for an optimizer this project never builds. Here the decorator builds the
-    same `torch.compile` wrapper when a kernel is first called instead, so a Muon run compiles as
-    before and everything else skips the cost. The decorator is DeepSpeed's again once the module
-    is imported."""
-    import sys
-
-    if MUON_MODULE in sys.modules:
-        return
-    try:
-        from deepspeed.runtime import compiler
-    except ImportError:  # another DeepSpeed layout: its own import, at its own cost
-        return
-    eager = getattr(compiler, "compile", None)
-    if eager is None:
-        return
-    compiler.compile = lambda: _compiled_at_first_call
-    try:
-        __import__(MUON_MODULE)
-    except ImportError:  # a DeepSpeed without Muon: nothing to put off
-        pass
-    finally:
-        compiler.compile = eager
-
-
-def _compiled_at_first_call(fn: Callable) -> Callable:
-    compiled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled
-        if compiled is None and torch.compiler.is_compiling():
-            return fn(*args, **kwargs)  # traced inside an outer graph, as a compiled kernel would be
-        if compiled is None:
-            compiled = torch.compile(fn)
-        return compiled(*args, **kwargs)
-
-    return call
-
-
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    """The step's learning rate: `lr` (optim.lr's schedule, times the hooks' factors) on AdamW's
+    groups, times each group's ratio on Muon's (`optim.muon_lr` / `optim.lr`, and the shape rule's
+    factor)."""
+    ratios = getattr(optimizer, LR_RATIOS, None) or [1.0] * len(optimizer.param_groups)
+    for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
+        group["lr"] = lr * ratio

@@ -116,16 +116,19 @@ def test_activation_checkpointing_keeps_names_and_numbers():
 
 def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import(monkeypatch):
     """`deepspeed.initialize` imports DeepSpeed's Muon module on every rank; its kernels'
-    `torch.compile` wrappers are built when one is first called (a Muon run compiles them as
-    before), not at that import (0.8 s of CPU per rank start-up), and DeepSpeed's decorator is its
-    own again afterwards."""
+    `torch.compile` wrappers are built when one is first called (a Muon run on a GPU compiles them
+    as before; on a CPU they run eagerly: `compile_muon_kernels`), not at that import (0.8 s of
+    CPU per rank start-up), and DeepSpeed's decorator is its own again afterwards."""
     import sys
 
     import deepspeed.runtime.zero.muon as package
     import torch
     from deepspeed.runtime import compiler
 
-    from pretrain.engine import MUON_MODULE, import_deepspeed_muon_compiling_lazily
+    from pretrain import optimizers
+    from pretrain.optimizers import MUON_MODULE, import_deepspeed_muon_compiling_lazily
+
+    monkeypatch.setattr(optimizers, "_compile_kernels", True)  # (as on a GPU)
 
     for name in [MUON_MODULE, "deepspeed.runtime.zero.muon.muon_optimizer"]:
         monkeypatch.delitem(sys.modules, name, raising=False)  # imported afresh, restored after

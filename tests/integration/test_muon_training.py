@@ -1,0 +1,107 @@
+"""A real Muon run (`optim.name=muon`, 2 processes, bf16 ZeRO-2, 10 steps, checkpoints at 5 and
+10) and what must still hold with it: Muon's momentum is in the checkpoint and a resume is bit for
+bit; a resume at another world size is one line of bad input (DeepSpeed's universal checkpoint
+has no place for the momentum); the checkpoint's weights read back (export-hf, zero_to_fp32) and
+fine-tuning starts from it with either optimizer. The reference comparison, the skip guard and
+DeepSpeed's four bugs are tests/integration/test_muon.py; rollbacks and lower_lr with Muon are
+tests/unit/test_optimizers.py."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runs import metrics, torchrun, train, train_state
+
+MUON = [
+    "train.steps=10",
+    "checkpoint.every=5",
+    "eval.every=5",
+    "optim.name=muon",
+    "optim.muon_lr=0.01",
+    "train.grad_clip=0",
+]
+
+
+@pytest.fixture(scope="module")
+def muon_run(tmp_path_factory, train_data):
+    from tests.conftest import built_once
+
+    return built_once(
+        tmp_path_factory, "muon_run", lambda run_dir: train(torchrun(2), run_dir, train_data, *MUON)
+    )
+
+
+def from_step_5(muon_run: Path, run_dir: Path) -> None:
+    tag = "step_00000005"
+    shutil.copytree(muon_run / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
+
+
+def holds_key(value, key: str) -> bool:
+    if isinstance(value, dict):
+        return key in value or any(holds_key(v, key) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(holds_key(v, key) for v in value)
+    return False
+
+
+def test_the_checkpoint_holds_the_momentum_and_a_resume_is_bit_for_bit(tmp_path, muon_run, train_data):
+    import torch
+
+    shards = sorted((muon_run / "checkpoints" / "step_00000005").rglob("*optim_states.pt"))
+    assert len(shards) == 2
+    for shard in shards:
+        assert holds_key(torch.load(shard, map_location="cpu", weights_only=False), "momentum_buffer"), shard
+    from_step_5(muon_run, tmp_path)
+    result = train(torchrun(2), tmp_path, train_data, *MUON, "checkpoint.resume=auto")
+    assert "resumed from step_00000005" in result.stdout
+    ours, theirs = metrics(tmp_path), metrics(muon_run)
+    assert sorted(ours) == list(range(6, 11))
+    for step in range(6, 11):
+        assert ours[step]["train/loss"] == theirs[step]["train/loss"], step
+        assert ours[step]["train/grad_norm"] == theirs[step]["train/grad_norm"], step
+    assert train_state(tmp_path, 10)["params_sha256"] == train_state(muon_run, 10)["params_sha256"]
+
+
+def test_another_world_size_is_one_line_of_bad_input(tmp_path, muon_run, train_data):
+    from_step_5(muon_run, tmp_path)
+    command = [sys.executable, "-m", "pretrain.train"]  # one process: the checkpoint was saved by 2
+    result = train(command, tmp_path, train_data, *MUON, "train.grad_accum=2", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pretrain: error:")]
+    assert len(errors) == 1 and "the number of processes it was saved with" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "checkpoints" / "universal").exists()
+
+
+def test_its_weights_read_back_and_fine_tuning_starts_from_them(tmp_path, muon_run, sentiment):
+    """zero_to_fp32 finds the fp32 master weights among Muon's optimizer state (each one's bf16 is
+    the model's own bf16 weight); export-hf writes them; fine-tuning starts from the checkpoint with
+    AdamW and with Muon (the classifier's head with AdamW)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pretrain.cli import main as cli_main
+    from pretrain.inference import read_checkpoint
+    from tests.finetune_data import CLASSIFICATION, TINY_FT
+
+    directory, _, masters = read_checkpoint(muon_run)
+    (model_file,) = directory.rglob("mp_rank_00_model_states.pt")
+    bf16 = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    for name, weight in bf16.items():
+        assert torch.equal(masters[name].bfloat16(), weight), name
+    assert cli_main(["export-hf", "--checkpoint", str(muon_run), "--out", str(tmp_path / "hf")]) == 0
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(exported["model.embed_tokens.weight"], masters["tok_embeddings.weight"])
+    train_csv, val_csv = sentiment
+    for optimizer in ("adamw", "muon"):
+        run_dir = tmp_path / optimizer
+        args = [f"finetune.init={muon_run}", f"data.train={train_csv}", f"data.validation={val_csv}"]
+        args += [f"run.dir={run_dir}", "train.steps=2", f"optim.name={optimizer}", "train.grad_clip=0"]
+        command = [sys.executable, "-m", "pretrain.finetune", "--config", CLASSIFICATION, *args, *TINY_FT[1:]]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert (run_dir / "checkpoints" / "step_00000002" / "complete.json").is_file()
