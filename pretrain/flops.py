@@ -7,7 +7,9 @@ token embedding. 6 = 2 FLOPs per multiply-add × (forward + 2× backward). The a
 counts QK^T and AV over the full T×T (as PaLM does; causal kernels skip about half of it).
 
 MFU = achieved FLOPs/s ÷ the device's peak dense bf16 FLOPs/s. It never counts recomputation
-(activation checkpointing) as useful work.
+(activation checkpointing) as useful work, nor the optimizer's: with `optim.name: muon` the
+Newton–Schulz iterations (`newton_schulz_flops`, per optimizer step) are left out of MFU, as
+PaLM's model FLOPs leave out everything but the model.
 """
 
 from __future__ import annotations
@@ -102,6 +104,28 @@ def matmul_params(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
     """N in 6·N: non-embedding parameters, plus the LM head when it is tied (counted once)."""
     counts = counts or param_counts(cfg)
     return counts.non_embedding + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+
+
+def newton_schulz_flops(cfg: ModelConfig, method: str = "gram", steps: int = 5) -> int:
+    """FLOPs of Muon's Newton–Schulz iterations per optimizer step, over every block matrix (under
+    ZeRO-1/2 each rank does those of its partition). For a matrix n × m with n ≤ m: `standard`
+    (X ← aX + (bA + cA²)X, A = XXᵀ) 4n²m + 2n³ per iteration; `gram` (DeepSpeed's: the iteration
+    on R = XXᵀ, restarted at the third) 8n²m + 28n³ for 5 iterations, `standard`'s on a square."""
+    d, hd = cfg.d_model, cfg.head_dim
+    shapes = [
+        ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, d),
+        (d, cfg.n_heads * hd),
+        ((2 if cfg.activation == "swiglu" else 1) * cfg.d_ff, d),
+        (d, cfg.d_ff),
+    ]
+    total = 0
+    for rows, cols in shapes:
+        n, m = min(rows, cols), max(rows, cols)
+        if method == "gram" and m > n and steps == 5:
+            total += 8 * n * n * m + 28 * n**3
+        else:
+            total += steps * (4 * n * n * m + 2 * n**3)
+    return cfg.n_layers * total
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> float:
