@@ -1,5 +1,5 @@
 """`pretrain bench data / masking / monitor / detection / train / profile / ablation /
-stability`: benchmarks that print figures."""
+stability / optimizers`: benchmarks that print figures."""
 
 from __future__ import annotations
 
@@ -87,6 +87,24 @@ def cmd_bench_ablation(args: argparse.Namespace) -> int:
         parse_lrs(args.lrs),
         steps=args.steps,
         eval_every=args.eval_every,
+        as_json=args.json,
+    )
+    return 0
+
+
+def cmd_bench_optimizers(args: argparse.Namespace) -> int:
+    from pretrain.bench.ablation import parse_lrs
+    from pretrain.bench.optimizers import run
+
+    run(
+        tuple(c for c in args.corpora.split(",") if c),
+        args.out,
+        adamw_lrs=parse_lrs(args.adamw_lrs),
+        muon_lrs=parse_lrs(args.muon_lrs),
+        steps=args.steps,
+        ns_method=args.ns_method,
+        timing_pairs=args.timing_pairs,
+        timing_steps=args.timing_steps,
         as_json=args.json,
     )
     return 0
@@ -210,6 +228,37 @@ def register(sub) -> None:
     ablation.set_defaults(handler=cmd_bench_ablation)
 
     add_stability_parser(whats)
+    add_optimizers_parser(whats)
+
+
+def add_optimizers_parser(whats) -> None:
+    optimizers = whats.add_parser(
+        "optimizers",
+        help="AdamW vs Muon at each one's best learning rate: steps and time to AdamW's final loss",
+    )
+    optimizers.add_argument(
+        "--corpora", default="builtin:pydoc", help="comma-separated corpora (default builtin:pydoc)"
+    )
+    optimizers.add_argument("--out", default="runs/optimizers", help="runs and results go here")
+    optimizers.add_argument(
+        "--adamw-lrs", default="5e-4,1e-3,2e-3,4e-3", help="AdamW's peak learning rates (optim.lr)"
+    )
+    optimizers.add_argument(
+        "--muon-lrs", default="0.005,0.01,0.02,0.04", help="Muon's peak learning rates (optim.muon_lr)"
+    )
+    optimizers.add_argument("--steps", type=int, help="training steps per run (default: the config's, 300)")
+    optimizers.add_argument(
+        "--ns-method",
+        choices=("gram", "standard"),
+        default="gram",
+        help="optim.muon_ns_method (default gram)",
+    )
+    optimizers.add_argument(
+        "--timing-pairs", type=int, default=3, help="short runs of each optimizer timed in turn (default 3)"
+    )
+    optimizers.add_argument("--timing-steps", type=int, default=40, help="steps per timing run (default 40)")
+    optimizers.add_argument("--json", action="store_true", help="print one JSON object")
+    optimizers.set_defaults(handler=cmd_bench_optimizers)
 
 
 def add_stability_parser(whats) -> None:
