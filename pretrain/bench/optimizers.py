@@ -76,17 +76,17 @@ def steps_to_reach(curve: list[list[float]], target: float) -> float | None:
     return tokens_to_reach([tuple(point) for point in curve], target)
 
 
-def sweep(arm: str, lrs, out: Path, data_dir: Path, adamw_lr, muon: list[str], steps) -> dict:
-    runs = {}
-    for lr in lrs:
-        summary = train_run(
-            out / arm / f"lr{lr:g}",
-            data_dir,
-            arm_overrides(arm, lr, adamw_lr, muon),
-            f"{arm} lr={lr:g}",
-            steps,
-        )
-        runs[f"{lr:g}"] = [[e["step"], e["loss"]] for e in summary["eval"]] if summary else []
+def sweep(arm: str, lrs, out: Path, data_dir: Path, adamw_lr, muon: list[str], steps, jobs: int) -> dict:
+    """One run per learning rate, `jobs` at a time (a GPU with room for several)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(lr: float) -> list[list[float]]:
+        overrides = arm_overrides(arm, lr, adamw_lr, muon)
+        summary = train_run(out / arm / f"lr{lr:g}", data_dir, overrides, f"{arm} lr={lr:g}", steps)
+        return [[e["step"], e["loss"]] for e in summary["eval"]] if summary else []
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        runs = dict(zip((f"{lr:g}" for lr in lrs), pool.map(one, lrs), strict=True))
     best = min(runs, key=lambda lr: final_loss(runs[lr]))
     return {"runs": runs, "best_lr": float(best), "best_final_loss": final_loss(runs[best])}
 
@@ -127,6 +127,7 @@ def run(
     ns_method: str = "gram",
     timing_pairs: int = 3,
     timing_steps: int = 40,
+    jobs: int = 1,
     as_json: bool = False,
 ) -> dict:
     from pretrain.data import prepare_corpus
@@ -136,6 +137,8 @@ def run(
             raise UserError(f"{name}: give one or more positive learning rates")
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1")
+    if jobs < 1:
+        raise UserError(f"--jobs {jobs} must be at least 1")
     cfg = load_config(config_path())
     muon = [f"optim.muon_ns_method={ns_method}"]
     result: dict = {
@@ -147,19 +150,22 @@ def run(
         "tokens_per_step": cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len,
         "corpora": {},
     }
+    times = None
     for source in sources:
         root = Path(out) / corpus_name(source)
         _, data_dir = prepare_corpus(
             source, root, announce=lambda line: print(line, file=sys.stderr, flush=True)
         )
-        adamw = sweep("adamw", adamw_lrs, root, data_dir, None, muon, steps)
+        adamw = sweep("adamw", adamw_lrs, root, data_dir, None, muon, steps, jobs)
         arms = {
             "adamw": adamw,
-            "muon": sweep("muon", muon_lrs, root, data_dir, adamw["best_lr"], muon, steps),
+            "muon": sweep("muon", muon_lrs, root, data_dir, adamw["best_lr"], muon, steps, jobs),
         }
-        corpus = {"source": source, "arms": arms}
-        corpus["timing"] = timing(root, data_dir, arms, ns_method, timing_pairs, timing_steps)
-        corpus |= compare(arms, corpus["timing"])
+        if times is None:  # the same model and batch on every corpus: timed on the first
+            times = timing(root, data_dir, arms, ns_method, timing_pairs, timing_steps)
+            times["corpus"] = corpus_name(source)
+        corpus = {"source": source, "arms": arms, "timing": times}
+        corpus |= compare(arms, times)
         result["corpora"][corpus_name(source)] = corpus
     result["meets_target"] = all(c["meets_target"] for c in result["corpora"].values())
     (Path(out) / "optimizers.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -260,7 +266,7 @@ def report(result: dict) -> str:
             f"{corpus['target_loss']:.3f}, {corpus['time_per_step_ratio']:.2f}× its time per step"
         )
         for name, timed in corpus["timing"].items():
-            if name not in corpus["arms"]:
+            if name not in corpus["arms"] and name != "corpus":
                 ratio = timed["seconds_per_step"] / corpus["timing"]["adamw"]["seconds_per_step"]
                 lines.append(f"{'':<16}{name}: {timed['seconds_per_step']:.3f} s/step, {ratio:.2f}× AdamW's")
     verdict = "meets" if result["meets_target"] else "does not meet"

@@ -105,6 +105,7 @@ def cmd_bench_optimizers(args: argparse.Namespace) -> int:
         ns_method=args.ns_method,
         timing_pairs=args.timing_pairs,
         timing_steps=args.timing_steps,
+        jobs=args.jobs,
         as_json=args.json,
     )
     return 0
@@ -257,6 +258,12 @@ def add_optimizers_parser(whats) -> None:
         "--timing-pairs", type=int, default=3, help="short runs of each optimizer timed in turn (default 3)"
     )
     optimizers.add_argument("--timing-steps", type=int, default=40, help="steps per timing run (default 40)")
+    optimizers.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs of a search at a time (default 1; a GPU has room for several)",
+    )
     optimizers.add_argument("--json", action="store_true", help="print one JSON object")
     optimizers.set_defaults(handler=cmd_bench_optimizers)
 
