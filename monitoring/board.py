@@ -1,6 +1,7 @@
 """What the service shows of a run (/status, the page): progress and rate, the recent verdicts,
-warnings, skipped updates, rollbacks and restarts, and the judged series the page charts. Fed
-one judged step at a time; a service started again rebuilds it from events.jsonl."""
+warnings, skipped updates, rollbacks and restarts, each rank's compute time and the stragglers
+named, and the judged series the page charts. Fed one judged step at a time; a service started
+again rebuilds it from events.jsonl."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from monitoring.protocol import (
     RollbackCancelled,
     StepJudged,
     StepMetrics,
+    Straggler,
     WarningRaised,
 )
 
@@ -45,6 +47,9 @@ class Board:
     # (tokens, seconds) of the last steps whose tokens are known (not the first after a rollback)
     step_tokens: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RATE_STEPS))
     tokens_per_second: float | None = None  # the last step's
+    ranks: list[dict] = field(default_factory=list)  # the newest logging step's per-rank times
+    ranks_step: int | None = None  # ... and its step
+    stragglers: list[dict] = field(default_factory=list)  # {step, rank, host, factor}, as named
 
     def record(self, metrics: StepMetrics, verdict: Verdict, point: dict) -> None:
         """One judged step, and its chart `point`."""
@@ -78,6 +83,13 @@ class Board:
                 self.step_tokens.append((tokens, metrics.step_time))
         if metrics.total_steps is not None:
             self.total_steps = metrics.total_steps
+        if metrics.ranks:
+            self.ranks, self.ranks_step = metrics.ranks, metrics.step
+            self.stragglers += [
+                {"step": metrics.step, "rank": r["rank"], "host": r["host"], "factor": r.get("factor")}
+                for r in metrics.ranks
+                if r.get("straggler")
+            ]
         self.chart(point)
 
     def resolved(self, outcome: Outcome, decision: Rollback | None) -> None:
@@ -118,6 +130,8 @@ class Board:
                 self.cancelled.append({"decision": e.decision, "step": e.step, "reason": e.reason})
             elif isinstance(e, Restart):
                 self.restarts.append(e)
+            elif isinstance(e, Straggler):
+                self.stragglers.append({"step": e.step, "rank": e.rank, "host": e.host, "factor": e.factor})
         for point in judged:
             self.chart(point)
 
@@ -155,6 +169,9 @@ class Board:
             "rollbacks_cancelled": list(self.cancelled),
             "recent": [dict(v) for v in self.recent],
             "restarts": [r.to_json() for r in self.restarts],
+            "ranks": [dict(r) for r in self.ranks],
+            "ranks_step": self.ranks_step,
+            "stragglers": [dict(s) for s in self.stragglers],
         }
 
 

@@ -4,8 +4,10 @@ no external asset) rendered from /status. It reloads itself every 10 seconds.
 It shows the run's progress (step, total, tokens/s over the last 50 steps, ETA, counts of
 warnings, rollbacks applied and restarts), the loss and the gradient norm of the last judged steps
 against their bands (the shaded area runs from the robust level to the threshold; orange marks are
-warnings, red marks rollbacks), and the list of events: every rollback decided, applied and
-cancelled, every restart, and the newest warnings. The line is the timeline that went on; the
+warnings, red marks rollbacks), each rank's forward time per step over the last straggler window
+(stragglers marked), the hosts of a job over ssh (in use, spares, excluded and why), and the list
+of events: every rollback decided, applied and cancelled, every restart and straggler, and the
+newest warnings. The line is the timeline that went on; the
 value judged at a step that was rolled back is a red mark labelled "VALUE (rolled back)" — at the
 chart's top edge when it is above the normal range, as a spike usually is, so that the rest of the
 chart keeps its scale.
@@ -150,7 +152,11 @@ def _events(status: dict) -> list[tuple[int, str, str]]:
         )
     for r in status.get("restarts") or []:
         rows.append((r.get("step") or 0, "restart", str(r.get("reason", ""))))
-    order = ("warning", "rollback decided", "rollback applied", "rollback cancelled", "restart")
+    for s in status.get("stragglers") or []:
+        factor = _number(s.get("factor"))
+        times = f": {factor:.2f}x the median rank's forward time" if factor is not None else ""
+        rows.append((s.get("step") or 0, "straggler", f"rank {s.get('rank')} on {s.get('host')}{times}"))
+    order = ("warning", "rollback decided", "rollback applied", "rollback cancelled", "restart", "straggler")
     return sorted(rows, key=lambda row: (row[0], order.index(row[1])), reverse=True)
 
 
@@ -163,6 +169,50 @@ def _repeat(decided: dict) -> str:
     if decided.get("lr_factor") is not None:
         measures.append(f"lr x{decided['lr_factor']:g} for {decided.get('lr_factor_steps')} steps")
     return f", repeat {decided['repeat']}: {', '.join(measures) or decided.get('stage')}"
+
+
+def _ranks(status: dict) -> str:
+    """The per-rank table: each rank's host, forward seconds per step (the median over the
+    straggler window that ended at `ranks_step`) and its factor over the other ranks' median."""
+    ranks = status.get("ranks") or []
+    if not ranks:
+        return ""
+    named = {(s.get("rank"), s.get("host")) for s in status.get("stragglers") or []}
+    rows = []
+    for r in ranks:
+        seconds, factor = _number(r.get("step_seconds")), _number(r.get("factor"))
+        slow = (r.get("rank"), r.get("host")) in named
+        cells = [
+            str(r.get("rank")),
+            str(r.get("host")),
+            f"{seconds:.4f}" if seconds is not None else "–",
+            (f"{factor:.2f}" if factor is not None else "–") + (" (straggler)" if slow else ""),
+        ]
+        row = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        rows.append(f'<tr class="tripped">{row}</tr>' if slow else f"<tr>{row}</tr>")
+    return (
+        f'<h2>Ranks</h2><p class="sub">forward seconds per step, median over the straggler window to step '
+        f"{html.escape(str(status.get('ranks_step')))}; × median: over the other ranks' median</p>"
+        "<table><tr><th>rank</th><th>host</th><th>s/step</th><th>× median</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def _hosts(status: dict) -> str:
+    """The job's hosts over ssh (`status["job"]["hosts"]`): in use, spares, excluded and why."""
+    hosts = (status.get("job") or {}).get("hosts")
+    if not isinstance(hosts, dict):
+        return ""
+    rows = [(host, "in use", "") for host in hosts.get("in_use") or []] + [
+        (host, "spare", "") for host in hosts.get("spares") or []
+    ]
+    rows += [(host, "excluded", str(why)) for host, why in (hosts.get("excluded") or {}).items()]
+    cells = "".join(
+        f"<tr><td>{html.escape(str(h))}</td><td>{role}</td><td>{html.escape(why)}</td></tr>"
+        for h, role, why in rows
+    )
+    return f"<h2>Hosts</h2><table><tr><th>host</th><th>role</th><th>why</th></tr>{cells}</table>"
 
 
 STYLE = """
@@ -237,6 +287,8 @@ def render_page(status: dict) -> str:
 {breaker}
 <dl>{"".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts)}</dl>
 {charts}
+{_ranks(status)}
+{_hosts(status)}
 <h2>Events</h2>
 <table><tr><th>step</th><th>event</th><th>detail</th></tr>{rows}</table>
 <p class="sub">JSON: <a href="/status">/status</a> · Prometheus: <a href="/metrics">/metrics</a></p>

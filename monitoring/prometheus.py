@@ -33,6 +33,13 @@ class ServiceMetrics:
             "pretrain_rollbacks_cancelled", "rollbacks decided, then cancelled", registry=r
         )
         self.restarts = Counter("pretrain_restarts", "restarts of a crashed or hung job", registry=r)
+        self.rank_step_seconds = Gauge(
+            "pretrain_rank_step_seconds",
+            "a rank's forward seconds per step, median over the last straggler window",
+            ["rank", "host"],
+            registry=r,
+        )
+        self.stragglers = Counter("pretrain_stragglers", "stragglers named by the trainer", registry=r)
 
     def observe(
         self, metrics: StepMetrics, verdict: Verdict, point: dict, tokens_per_second: float | None
@@ -60,3 +67,9 @@ class ServiceMetrics:
         for series in ("loss", "grad_norm"):
             if f"{series}_threshold" in point:
                 self.threshold.labels(series).set(point[f"{series}_threshold"])
+        if metrics.ranks:  # (a logging step's: the set of ranks reported replaces the last one's)
+            self.rank_step_seconds.clear()
+            for entry in metrics.ranks:
+                self.rank_step_seconds.labels(str(entry["rank"]), entry["host"]).set(entry["step_seconds"])
+                if entry.get("straggler"):
+                    self.stragglers.inc()

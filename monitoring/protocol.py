@@ -35,6 +35,10 @@ ACTIONS = ("continue", "rollback", "stop")  # what the service may answer; their
 # The instability precursors a report may carry (the trainer's `stability/<name>`, measured every
 # logging.precursors_every steps), each graded by the service against its own band.
 PRECURSORS = ("attn_logit_max", "logit_lse_max", "logit_abs_max", "update_ratio_max")
+# The report of a logging step that ends a straggler window carries each rank's forward seconds
+# per step over it (`StepMetrics.ranks`): every rank of a job up to this many, else the slowest.
+MAX_RANKS_REPORTED = 64
+RANK_KEYS = ("rank", "host", "step_seconds", "factor", "straggler")
 
 MONITOR_DIR = "monitor"
 ENDPOINT_FILE = "endpoint.json"
@@ -104,6 +108,10 @@ class StepMetrics:
     total_steps: int | None = None  # the run's last step (for progress and ETA)
     update_skipped: bool = False  # the trainer skipped this step's update in place (monitor.skip_step)
     precursors: dict[str, float] = field(default_factory=dict)  # PRECURSORS measured at this step
+    # at the logging step that ends a straggler window: each rank's {rank, host, step_seconds (its
+    # median forward seconds per step over the window), factor (over the other ranks' median),
+    # straggler (true: named at this step)}
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return strict_json(asdict(self))
@@ -142,6 +150,7 @@ class StepMetrics:
         if not isinstance(skipped, bool):
             raise ProtocolError(f"'update_skipped' must be true or false, got {skipped!r}")
         return cls(
+            ranks=_rank_times(payload.get("ranks") or []),
             precursors=precursors,
             update_skipped=skipped,
             total_steps=total,
@@ -153,6 +162,33 @@ class StepMetrics:
             tokens=tokens,
             layer_grad_norms=layers,
         )
+
+
+def _rank_times(ranks: Any) -> list[dict[str, Any]]:
+    """StepMetrics.ranks, checked: at most MAX_RANKS_REPORTED objects of RANK_KEYS, each with a
+    rank, a host and its seconds."""
+    if not isinstance(ranks, list) or len(ranks) > MAX_RANKS_REPORTED:
+        raise ProtocolError(f"'ranks' must be a list of at most {MAX_RANKS_REPORTED} objects")
+    checked = []
+    for entry in ranks:
+        entry = _object(entry, "rank", RANK_KEYS)
+        rank, host = entry.get("rank"), entry.get("host")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_INT:
+            raise ProtocolError(f"'ranks.rank' must be an integer in [0, 2^53), got {rank!r}")
+        if not isinstance(host, str) or not 0 < len(host) <= 255:
+            raise ProtocolError(f"'ranks.host' must be a host name of 1 to 255 characters, got {host!r:.80}")
+        numbers = {}
+        for key in ("step_seconds", "factor"):
+            value = _number(entry, key, optional=key == "factor")
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ProtocolError(f"'ranks.{key}' must be a finite number >= 0, got {value!r}")
+            if value is not None:
+                numbers[key] = value
+        straggler = entry.get("straggler", False)
+        if not isinstance(straggler, bool):
+            raise ProtocolError(f"'ranks.straggler' must be true or false, got {straggler!r}")
+        checked.append({"rank": rank, "host": host, **numbers} | ({"straggler": True} if straggler else {}))
+    return checked
 
 
 def _object(payload: Any, what: str, names) -> dict:

@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from monitoring.protocol import CONTINUE, Action, Outcome, ProtocolError, Rollback, StepMetrics
+from monitoring.protocol import (
+    CONTINUE,
+    MAX_RANKS_REPORTED,
+    Action,
+    Outcome,
+    ProtocolError,
+    Rollback,
+    StepMetrics,
+)
 
 
 def test_metrics_round_trip_through_json_text_including_nan():
@@ -38,6 +46,45 @@ def test_metrics_round_trip_through_json_text_including_nan():
 def test_bad_metrics_are_refused(payload):
     with pytest.raises(ProtocolError):
         StepMetrics.from_json(payload)
+
+
+RANK = {"rank": 1, "host": "node7", "step_seconds": 0.031}
+
+
+def test_a_logging_steps_report_carries_each_ranks_time_and_the_stragglers_named():
+    ranks = [RANK | {"factor": 3.1, "straggler": True}, {"rank": 0, "host": "node0", "step_seconds": 0.01}]
+    metrics = StepMetrics(step=31, loss=3.0, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=100, ranks=ranks)
+    back = StepMetrics.from_json(json.loads(json.dumps(metrics.to_json(), allow_nan=False)))
+    assert back.ranks == ranks
+    assert StepMetrics.from_json({k: v for k, v in metrics.to_json().items() if k != "ranks"}).ranks == []
+    full = [{"rank": r, "host": "h", "step_seconds": 0.01} for r in range(MAX_RANKS_REPORTED)]
+    assert len(StepMetrics.from_json(metrics.to_json() | {"ranks": full}).ranks) == MAX_RANKS_REPORTED
+
+
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        ({"1": 0.03}, "'ranks' must be a list"),
+        ([RANK] * (MAX_RANKS_REPORTED + 1), "at most 64"),
+        (["node7"], "rank must be a JSON object"),
+        ([RANK | {"speed": 1}], "unknown rank fields ['speed']"),
+        ([RANK | {"rank": -1}], "'ranks.rank' must be an integer"),
+        ([RANK | {"rank": True}], "'ranks.rank' must be an integer"),
+        ([{"rank": 1, "step_seconds": 0.03}], "'ranks.host' must be a host name"),
+        ([RANK | {"host": "x" * 256}], "'ranks.host' must be a host name"),
+        ([{"rank": 1, "host": "node7"}], "'step_seconds' must be a number"),
+        ([RANK | {"step_seconds": "nan"}], "'step_seconds' must be a number"),
+        ([RANK | {"step_seconds": -0.5}], "'ranks.step_seconds' must be a finite number >= 0"),
+        ([RANK | {"step_seconds": 1e309}], "'ranks.step_seconds' must be a finite number >= 0"),
+        ([RANK | {"factor": -1}], "'ranks.factor' must be a finite number >= 0"),
+        ([RANK | {"straggler": 1}], "'ranks.straggler' must be true or false"),
+    ],
+)
+def test_bad_rank_times_are_refused(ranks, message):
+    payload = {"step": 1, "loss": 1, "grad_norm": 1, "lr": 1, "step_time": 1, "tokens": 0, "ranks": ranks}
+    with pytest.raises(ProtocolError) as refused:
+        StepMetrics.from_json(payload)
+    assert message in str(refused.value)
 
 
 def a_rollback(**fields) -> Rollback:
