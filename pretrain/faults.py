@@ -4,7 +4,9 @@ Scale the loss (and so the gradients), or the gradients alone (the loss reported
 or make the loss NaN at given steps; kill or hang a rank as a step begins; corrupt the newest
 checkpoint's fp32 master weights (same size, other bytes) as a step begins; pause the writing of a
 step's checkpoint (`save_pause`, which the checkpointer asks: a slow disk, and a window for a kill
-during a save). Each fault but the pause fires once: the faults fired ("spike:10", "kill:7", ...)
+during a save); make one rank slow from a step on (`slow_rank`: every forward and backward pass
+of it takes `slow_factor` times as long, a rehearsal of a straggler). Each fault but the pause
+and the slow rank fires once: the faults fired ("spike:10", "kill:7", ...)
 are kept in RUN_DIR/faults_fired.json across rollbacks and restarts, so the same step then runs
 clean. Every rank keeps the same set; rank 0 writes it, or the rank about to be killed or hung.
 """
@@ -31,6 +33,7 @@ class FaultInjector:
         self.faults, self.rank = faults, rank
         self.path = Path(run_dir) / FIRED_FILE
         self.fired = set(json.loads(self.path.read_text())) if self.path.exists() else set()
+        self._pass_started: float | None = None  # when this slow rank's current pass began
 
     def _pending(self, kind: str, step: int) -> bool:
         return f"{kind}:{step}" not in self.fired
@@ -113,6 +116,45 @@ class FaultInjector:
             self.fired.add(f"{kind}:{step}")
             if self.rank == 0:
                 atomic.write_json(self.path, sorted(self.fired))
+
+    # --------------------------------------------------------------------- a slow rank
+
+    def begin_pass(self, step: int) -> None:
+        """A forward or backward pass of step `step` begins on this rank: when it is
+        `faults.slow_rank` from `faults.slow_from_step` on, it is timed (`end_pass` stretches it)."""
+        f = self.faults
+        if f.slow_from_step is None or self.rank != f.slow_rank or step < f.slow_from_step:
+            return
+        self._pass_started = _pass_clock()
+
+    def end_pass(self) -> None:
+        """The pass `begin_pass` timed has ended: make it take slow_factor times as long, as the
+        straggler hook measures it (pretrain/train/straggler_hook.py). On CPU: the pass's CPU time
+        is spent again (slow_factor - 1) times over, computing (a slower CPU, in effect: a sleep
+        costs no CPU time). On a GPU: the device is waited for at both ends and the host sleeps
+        that long, which delays the device's next work as much (a slower GPU, in effect)."""
+        if self._pass_started is None:
+            return
+        extra = (self.faults.slow_factor - 1) * (_pass_clock() - self._pass_started)
+        self._pass_started = None
+        if _on_gpu():
+            time.sleep(extra)
+            return
+        until = time.thread_time() + extra
+        while time.thread_time() < until:
+            pass
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _pass_clock() -> float:
+    """This thread's CPU seconds on CPU; on a GPU, the wall clock once the device has caught up."""
+    if not _on_gpu():
+        return time.thread_time()
+    torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def save_pause(faults: FaultsConfig | None, step: int) -> float:

@@ -179,6 +179,9 @@ ADDED_KEYS = {
     "optim.muon_momentum": 0.95,
     "optim.muon_ns_method": "gram",
     "optim.muon_scale": "original",
+    "faults.slow_rank": 0,
+    "faults.slow_factor": 3.0,
+    "faults.slow_from_step": None,
 }
 
 

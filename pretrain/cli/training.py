@@ -20,7 +20,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
         return ExitCode.STOPPED_BY_MONITOR  # not a crash: the supervisor does not restart it
-    return ExitCode.DONE
+    # a hook saved and stopped for a reason of its own (a straggler's host to move off: REPLACE_NODE)
+    return summary.get("exit_code", ExitCode.DONE)
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:

@@ -434,6 +434,12 @@ class FaultsConfig:
     # checkpoint). A pause changes nothing saved, so it is not recorded as fired: it pauses each time
     slow_save_step: int | None = None
     slow_save_seconds: float = 5.0
+    # from slow_from_step on, slow_rank's forward and backward passes take slow_factor times as
+    # long (each followed by (factor - 1) x its own time, computing on CPU, idle on a GPU): a
+    # rehearsal of a straggler. Like the pause it is not recorded as fired: slow in every start
+    slow_rank: int = 0
+    slow_factor: float = 3.0
+    slow_from_step: int | None = None
 
     def __post_init__(self) -> None:
         _positive("faults.spike_factor", self.spike_factor)
@@ -441,12 +447,16 @@ class FaultsConfig:
         for key in ("spike_steps", "grad_spike_steps", "nan_steps"):
             for step in getattr(self, key):
                 _positive(f"faults.{key}", step)
-        for key in ("kill_rank", "hang_rank"):
+        for key in ("kill_rank", "hang_rank", "slow_rank"):
             _positive(f"faults.{key}", getattr(self, key), allow_zero=True)
-        for key in ("kill_step", "hang_step", "corrupt_checkpoint_step", "slow_save_step"):
+        for key in ("kill_step", "hang_step", "corrupt_checkpoint_step", "slow_save_step", "slow_from_step"):
             if getattr(self, key) is not None:
                 _positive(f"faults.{key}", getattr(self, key))
         _positive("faults.slow_save_seconds", self.slow_save_seconds, allow_zero=True)
+        if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
+            raise ConfigError(
+                f"faults.slow_factor={self.slow_factor} must be a finite number >= 1 (1: not slow)"
+            )
 
 
 @dataclass(kw_only=True)

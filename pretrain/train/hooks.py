@@ -5,8 +5,12 @@ in the order it was given them, at these points:
     open(stack)                 once, as training starts (what it opens, it closes on `stack`)
     before_step(step)           before the step's first micro-batch
     lr_factor(step) -> float    the step's learning rate is the schedule's times every hook's factor
-    loss(step, loss) -> loss    each micro-batch's loss, before its backward pass
-    vote() -> float             its value in the step's one all-reduce (summed over ranks)
+    before_forward(step)        before each micro-batch's forward pass
+    loss(step, loss) -> loss    each micro-batch's loss, after its forward pass, before its backward
+    vote() -> float | tensor    its value in the step's one all-reduce (summed over ranks): a
+                                number, or a 1-D float32 tensor on the engine's device (one slot
+                                per rank, each rank filling its own, is how a value of every rank
+                                reaches every rank)
     before_update(step, mean_loss, batch)
                                 after the step's last backward pass, before its update lands:
                                 the step's mean loss over every rank (a device scalar) and this
@@ -16,7 +20,8 @@ in the order it was given them, at these points:
                                 step's metrics (replacing any of the same name)
     after_step(step, metrics, batch_ids, vote) -> Answer
                                 the step is logged; `batch_ids`: this rank's windows or examples in
-                                the step; `vote`: the sum of every rank's vote
+                                the step; `vote`: the sum of every rank's vote (a list of numbers
+                                for a tensor vote)
     before_eval(step) -> Answer
                                 an evaluation of the state after `step` is due
     before_checkpoint(step, stopping, last) -> Answer
@@ -29,8 +34,11 @@ loop gives it back with `load_state_dict` when it resumes or rewinds to one.
 A hook answers `CONTINUE`, `Rewind(state)` (it put the weights and the data back at an earlier
 step: the loop goes on from there) or `Stop(reason)` (the run must not go on: nothing after this
 state is saved). The first answer other than `CONTINUE` ends that boundary; the hooks after the
-one that gave it are not called there. `StepHook`'s methods do nothing: a hook overrides those it
-needs.
+one that gave it are not called there. At `after_step` a hook may also answer
+`SaveAndStop(reason, exit_code)`: save a checkpoint at this boundary and stop, as a stop request
+does, and exit with that status; the hooks after it are still called (a `Rewind` or `Stop` from
+one of them comes first). Every rank must give the same answer at the same boundary.
+`StepHook`'s methods do nothing: a hook overrides those it needs.
 """
 
 from __future__ import annotations
@@ -64,6 +72,12 @@ class Stop(Answer):
     reason: str
 
 
+@dataclass(frozen=True)
+class SaveAndStop(Answer):
+    reason: str  # rank 0's line after the save: "REASON: saved step_N and exiting"
+    exit_code: int  # the job's exit status (pretrain.errors.ExitCode)
+
+
 class StepHook:
     """A component the loop calls at its step boundaries; every method here does nothing."""
 
@@ -78,10 +92,13 @@ class StepHook:
     def lr_factor(self, step: int) -> float:
         return 1.0
 
+    def before_forward(self, step: int) -> None:
+        pass
+
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
-    def vote(self) -> float:
+    def vote(self) -> float | torch.Tensor:
         return 0.0
 
     def before_update(self, step: int, mean_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
@@ -90,7 +107,7 @@ class StepHook:
     def readings(self, step: int) -> dict[str, torch.Tensor]:
         return {}
 
-    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float | list[float]) -> Answer:
         return CONTINUE
 
     def before_eval(self, step: int) -> Answer:
@@ -112,15 +129,27 @@ class StepHook:
 @dataclass
 class InjectedFaults(StepHook):
     """`faults.*`: spikes and NaNs in the loss, killed and hung ranks, a corrupted checkpoint, each
-    fired once (`pretrain/faults.py` holds what fires when)."""
+    fired once, and a slow rank (`pretrain/faults.py` holds what fires when). The first hook, so a
+    slow rank's forward pass is stretched inside what the straggler hook times."""
 
     faults: FaultInjector
 
     def before_step(self, step: int) -> None:
         self.faults.before_step(step)
 
+    def before_forward(self, step: int) -> None:
+        self.faults.end_pass()  # (the last micro-batch's backward)
+        self.faults.begin_pass(step)
+
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        return self.faults.apply(step, loss)
+        loss = self.faults.apply(step, loss)
+        self.faults.end_pass()  # (the forward)
+        self.faults.begin_pass(step)  # (the backward)
+        return loss
+
+    def vote(self) -> float:
+        self.faults.end_pass()  # (the step's last backward)
+        return 0.0
 
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
         self.faults.mark_fired(step)

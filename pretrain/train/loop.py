@@ -39,7 +39,7 @@ from pretrain.engine import set_lr
 from pretrain.flops import mfu
 from pretrain.lifeline import note_step, why_the_supervisor_stops
 from pretrain.metrics import MetricsWriter, literal_markdown
-from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
+from pretrain.train.hooks import CONTINUE, Answer, Rewind, SaveAndStop, StepHook, Stop
 
 STOP_REQUESTED = Answer()  # how `Trainer.steps` ends when the ranks agreed to stop (a signal, stop_at_step)
 
@@ -163,6 +163,9 @@ class Trainer:
                 continue
             if isinstance(answer, Stop):
                 return answer
+            # (at the last step there is nothing left to stop for: the run completes as it would)
+            leaving = answer if isinstance(answer, SaveAndStop) and step < c.steps else None
+            stop_requested = stop_requested or leaving is not None
             if self.task.evaluates and (step == c.steps or (c.eval_every and step % c.eval_every == 0)):
                 answer = self.ask("before_eval", step)  # (a step rolled back here is not evaluated)
                 if isinstance(answer, Rewind):
@@ -180,14 +183,16 @@ class Trainer:
                 self.save(last=last or stop_requested)
                 self.last_saved = step
             if stop_requested:
-                self.record_stop(step, stop)
+                self.record_stop(step, stop, leaving)
                 return STOP_REQUESTED
         return CONTINUE
 
-    def ask(self, boundary: str, *args, votes: list[float] | None = None) -> Answer:
+    def ask(self, boundary: str, *args, votes: list[float | list[float]] | None = None) -> Answer:
         """Each hook's `boundary` method in turn (with its agreed vote last, given `votes`), until
         one answers other than `CONTINUE`; a `Rewind` moves the loop back to its state, a `Stop` is
-        recorded in the summary."""
+        recorded in the summary. A `SaveAndStop` (the first one given) is the answer once every
+        hook has been asked."""
+        leaving = None
         for index, hook in enumerate(self.hooks):
             answer = getattr(hook, boundary)(*args, *([votes[index]] if votes is not None else []))
             if isinstance(answer, Rewind):
@@ -198,7 +203,9 @@ class Trainer:
             if isinstance(answer, Stop):
                 self.summary["stopped_by_monitor"] = answer.reason
                 return answer
-        return CONTINUE
+            if isinstance(answer, SaveAndStop) and leaving is None:
+                leaving = answer
+        return leaving or CONTINUE
 
     def give_hooks_their_state(self) -> None:
         """Each named hook's state as of the checkpoint the loop resumed or rewound to."""
@@ -206,12 +213,17 @@ class Trainer:
             if hook.name and hook.name in self.state.hooks:
                 hook.load_state_dict(self.state.hooks[hook.name])
 
-    def record_stop(self, step: int, stop: StopRequest) -> None:
+    def record_stop(self, step: int, stop: StopRequest, leaving: SaveAndStop | None = None) -> None:
         """Every rank, after the save at a stop: which ranks asked to stop and why (a node that
-        lost its supervisor, a scheduler's SIGTERM), on rank 0's console and in events.jsonl."""
+        lost its supervisor, a scheduler's SIGTERM), on rank 0's console and in events.jsonl; a
+        hook's `SaveAndStop`: its reason, and the exit status in the summary."""
         requesters = [r for r in all_gather_objects(stop.requester()) if r is not None]
+        if leaving is not None:
+            self.summary |= {"stopped_for": leaving.reason, "exit_code": int(leaving.exit_code)}
+            self.writer.message(f"{leaving.reason}: saved {tag_for(step)} and exiting")
         if not requesters:
-            self.writer.message(f"reached train.stop_at_step: saved {tag_for(step)} and exiting")
+            if leaving is None:
+                self.writer.message(f"reached train.stop_at_step: saved {tag_for(step)} and exiting")
             return
         self.writer.message(
             f"stop requested by {describe_requesters(requesters)}: saved {tag_for(step)} and exiting"
@@ -226,7 +238,7 @@ class Trainer:
 
     def optimizer_step(
         self, step: int, stop: StopRequest
-    ) -> tuple[dict[str, float | None], list, bool, list[float]]:
+    ) -> tuple[dict[str, float | None], list, bool, list[float | list[float]]]:
         """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping.
         The host reads the step's numbers once, at the end (`read_step_values`)."""
         started = time.perf_counter()
@@ -241,6 +253,8 @@ class Trainer:
             batch = self.task.next_batch()
             batch_ids += self.task.last_batch_ids()
             tokens += batch["tokens"].numel()
+            for hook in self.hooks:
+                hook.before_forward(step)
             loss = self.engine(**batch).loss
             for hook in self.hooks:
                 loss = hook.loss(step, loss)
@@ -249,7 +263,7 @@ class Trainer:
             if micro_batch == self.grad_accum - 1:  # this micro-batch's engine.step() is the update
                 if every and step % every == 0:
                     layer_squares = layer_grad_squares(self.engine.module)
-                agreed = self.agree(loss_sum, stop)
+                agreed, vote_sizes = self.agree(loss_sum, stop)
                 for hook in self.hooks:
                     hook.before_update(step, agreed[0] / self.env.world_size, batch)
             self.engine.step()
@@ -279,17 +293,30 @@ class Trainer:
         metrics |= {f"train/grad_norm/{k}": v for k, v in values.layer_norms.items()}
         metrics |= self.task.scalars() if hasattr(self.task, "scalars") else {}
         metrics |= values.readings
-        return metrics, batch_ids, stop_requested, values.votes
+        return metrics, batch_ids, stop_requested, votes_of_hooks(values.votes, vote_sizes)
 
-    def agree(self, loss_sum: torch.Tensor, stop: StopRequest) -> torch.Tensor:
+    def agree(self, loss_sum: torch.Tensor, stop: StopRequest) -> tuple[torch.Tensor, list[int | None]]:
         """The step's one collective, before its update lands: the mean loss summed over ranks,
         whether any rank was asked to stop, and each hook's vote (the monitor's: whether rank 0
-        holds an action for every rank). (torch.full fills on the device; torch.tensor(x,
-        device=...) would copy from the host and wait.)"""
-        device = loss_sum.device
-        flags = [torch.full((), float(stop.requested), device=device)]
-        flags += [torch.full((), float(hook.vote()), device=device) for hook in self.hooks]
-        return all_reduce_sum(torch.stack([loss_sum / self.grad_accum, *flags]))
+        holds an action for every rank; the straggler hook's: a slot per rank, its compute time);
+        and the size of each hook's vote (None: a number). Every value is float32, the loss's
+        type, so that the loss is summed as it always was. (torch.full fills on the device;
+        torch.tensor(x, device=...) would copy from the host and wait.)"""
+        device, dtype = loss_sum.device, loss_sum.dtype
+        parts = [
+            (loss_sum / self.grad_accum).reshape(1),
+            torch.full((1,), float(stop.requested), device=device),
+        ]
+        sizes: list[int | None] = []
+        for hook in self.hooks:
+            vote = hook.vote()
+            if isinstance(vote, torch.Tensor):
+                parts.append(vote.to(device=device, dtype=dtype).reshape(-1))
+                sizes.append(parts[-1].numel())
+            else:
+                parts.append(torch.full((1,), float(vote), device=device, dtype=dtype))
+                sizes.append(None)
+        return all_reduce_sum(torch.cat(parts)), sizes
 
     def log(self, step: int, metrics: dict) -> None:
         self.writer.record(step, metrics)
@@ -349,10 +376,19 @@ def run_history(run_dir: Path) -> dict[str, int]:
 class StepValues(NamedTuple):
     loss_sum: float  # the micro-batches' mean loss, summed over ranks
     stopping: float  # > 0: some rank was asked to stop
-    votes: list[float]  # each hook's vote, summed over ranks
+    votes: list[float]  # the hooks' votes, summed over ranks, one after another (`votes_of_hooks`)
     grad_norm: float | None
     layer_norms: dict[str, float]  # per layer group, on the steps that take them
     readings: dict[str, float]  # the hooks' (`StepHook.readings`)
+
+
+def votes_of_hooks(numbers: list[float], sizes: list[int | None]) -> list[float | list[float]]:
+    """The agreed votes, one per hook: a number, or a list for a hook that voted a tensor."""
+    votes, at = [], 0
+    for size in sizes:
+        votes.append(numbers[at] if size is None else numbers[at : at + size])
+        at += 1 if size is None else size
+    return votes
 
 
 def describe_requesters(requesters: list[dict]) -> str:
