@@ -254,11 +254,18 @@ class MonitorLink:
         self.timeout = timeout
         self.device = device
         self.run_dir = Path(run_dir)
+        self.ranks: tuple[int, list[dict]] | None = None  # (step, StepMetrics.ranks) for that step's report
+
+    def note_ranks(self, step: int, ranks: list[dict]) -> None:
+        """Rank 0, before the report of logging step `step`: every rank's forward time over the
+        straggler window that ends there (the straggler hook's), which that report carries."""
+        self.ranks = (step, ranks)
 
     def report(self, step: int, metrics: dict[str, float | None], tokens: int) -> None:
         """Rank 0 hands the step's metrics (the trainer's `train/*` values) to the reporter; no wait."""
         if self.reporter is None:
             return
+        ranks = self.ranks[1] if self.ranks is not None and self.ranks[0] == step else []
         grad_norm = metrics["train/grad_norm"]
         layers = {
             k.removeprefix("train/grad_norm/"): v
@@ -277,6 +284,7 @@ class MonitorLink:
                 total_steps=self.total_steps,
                 update_skipped=bool(metrics.get("train/update_skipped")),
                 precursors={k: metrics[f"stability/{k}"] for k in PRECURSORS if f"stability/{k}" in metrics},
+                ranks=ranks,
             )
         )
 

@@ -43,6 +43,7 @@ from pretrain.train.loop import Cadence
 from pretrain.train.monitor_hook import Monitored
 from pretrain.train.precursor_hook import InstabilityPrecursors
 from pretrain.train.skip_hook import SkipBadUpdates
+from pretrain.train.straggler_hook import StragglerRule, StragglerWatch
 from pretrain.wandb_sink import check_available
 
 
@@ -61,9 +62,9 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     fault ranks, the checkpoint `checkpoint.resume` names, the W&B package when W&B is on."""
     check_available(cfg.logging.wandb)  # every rank, before any process group
     plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
-    for key in ("kill", "hang"):
+    for key, step in (("kill", "kill_step"), ("hang", "hang_step"), ("slow", "slow_from_step")):
         rank = getattr(cfg.faults, f"{key}_rank")
-        if getattr(cfg.faults, f"{key}_step") is not None and rank >= world_size:
+        if getattr(cfg.faults, step) is not None and rank >= world_size:
             raise UserError(
                 f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
             )
@@ -335,7 +336,8 @@ def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts) -> str:
 def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHook]:
     """The step hooks, in this order: a Rewind or Stop skips the hooks after the one that gave it,
     and the faults' record of what fired (InjectedFaults.after_step) must never be skipped, or a
-    loss fault would fire again after every rollback of its step."""
+    loss fault would fire again after every rollback of its step; a slow rank's stretched forward
+    pass (the faults') is inside what the straggler hook times."""
     run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
     hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
     if cfg.logging.data_trace:
@@ -351,8 +353,24 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
             cfg.monitor.skip_ratio, cfg.monitor.skip_window, grad_norm_ratio=cfg.monitor.skip_grad_norm_ratio
         )
         hooks.append(SkipBadUpdates(guard, engine, env, run_dir, writer))
-    if cfg.monitor.enabled:
-        monitor = MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
+    monitor = (
+        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
+        if cfg.monitor.enabled
+        else None
+    )
+    hooks.append(  # (before the monitor's: its report carries the ranks' times)
+        StragglerWatch(
+            env=env,
+            run_dir=run_dir,
+            writer=writer,
+            logged=cadence.logged,
+            rule=StragglerRule(cfg.monitor.straggler_factor, cfg.monitor.straggler_windows),
+            replace=cfg.monitor.on_straggler == "replace",
+            engine=engine,
+            link=monitor,
+        )
+    )
+    if monitor is not None:
         writer.band_layout()
         hooks.append(
             Monitored(
