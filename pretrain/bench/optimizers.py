@@ -62,6 +62,35 @@ def train_run(
     return summary
 
 
+def machine() -> dict:
+    """Where the figures were measured: the GPU's name, or the CPU's model, and the versions."""
+    import platform
+
+    import deepspeed
+    import torch
+
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        cpuinfo = Path("/proc/cpuinfo")
+        names = (
+            [
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ]
+            if cpuinfo.is_file()
+            else []
+        )
+        device = f"{names[0] if names else platform.processor()} ({len(names) or '?'} CPUs)"
+    return {
+        "device": device,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+    }
+
+
 def step_times(run_dir: Path, skip: int = 3) -> list[float]:
     """The run's seconds per step (metrics.jsonl), its first `skip` steps left out (start-up)."""
     from pretrain.metrics import read_metrics
@@ -142,6 +171,7 @@ def run(
     cfg = load_config(config_path())
     muon = [f"optim.muon_ns_method={ns_method}"]
     result: dict = {
+        "machine": machine(),
         "config": CONFIG,
         "steps": steps or cfg.train.steps,
         "ns_method": ns_method,

@@ -176,6 +176,22 @@ def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
     check_optimizer(muon(), {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.0})
 
 
+def test_a_shipped_zero3_json_with_muon_is_refused_where_the_json_is_completed():
+    """deepspeed_config checks the optimizer when given it (before any process group)."""
+    from pretrain.config import REPO_CONFIG_DIR, load_config
+    from pretrain.engine import deepspeed_config, plan_batches
+
+    cfg = load_config(
+        REPO_CONFIG_DIR / "train" / "tiny.yaml", ["engine.deepspeed_config=configs/deepspeed/zero3.json"]
+    )
+    plan = plan_batches(cfg.train, cfg.data.seq_len, 2)
+    with pytest.raises(
+        ConfigError, match="ZeRO stage 3: DeepSpeed's Muon is proven here under ZeRO-1 and ZeRO-2"
+    ):
+        deepspeed_config(cfg.engine, 0.0, plan, muon())
+    assert deepspeed_config(cfg.engine, 0.0, plan)["zero_optimization"]["stage"] == 3  # (not asked)
+
+
 def test_another_deepspeed_muon_is_refused(monkeypatch):
     from pretrain import optimizers
     from pretrain.engine import check_optimizer
