@@ -668,9 +668,11 @@ class Supervisor:
         to take its place, go on with it and warn instead. The restart's reason."""
         try:
             asked = json.loads((monitor_dir(self.run_dir) / REPLACE_FILE).read_text())
-            host, why = str(asked["host"]), str(asked.get("reason") or "asked by the trainer")
-        except (OSError, ValueError, KeyError, TypeError):
-            host, why = "?", "asked by the trainer"
+            host, why = str(asked.get("host")), str(asked.get("reason") or "asked by the trainer")
+        except (OSError, ValueError, TypeError, AttributeError):
+            asked, host, why = {}, "?", "asked by the trainer"
+        if self.hosts is not None:  # the rank's host as the hostfile names it (a host's own name may differ)
+            host = next((h for h in self.hosts.in_use if asked.get("rank") in self.hosts.ranks(h)), host)
         able = self.hosts is not None and host in self.hosts.in_use
         if able and (self.hosts.spares() or len(self.hosts.in_use) > self.hosts.min_nodes):
             self.hosts.banned[host] = why

@@ -193,4 +193,38 @@ def test_the_restart_budget_counts_restarts_within_a_window_of_time(
     assert supervisor.run() == code
     assert sum(line.startswith("launch: restart") for line in log) == starts - 1, log
     if code:
-        assert "is spent; giving up" in log[-1], log
+        assert "restart budget (monitor.max_restarts=3) is spent" in log[-1], log
+
+
+def test_a_node_the_trainer_moves_off_is_left_out_and_a_spare_takes_its_place(tmp_path, monkeypatch):
+    """Exit status 5 with RUN_DIR/monitor/replace.json naming rank 1: the host that holds rank 1
+    in this start (as the hostfile names it, whatever name the rank gave) is left out for the rest
+    of the run, the spare takes its place, and the restart is not counted against the budget."""
+    from monitoring.hosts import HostSet
+    from monitoring.protocol import REPLACE_FILE, monitor_dir
+
+    starts = []
+
+    def start(command, attempt, **kwargs):
+        starts.append(command)
+        if attempt == 0:
+            path = monitor_dir(tmp_path) / REPLACE_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(
+                json.dumps({"host": "its-own-name", "rank": 1, "step": 31, "reason": "straggler: 2.8x"})
+            )
+            return FakeJob(exits_after=1, status=5, attempt=attempt)
+        (tmp_path / SUMMARY_FILE).write_text(json.dumps({"completed": True, "step": 40}))
+        return FakeJob(exits_after=1, status=0, attempt=attempt)
+
+    monkeypatch.setattr(sv.Job, "start", start)
+    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir: dict.fromkeys(slots))  # all healthy
+    hosts = HostSet(slots={"a": 1, "b": 1, "c": 1}, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
+    log: list[str] = []
+    config = MonitorConfig(max_restarts=0)  # a counted restart would give up
+    supervisor = Supervisor(lambda choice: list(choice.hosts), tmp_path, config, hosts=hosts, log=log.append)
+    assert supervisor.run() == 0, log
+    assert starts[0][:2] == ["a", "b"] and starts[1][:2] == ["a", "c"], starts
+    assert hosts.banned == {"b": "straggler: 2.8x"} and "launch: moving off b: straggler: 2.8x" in log, log
+    kinds = [(e.type, getattr(e, "host", None) or getattr(e, "new", None)) for e in read_events(tmp_path)]
+    assert ("node_excluded", "b") in kinds and ("node_replaced", "c") in kinds, kinds
