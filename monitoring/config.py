@@ -91,6 +91,12 @@ class TrainerLinkConfig:
     straggler_factor: float = 1.5
     straggler_windows: int = 3
     on_straggler: str = "warn"
+    # Was it the data or the machine (docs/monitoring.md, "Replay and replica checks")? replay: a
+    # step whose update did not land is run again on every rank, and a rank whose loss or gradient
+    # norm changes is a machine fault (off by default: the gradient tally costs 1-7% of a step on
+    # CPU). A host with machine_faults_to_exclude of them is moved off at a restart.
+    replay: bool = False
+    machine_faults_to_exclude: int = 2
 
     def check_trainer_link(self) -> None:
         check_positive("monitor.timeout", self.timeout)
@@ -109,6 +115,7 @@ class TrainerLinkConfig:
             )
         check_positive("monitor.straggler_windows", self.straggler_windows)
         check_choice("monitor.on_straggler", self.on_straggler, STRAGGLER_RESPONSES)
+        check_positive("monitor.machine_faults_to_exclude", self.machine_faults_to_exclude)
 
 
 @dataclass(kw_only=True)

@@ -682,6 +682,20 @@ class Straggler(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MachineFault(Event):
+    """Step `step`'s update did not land, and replaying its micro-batches gave other values on
+    `ranks` (on `hosts`): a machine computed one of the passes wrong, not the data (no quarantine;
+    the update stays skipped). `first` and `replay`: each of those ranks' [loss, gradient norm]
+    (its own, before the reduction) in the step and in its replay (monitor.replay)."""
+
+    type: ClassVar[str] = "machine_fault"
+    ranks: list[int]
+    hosts: list[str]
+    first: list[list[float]]
+    replay: list[list[float]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobStopped(Event):
     """The supervisor gave up on the job: why, what was saved and how to go on."""
 
@@ -730,6 +744,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         NodeReplaced,
         WorldResized,
         Straggler,
+        MachineFault,
         JobStopped,
         CheckpointCorrupt,
         StopRequested,

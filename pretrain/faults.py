@@ -34,6 +34,10 @@ class FaultInjector:
         self.path = Path(run_dir) / FIRED_FILE
         self.fired = set(json.loads(self.path.read_text())) if self.path.exists() else set()
         self._pass_started: float | None = None  # when this slow rank's current pass began
+        self.step = 0  # the step in progress
+        self.engine = None  # given by `arm` (the flip faults)
+        self._handle = None
+        self._loss_faults: dict[int, str] = {}  # step -> the loss fault applied in it (for a replay)
 
     def _pending(self, kind: str, step: int) -> bool:
         return f"{kind}:{step}" not in self.fired
@@ -50,6 +54,7 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Kill or hang `faults.kill_rank` / `faults.hang_rank`, or corrupt the newest checkpoint,
         as step `step` begins."""
+        self.step = step
         if self.faults.corrupt_checkpoint_step == step and self._pending("corrupt", step):
             self.fired.add(f"corrupt:{step}")
             if self.rank == 0:
@@ -102,6 +107,16 @@ class FaultInjector:
     def apply(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss of a micro-batch of step `step`, spiked or made NaN when a fault is due."""
         kind = self._loss_fault(step)
+        if kind is not None:
+            self._loss_faults = {step: kind}
+        return self._loss_fault_applied(kind, loss)
+
+    def again(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """A replay of step `step` (pretrain/train/replay_hook.py): the loss fault it had, if any,
+        again — a fault of the data, which a replay reproduces."""
+        return self._loss_fault_applied(self._loss_faults.get(step), loss)
+
+    def _loss_fault_applied(self, kind: str | None, loss: torch.Tensor) -> torch.Tensor:
         if kind == "nan":
             return loss * float("nan")
         if kind == "grad_spike":  # the same value, its gradient times the factor
@@ -112,8 +127,11 @@ class FaultInjector:
     def mark_fired(self, step: int) -> None:
         """After step `step`: its loss fault, if any, has fired and will not fire again."""
         kind = self._loss_fault(step)
-        if kind is not None:
-            self.fired.add(f"{kind}:{step}")
+        if self.faults.flip_step == step and self.faults.flip_target == "grad":
+            self.fired.add(f"flip:{step}")  # (every rank: the flipping one did as it flipped)
+        if kind is not None or f"flip:{step}" in self.fired:
+            if kind is not None:
+                self.fired.add(f"{kind}:{step}")
             if self.rank == 0:
                 atomic.write_json(self.path, sorted(self.fired))
 
@@ -144,6 +162,60 @@ class FaultInjector:
         while time.thread_time() < until:
             pass
 
+    # ----------------------------------------------------------------- flipped bits (issue 46)
+
+    def arm(self, engine) -> None:
+        """`faults.flip_target: grad`: a tensor hook on one parameter flips the exponent's top bit
+        of one element of `faults.flip_rank`'s local gradient (before DeepSpeed reduces it) in the
+        backward passes of `faults.flip_step`: a transient fault (fired as it flips, so a replay of
+        the step computes it right)."""
+        f = self.faults
+        self.engine = engine
+        if f.flip_step is None or f.flip_target != "grad" or self.rank != f.flip_rank:
+            return
+        param = next(p for p in engine.module.parameters() if p.requires_grad)
+        self._handle = param.register_hook(self._flip_grad)
+
+    def _flip_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self.step != self.faults.flip_step or not self._pending("flip", self.step):
+            return None
+        self.fired.add(f"flip:{self.step}")  # (the replay, and every later pass, is clean)
+        flipped = grad.clone()
+        flat = flipped.view(-1)
+        at = int(flat.abs().argmax())  # (a zero's flip is 2.0: the largest element's is huge)
+        flip_top_exponent_bit(flat[at : at + 1])
+        print(
+            f"faults: flipped a gradient bit on rank {self.rank} at step {self.step}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return flipped
+
+    def flip_weight(self, step: int) -> None:
+        """`faults.flip_target: weight`, after step `flip_step`'s update: the exponent's top bit of
+        one element of `faults.flip_rank`'s bf16 copy of a weight (under ZeRO-1/2 one in another
+        rank's partition: only that rank's copy goes wrong), which stays wrong until the weights are
+        loaded again (a landed update's all-gather would rewrite it, but the huge weight makes every
+        later step of that rank non-finite, so none lands)."""
+        f = self.faults
+        if f.flip_step != step or f.flip_target != "weight" or not self._pending("flip", step):
+            return
+        self.fired.add(f"flip:{step}")
+        if self.rank == 0:
+            atomic.write_json(self.path, sorted(self.fired))
+        if self.rank != f.flip_rank:
+            return
+        optimizer = getattr(self.engine, "optimizer", None)
+        partitions = getattr(optimizer, "parallel_partitioned_bit16_groups", None)
+        if partitions and len(partitions[0]) > 1:
+            target = partitions[0][(self.rank + 1) % len(partitions[0])]
+        else:
+            target = next(self.engine.module.parameters()).data
+        flip_top_exponent_bit(target.view(-1)[:1])
+        print(
+            f"faults: flipped a weight bit on rank {self.rank} after step {step}", file=sys.stderr, flush=True
+        )
+
 
 def _on_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -164,3 +236,11 @@ def save_pause(faults: FaultsConfig | None, step: int) -> float:
     if faults is None or faults.slow_save_step != step:
         return 0.0
     return float(faults.slow_save_seconds)
+
+
+def flip_top_exponent_bit(values: torch.Tensor) -> None:
+    """In place: the top bit of each element's exponent (bf16/fp16 bit 14, fp32 bit 30)."""
+    if values.element_size() == 2:
+        values.view(torch.int16).bitwise_xor_(0x4000)
+    else:
+        values.view(torch.int32).bitwise_xor_(0x40000000)

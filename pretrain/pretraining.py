@@ -33,6 +33,7 @@ from pretrain.faults import FaultInjector
 from pretrain.flops import describe_model, flops_per_token
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
+from pretrain.replay import FaultCounts
 from pretrain.run_builder import RunParts, RunPlan, run
 from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
@@ -42,6 +43,7 @@ from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence
 from pretrain.train.monitor_hook import Monitored
 from pretrain.train.precursor_hook import InstabilityPrecursors
+from pretrain.train.replay_hook import ReplayCheck
 from pretrain.train.skip_hook import SkipBadUpdates
 from pretrain.train.straggler_hook import StragglerRule, StragglerWatch
 from pretrain.wandb_sink import check_available
@@ -62,7 +64,12 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     fault ranks, the checkpoint `checkpoint.resume` names, the W&B package when W&B is on."""
     check_available(cfg.logging.wandb)  # every rank, before any process group
     plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
-    for key, step in (("kill", "kill_step"), ("hang", "hang_step"), ("slow", "slow_from_step")):
+    for key, step in (
+        ("kill", "kill_step"),
+        ("hang", "hang_step"),
+        ("slow", "slow_from_step"),
+        ("flip", "flip_step"),
+    ):
         rank = getattr(cfg.faults, f"{key}_rank")
         if getattr(cfg.faults, step) is not None and rank >= world_size:
             raise UserError(
@@ -339,7 +346,8 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
     loss fault would fire again after every rollback of its step; a slow rank's stretched forward
     pass (the faults') is inside what the straggler hook times."""
     run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
-    hooks: list[StepHook] = [InjectedFaults(FaultInjector(cfg.faults, run_dir, env.rank))]
+    faults = FaultInjector(cfg.faults, run_dir, env.rank)
+    hooks: list[StepHook] = [InjectedFaults(faults, engine)]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
     if cfg.logging.precursors_every:  # (before the monitor's: its report carries them)
@@ -370,6 +378,18 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
             link=monitor,
         )
     )
+    if cfg.monitor.replay:  # (after the skip guard's, before the monitor's: it amends the report)
+        hooks.append(
+            ReplayCheck(
+                env=env,
+                run_dir=run_dir,
+                writer=writer,
+                engine=engine,
+                faults=faults,
+                grad_accum=engine.gradient_accumulation_steps(),
+                counts=FaultCounts(cfg.monitor.machine_faults_to_exclude),
+            )
+        )
     if monitor is not None:
         writer.band_layout()
         hooks.append(

@@ -164,6 +164,8 @@ ADDED_KEYS = {
     "monitor.straggler_factor": 1.5,
     "monitor.straggler_windows": 3,
     "monitor.on_straggler": "warn",
+    "monitor.replay": False,
+    "monitor.machine_faults_to_exclude": 2,
     "monitor.on_repeat": [],
     "monitor.repeat_window": 100,
     "monitor.repeat_lr_factor": 0.5,
@@ -182,6 +184,9 @@ ADDED_KEYS = {
     "faults.slow_rank": 0,
     "faults.slow_factor": 3.0,
     "faults.slow_from_step": None,
+    "faults.flip_step": None,
+    "faults.flip_rank": 0,
+    "faults.flip_target": "grad",
 }
 
 

@@ -440,6 +440,13 @@ class FaultsConfig:
     slow_rank: int = 0
     slow_factor: float = 3.0
     slow_from_step: int | None = None
+    # at flip_step, the exponent's top bit of one element on flip_rank: of its local gradient
+    # before the reduction, in that step's backward only (grad: a transient machine fault), or of
+    # its bf16 copy of a weight after that step's update, which stays wrong (weight: a persistent
+    # one); a rehearsal of the replay and the replica check (docs/monitoring.md)
+    flip_step: int | None = None
+    flip_rank: int = 0
+    flip_target: str = "grad"
 
     def __post_init__(self) -> None:
         _positive("faults.spike_factor", self.spike_factor)
@@ -447,12 +454,21 @@ class FaultsConfig:
         for key in ("spike_steps", "grad_spike_steps", "nan_steps"):
             for step in getattr(self, key):
                 _positive(f"faults.{key}", step)
-        for key in ("kill_rank", "hang_rank", "slow_rank"):
+        for key in ("kill_rank", "hang_rank", "slow_rank", "flip_rank"):
             _positive(f"faults.{key}", getattr(self, key), allow_zero=True)
-        for key in ("kill_step", "hang_step", "corrupt_checkpoint_step", "slow_save_step", "slow_from_step"):
+        for key in (
+            "kill_step",
+            "hang_step",
+            "corrupt_checkpoint_step",
+            "slow_save_step",
+            "slow_from_step",
+            "flip_step",
+        ):
             if getattr(self, key) is not None:
                 _positive(f"faults.{key}", getattr(self, key))
         _positive("faults.slow_save_seconds", self.slow_save_seconds, allow_zero=True)
+        if self.flip_target not in ("grad", "weight"):
+            raise ConfigError(f"faults.flip_target={self.flip_target!r} must be grad or weight")
         if not (math.isfinite(self.slow_factor) and self.slow_factor >= 1):
             raise ConfigError(
                 f"faults.slow_factor={self.slow_factor} must be a finite number >= 1 (1: not slow)"

@@ -6,6 +6,7 @@ in the order it was given them, at these points:
     before_step(step)           before the step's first micro-batch
     lr_factor(step) -> float    the step's learning rate is the schedule's times every hook's factor
     before_forward(step)        before each micro-batch's forward pass
+    micro_batch(step, batch)    each micro-batch, as it is drawn (before `before_forward`)
     loss(step, loss) -> loss    each micro-batch's loss, after its forward pass, before its backward
     vote() -> float | tensor    its value in the step's one all-reduce (summed over ranks): a
                                 number, or a 1-D float32 tensor on the engine's device (one slot
@@ -47,7 +48,7 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -95,6 +96,9 @@ class StepHook:
     def before_forward(self, step: int) -> None:
         pass
 
+    def micro_batch(self, step: int, batch: dict[str, torch.Tensor]) -> None:
+        pass
+
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
@@ -133,6 +137,11 @@ class InjectedFaults(StepHook):
     slow rank's forward pass is stretched inside what the straggler hook times."""
 
     faults: FaultInjector
+    engine: Any = None  # a DeepSpeed engine: where a flip fault flips (None: no flip faults)
+
+    def open(self, stack: contextlib.ExitStack) -> None:
+        if self.engine is not None:
+            self.faults.arm(self.engine)
 
     def before_step(self, step: int) -> None:
         self.faults.before_step(step)
@@ -152,6 +161,8 @@ class InjectedFaults(StepHook):
         return 0.0
 
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
+        if self.engine is not None:
+            self.faults.flip_weight(step)
         self.faults.mark_fired(step)
         return CONTINUE
 

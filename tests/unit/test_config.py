@@ -240,6 +240,7 @@ def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_ea
     assert {f.name for f in dataclasses.fields(MonitorConfig)} == set.union(*names.values())
     trainers = {"timeout", "quarantine", "skip_step", "skip_ratio", "skip_grad_norm_ratio", "skip_window"}
     trainers |= {"straggler_factor", "straggler_windows", "on_straggler"}
+    trainers |= {"replay", "machine_faults_to_exclude"}
     assert trainers == names[TrainerLinkConfig]
     cfg = load_config(
         "tiny",

@@ -257,6 +257,7 @@ def one_of_each_event() -> list:
         p.NodeReplaced(step=12, old="node-b", new="node-c"),
         p.WorldResized(step=12, previous=2, size=1, accumulation=2),
         p.Straggler(step=20, rank=1, host="node-b", factor=1.9),
+        p.MachineFault(step=21, ranks=[1], hosts=["node-b"], first=[[2.5, 3e19]], replay=[[2.5, 1.25]]),
     ]
 
 

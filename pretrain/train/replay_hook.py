@@ -1,0 +1,167 @@
+"""The step hook that tells a machine fault from bad data (`monitor.replay`; issue 46,
+docs/monitoring.md, "Replay and replica checks").
+
+A rejected step — its update did not land: DeepSpeed's own skip on a non-finite gradient, or the
+skip guard's (`monitor.skip_step`) — left the weights as they were, so it can be computed again
+exactly. On such a step every rank runs the step's micro-batches forward and backward once more,
+without updating (`torch.autograd.grad`: no gradient is accumulated, DeepSpeed's reduction hooks
+do not fire), and the ranks compare, in one small all-gather, each rank's local loss and local
+(pre-reduction) gradient norm with the first pass's (`pretrain/replay.py`). The same values: the
+data, and the step goes the way it goes today (the skip, the monitor's verdict, a rollback,
+quarantine). Different values: a machine computed one of the passes wrong — a `machine_fault`
+event names the ranks and hosts, the console says it in one line, the update stays skipped, and
+the monitor is told the step was skipped in place (`train/update_skipped`), so it neither rolls
+back nor quarantines the step's documents. A host with `monitor.machine_faults_to_exclude` faults
+(counted over the run in RUN_DIR/monitor/machine_faults.json, replica mismatches included) is
+moved off: every rank saves and stops with ExitCode.REPLACE_NODE, rank 0 having named the host in
+RUN_DIR/monitor/replace.json for the supervisor (`pretrain launch`), which restarts the job
+without it.
+
+On a normal step it adds no host read and no collective: the first pass's values are device
+tensors (the losses the step computed, and `GradientTally`'s per-parameter norms), read only on a
+rejected step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from monitoring.protocol import REPLACE_FILE, MachineFault, append_event, monitor_dir
+from pretrain import atomic
+from pretrain.distributed import DistEnv, all_gather_objects
+from pretrain.errors import ExitCode
+from pretrain.faults import FaultInjector
+from pretrain.metrics import MetricsWriter
+from pretrain.replay import GPU_RTOL, FaultCounts, GradientTally, changed_ranks
+from pretrain.train.hooks import CONTINUE, Answer, SaveAndStop, StepHook
+
+COUNTS_FILE = "machine_faults.json"  # RUN_DIR/monitor/: machine faults per host over the run
+
+
+@dataclass(kw_only=True)
+class ReplayCheck(StepHook):
+    """Every rank replays a rejected step and compares; rank 0 writes the event. After the skip
+    guard (its `update_skipped` is read) and before the monitor (whose report it amends)."""
+
+    env: DistEnv
+    run_dir: Path
+    writer: MetricsWriter
+    engine: Any  # a DeepSpeed engine (or anything with its interface)
+    faults: FaultInjector  # a loss fault of the data is applied again on the replay
+    grad_accum: int
+    counts: FaultCounts
+    hosts: list[str] = field(default_factory=list)  # every rank's host, by rank
+    tally: GradientTally | None = None
+    batches: list = field(default_factory=list)  # this step's micro-batches (references)
+    losses: list = field(default_factory=list)  # this step's local losses (device scalars)
+    skipped_before: int = 0
+
+    def open(self, stack: contextlib.ExitStack) -> None:
+        self.tally = GradientTally(self.engine.module)
+        stack.callback(self.tally.remove)
+        self.hosts = all_gather_objects(socket.gethostname())
+        self.counts.counts = read_counts(self.run_dir)
+
+    def before_step(self, step: int) -> None:
+        self.batches, self.losses = [], []
+        self.tally.clear()
+        self.skipped_before = self.engine.skipped_steps
+
+    def micro_batch(self, step: int, batch: dict[str, torch.Tensor]) -> None:
+        self.batches.append(batch)
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        self.losses.append(loss.detach())
+        return loss
+
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
+        if self.engine.skipped_steps == self.skipped_before:  # (the update landed: every rank knows)
+            return CONTINUE
+        first = self.local_values(self.tally.take())
+        second = self.local_values(self.replay(step))
+        passes = all_gather_objects((first, second))
+        rtol = GPU_RTOL if self.engine.device.type == "cuda" else 0.0
+        changed = changed_ranks([p[0] for p in passes], [p[1] for p in passes], rtol)
+        if not changed:
+            return CONTINUE
+        metrics["train/update_skipped"] = 1.0  # (the monitor's report: a skip, not the data's fault)
+        metrics["train/machine_fault"] = 1.0
+        hosts = [self.hosts[r] for r in changed]
+        if self.env.is_main:
+            append_event(
+                self.run_dir,
+                MachineFault(
+                    step=step,
+                    ranks=changed,
+                    hosts=hosts,
+                    first=[list(passes[r][0]) for r in changed],
+                    replay=[list(passes[r][1]) for r in changed],
+                ),
+            )
+        shown = "; ".join(
+            f"rank {r} on {self.hosts[r]}: loss {passes[r][0][0]:.6g} then {passes[r][1][0]:.6g}, "
+            f"gradient norm {passes[r][0][1]:.6g} then {passes[r][1][1]:.6g}"
+            for r in changed
+        )
+        self.writer.message(
+            f"step {step}: machine fault: the replayed step changed ({shown}); update skipped, "
+            "its documents kept"
+        )
+        return self.count(step, hosts, "its replayed step changed")
+
+    def local_values(self, norm: torch.Tensor) -> tuple[float, float]:
+        """(this rank's mean loss over the step's micro-batches, its gradient norm): one host read."""
+        loss = (
+            torch.stack(self.losses).double().mean() if self.losses else torch.zeros((), dtype=torch.float64)
+        )
+        loss_value, norm_value = torch.stack([loss, norm.to(loss.device)]).tolist()
+        return loss_value, norm_value
+
+    def replay(self, step: int) -> torch.Tensor:
+        """The step's micro-batches forward and backward again, nothing updated; its gradient norm
+        (`self.losses` then holds the replay's losses)."""
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        batches, self.losses = self.batches, []
+        for batch in batches:
+            loss = self.faults.again(step, self.engine.module(**batch).loss)  # (not the engine: its
+            # forward arms DeepSpeed's backward epilogue, which would reduce the replay's gradients)
+            self.losses.append(loss.detach())
+            # as DeepSpeed's backward scales it (engine._scale_loss_by_gas; bf16's loss scale is 1)
+            torch.autograd.grad(loss.float() / self.grad_accum, params, allow_unused=True)
+        return self.tally.take()
+
+    def count(self, step: int, hosts: list[str], why: str) -> Answer:
+        """One machine fault on each of `hosts`; a host that reaches the limit is moved off."""
+        reached = self.counts.add(hosts)
+        if self.env.is_main:
+            monitor_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+            atomic.write_json(monitor_dir(self.run_dir) / COUNTS_FILE, self.counts.counts)
+        if not reached:
+            return CONTINUE
+        host = reached[0]
+        reason = (
+            f"{self.counts.counts[host]} machine faults on {host} (monitor.machine_faults_to_exclude="
+            f"{self.counts.limit}; the last at step {step}: {why})"
+        )
+        if self.env.is_main:
+            atomic.write_json(
+                monitor_dir(self.run_dir) / REPLACE_FILE,
+                {"host": host, "rank": self.hosts.index(host), "step": step, "reason": reason},
+            )
+        return SaveAndStop(f"moving off {host} ({reason})", ExitCode.REPLACE_NODE)
+
+
+def read_counts(run_dir: Path) -> dict[str, int]:
+    """RUN_DIR/monitor/machine_faults.json: {host: faults} over the run so far."""
+    path = monitor_dir(run_dir) / COUNTS_FILE
+    try:
+        return {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
