@@ -130,6 +130,10 @@ class HangWatch:
         return f"hang: {what} for {since:.0f} s (limit {self.limit():.0f} s)"
 
 
+# What the job is told once a node it asked to move off could not be: only warn from then on (a
+# slow or faulty node with nothing to replace it still trains; asking again would restart forever).
+NEVER_MOVE_OFF = ("monitor.on_straggler=warn", f"monitor.machine_faults_to_exclude={2**31 - 1}")
+
 LAUNCHER_RANKS_SECONDS = 30.0  # DeepSpeed's launcher: how long it waits for its ranks after SIGTERM
 
 
@@ -679,8 +683,11 @@ class Supervisor:
             self.log(f"launch: moving off {host}: {why}")
             self._append(NodeExcluded(step=self._step(), host=host, ranks=self.hosts.ranks(host), reason=why))
             return f"replace {host} ({why})"
-        self.log(f"launch: no spare to take {host}'s place ({why}); going on with it, stragglers only warned")
-        self.extra_overrides = [*self.extra_overrides, "monitor.on_straggler=warn"]
+        self.log(
+            f"launch: no spare to take {host}'s place ({why}); going on with it, "
+            "stragglers and machine faults only warned"
+        )
+        self.extra_overrides = [*self.extra_overrides, *NEVER_MOVE_OFF]
         return f"{host} straggles and cannot be replaced ({why})"
 
     def _recent_restarts(self) -> list[float]:

@@ -228,3 +228,35 @@ def test_a_node_the_trainer_moves_off_is_left_out_and_a_spare_takes_its_place(tm
     assert hosts.banned == {"b": "straggler: 2.8x"} and "launch: moving off b: straggler: 2.8x" in log, log
     kinds = [(e.type, getattr(e, "host", None) or getattr(e, "new", None)) for e in read_events(tmp_path)]
     assert ("node_excluded", "b") in kinds and ("node_replaced", "c") in kinds, kinds
+
+
+def test_with_no_spare_a_node_the_trainer_moves_off_stays_and_is_never_asked_about_again(
+    tmp_path, monkeypatch
+):
+    """Exit status 5 with no spare and --min-nodes at N: the supervisor goes on with the node and
+    tells later starts to only warn (stragglers, machine faults), so the job cannot ask forever."""
+    from monitoring.hosts import HostSet
+    from monitoring.protocol import REPLACE_FILE, monitor_dir
+
+    starts = []
+
+    def start(command, attempt, **kwargs):
+        starts.append(command)
+        if attempt == 0:
+            path = monitor_dir(tmp_path) / REPLACE_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"host": "b", "rank": 1, "step": 9, "reason": "2 machine faults"}))
+            return FakeJob(exits_after=1, status=5, attempt=attempt)
+        (tmp_path / SUMMARY_FILE).write_text(json.dumps({"completed": True, "step": 40}))
+        return FakeJob(exits_after=1, status=0, attempt=attempt)
+
+    monkeypatch.setattr(sv.Job, "start", start)
+    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir: dict.fromkeys(slots))
+    hosts = HostSet(slots={"a": 1, "b": 1}, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
+    log: list[str] = []
+    supervisor = Supervisor(
+        lambda choice: list(choice.hosts), tmp_path, MonitorConfig(), hosts=hosts, log=log.append
+    )
+    assert supervisor.run() == 0, log
+    assert starts[1][:2] == ["a", "b"] and not hosts.banned
+    assert set(sv.NEVER_MOVE_OFF) <= set(starts[1]), starts[1]
