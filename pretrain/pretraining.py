@@ -75,7 +75,7 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
             raise UserError(
                 f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
             )
-    ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
+    ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan, cfg.optim)
     manifests = check_data(cfg, world_size)
     resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
     identity = model_identity(cfg.model) | {

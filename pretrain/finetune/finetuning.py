@@ -100,7 +100,7 @@ def run_plan(cfg: FinetuneConfig, env: DistEnv) -> RunPlan:
     """Fine-tuning's part of the lifecycle: its checks (all bad input is found here), identity,
     model, schedule, its task (classification or sft), its first lines and its summary."""
     plan = plan_batches(cfg.train, 0, env.world_size)
-    ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan)
+    ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan, cfg.optim)
     inputs = check_inputs(cfg, plan)  # everything that can be wrong with the input is found here
     resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
     trained, initial, examples = as_it_trains(cfg, inputs), inputs.initial, inputs.examples

@@ -293,3 +293,18 @@ def test_the_loop_with_muon_rolls_back_and_lowers_the_rate_of_both_halves(tmp_pa
         assert groups[0] == (True, pytest.approx(lr * 0.01 / 3e-3)) and all(
             g == (False, lr) for g in groups[1:]
         )
+
+
+def test_muon_where_it_is_not_proven_is_refused_before_the_run_directory_is_touched(
+    tmp_path, train_data, cli
+):
+    """A Muon setting that cannot train (gradient clipping here) is one line and exit status 2 from
+    the run's checks, before any process group or run directory exists."""
+    from tests.helpers import FAST, TINY, assert_one_line_error
+
+    run_dir = tmp_path / "run"
+    common = ["--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST]
+    for command in ("train", "launch"):
+        result = cli(command, *common, "optim.name=muon", "train.grad_clip=1.0")
+        assert_one_line_error(result, "grad_clip")
+    assert not run_dir.exists()
