@@ -3,7 +3,8 @@ which hosts the job runs on, which wait as spares, which are left out and why, a
 host passes before each start.
 
 Before every start each host is checked (`check_hosts`: ssh answers within a timeout, the
-project's Python imports there, the run directory is writable and has room, the GPUs its slots
+project's Python imports there and finds torch and DeepSpeed installed, the run directory is
+writable and has room, the GPUs its slots
 need are visible where there are GPUs). `HostSet.choose` then takes N healthy hosts — those of the
 last attempt first, then the spares in hostfile order, then hosts lost earlier in the run — or,
 with fewer than N healthy, fewer nodes down to M where the global batch still divides (more
@@ -34,9 +35,12 @@ run_dir, slots, min_free = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def say(problem):
     print(json.dumps({"problem": problem})); sys.exit(0)
 try:
-    import pretrain, monitoring, deepspeed  # noqa: F401
+    import importlib.util, monitoring, pretrain  # noqa: F401  (the project; its engine only found:
+    missing = [m for m in ("torch", "deepspeed") if importlib.util.find_spec(m) is None]  # ~2 s each)
 except Exception as exc:
     say(f"the project does not import: {type(exc).__name__}: {exc}")
+if missing:
+    say(f"{' and '.join(missing)} not installed for {sys.executable}")
 try:
     os.makedirs(run_dir, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".host_check_"):

@@ -18,7 +18,7 @@ from pretrain.metrics import read_metrics
 from tests.integration.runs import FAST, TINY, events, torchrun, train
 from tests.integration.test_ownership import CALM, wait_for
 
-STEPS = 40
+STEPS = 24
 
 
 def timelines(run_dir) -> list[dict[int, float]]:
