@@ -98,7 +98,7 @@ def _read_holder_record(fd: int) -> dict:
 
 def _describe(info: dict) -> str:
     try:
-        alive = _alive(info["pid"]) if info["host"] == socket.gethostname() else True
+        alive = pid_alive(info["pid"]) if info["host"] == socket.gethostname() else True
         return f"pid {info['pid']} on {info['host']} since {info['since']}" + (
             "" if alive else " (that process has exited; its job is still stopping)"
         )
@@ -106,7 +106,8 @@ def _describe(info: dict) -> str:
         return "another job"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -69,6 +69,7 @@ from pretrain.data.shards import (
 from pretrain.data.sources import Source
 from pretrain.data.storage import is_url
 from pretrain.errors import UserError
+from pretrain.run_dir import pid_alive
 from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
 
 # `data prepare`'s report: the validation windows at these sequence lengths (`validation_report`).
@@ -424,20 +425,8 @@ def _remove_stale_staging(out_dir: Path) -> None:
     prefix = f".{out_dir.name}.partial-"
     for path in out_dir.parent.iterdir():
         pid = path.name[len(prefix) :].split("-")[0] if path.name.startswith(prefix) else ""
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    if os.name != "posix":
-        return True  # no cheap check: keep it
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _write_dataset(

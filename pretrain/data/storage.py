@@ -55,6 +55,7 @@ from typing import ClassVar
 import numpy as np
 
 from pretrain.errors import DataError, ExitCode, UserError
+from pretrain.run_dir import pid_alive
 
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # The fsspec filesystems named in docs/data.md, and the package each needs.
@@ -463,7 +464,7 @@ class ShardCache:
                 size, pid = int(fields[2]), int(fields[3])
             except (IndexError, ValueError):
                 continue
-            if pid != os.getpid() and not _alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 part.unlink(missing_ok=True)
                 continue
             total += size
@@ -560,16 +561,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 23), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _touch(path: Path) -> None:
