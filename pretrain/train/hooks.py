@@ -5,8 +5,7 @@ in the order it was given them, at these points:
     open(stack)                 once, as training starts (what it opens, it closes on `stack`)
     before_step(step)           before the step's first micro-batch
     lr_factor(step) -> float    the step's learning rate is the schedule's times every hook's factor
-    before_forward(step)        before each micro-batch's forward pass
-    micro_batch(step, batch)    each micro-batch, as it is drawn (before `before_forward`)
+    before_forward(step, batch) before each micro-batch's forward pass, with that micro-batch
     loss(step, loss) -> loss    each micro-batch's loss, after its forward pass, before its backward
     vote() -> float | tensor    its value in the step's one all-reduce (summed over ranks): a
                                 number, or a 1-D float32 tensor on the engine's device (one slot
@@ -93,10 +92,7 @@ class StepHook:
     def lr_factor(self, step: int) -> float:
         return 1.0
 
-    def before_forward(self, step: int) -> None:
-        pass
-
-    def micro_batch(self, step: int, batch: dict[str, torch.Tensor]) -> None:
+    def before_forward(self, step: int, batch: dict[str, torch.Tensor]) -> None:
         pass
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -146,7 +142,7 @@ class InjectedFaults(StepHook):
     def before_step(self, step: int) -> None:
         self.faults.before_step(step)
 
-    def before_forward(self, step: int) -> None:
+    def before_forward(self, step: int, batch: dict[str, torch.Tensor]) -> None:
         self.faults.end_pass()  # (the last micro-batch's backward)
         self.faults.begin_pass(step)
 

@@ -254,8 +254,7 @@ class Trainer:
             batch_ids += self.task.last_batch_ids()
             tokens += batch["tokens"].numel()
             for hook in self.hooks:
-                hook.micro_batch(step, batch)
-                hook.before_forward(step)
+                hook.before_forward(step, batch)
             loss = self.engine(**batch).loss
             for hook in self.hooks:
                 loss = hook.loss(step, loss)

@@ -74,7 +74,7 @@ class ReplayCheck(StepHook):
         self.tally.clear()
         self.skipped_before = self.engine.skipped_steps
 
-    def micro_batch(self, step: int, batch: dict[str, torch.Tensor]) -> None:
+    def before_forward(self, step: int, batch: dict[str, torch.Tensor]) -> None:
         self.batches.append(batch)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:

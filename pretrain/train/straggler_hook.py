@@ -204,7 +204,7 @@ class StragglerWatch(StepHook):
         self.clock = ForwardClock(self.engine.device)
         self.hosts = all_gather_objects(socket.gethostname())
 
-    def before_forward(self, step: int) -> None:
+    def before_forward(self, step: int, batch: dict) -> None:
         self.clock.start()
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
