@@ -293,25 +293,29 @@ def pytest(check: Check, budget: float) -> dict:
     finished = check.run(command, budget)
     if not junit.exists():
         raise failed_command(finished, "pytest")
-    counts, failures = junit_results(junit)
-    result = {"tests": counts, "failures": failures}
+    counts, failures, properties = junit_results(junit)
+    result = {"tests": counts, "failures": failures, "figures": properties}
     result["line"] = ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no tests"
     if finished.returncode not in (0, 5) or failures:  # (5: no tests collected)
         raise PartFailed(result["line"] + ": " + "; ".join(f["test"] for f in failures[:5]))
     return result
 
 
-def junit_results(path: Path) -> tuple[dict, list]:
+def junit_results(path: Path) -> tuple[dict, list, dict]:
+    """The counts, the failures, and what each test measured (pytest's `record_property`), by test."""
     counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    failures = []
+    failures, properties = [], {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
+        measured = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if measured:
+            properties[name] = measured
         outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
         counts[{"failure": "failed"}.get(outcome, outcome)] += 1
         if outcome in ("failure", "error"):
             message = next(c for c in case if c.tag == outcome).get("message", "")
             failures.append({"test": name, "message": message[:300]})
-    return counts, failures
+    return counts, failures, properties
 
 
 def bench(model: str, arguments: str) -> Callable[[Check, float], dict]:
