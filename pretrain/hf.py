@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,8 +31,8 @@ from safetensors.torch import save_file
 from sentencepiece import sentencepiece_model_pb2
 
 from pretrain import atomic
-from pretrain.config import ModelConfig
-from pretrain.errors import UserError
+from pretrain.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
+from pretrain.errors import ConfigError, UserError
 from pretrain.model import Transformer
 from pretrain.tokenizer import MODEL_FILE, HFTokenizer, Tokenizer
 
@@ -78,8 +79,9 @@ def llama_config_dict(
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        # transformers 4.x spells the rotary settings rope_theta + rope_scaling, 5.x rope_parameters
+        # (it reads the former too, rope_scaling first): both, the same (`rope_config`)
+        **rope_config(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -100,6 +102,44 @@ def llama_config_dict(
         if token_ids and key in token_ids:
             config[key] = token_ids[key]
     return config
+
+
+def rope_config(cfg: ModelConfig) -> dict:
+    """config.json's rotary keys: rope_theta, rope_scaling (null, or `model.rope_scaling` as Meta's
+    Llama 3.1 config.json writes it, with rope_type) and rope_parameters (transformers 5's own)."""
+    scaling = None
+    if cfg.rope_scaling is not None:
+        values = {k: v for k, v in asdict(cfg.rope_scaling).items() if k != "type" and v is not None}
+        scaling = {"rope_type": cfg.rope_scaling.type} | values
+    parameters = (scaling or {"rope_type": "default"}) | {"rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
+
+
+def rope_scaling_from_llama(config: dict, source: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and `model.rope_scaling` from a config.json, read as transformers 5 reads it:
+    rope_scaling before rope_parameters, rope_type (or the older type), llama3's original length
+    defaulting to max_position_embeddings. Other rules (yarn, dynamic, longrope) are refused."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise UserError(
+            f"{source}: rope scaling {rope_type!r} is not supported; plain RoPE, llama3 and linear are"
+        )
+    keys = ["factor"]
+    if rope_type == "llama3":
+        keys += ["low_freq_factor", "high_freq_factor"]
+        original = config.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings", config.get("max_position_embeddings")
+        )
+        rope = rope | {"original_max_position_embeddings": original}
+        keys.append("original_max_position_embeddings")
+    try:
+        return theta, RopeScaling(type=rope_type, **{k: rope.get(k) for k in keys})
+    except ConfigError as exc:
+        raise UserError(f"{source}: {exc}") from None
 
 
 def to_llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
@@ -409,10 +449,7 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise UserError(f"{source}: {key}=true; biased Llama variants are not supported")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise UserError(f"{source}: rope scaling {rope_type!r} is not supported; only plain RoPE is")
+    rope_theta, rope_scaling = rope_scaling_from_llama(config, source)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
@@ -429,7 +466,8 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
         d_ff=config["intermediate_size"],
         max_seq_len=config.get("max_position_embeddings", 2048),
         norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         init_std=config.get("initializer_range", 0.02),
         qk_norm=qwen3,
@@ -490,4 +528,9 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> Transf
     if not config_path.is_file():
         raise UserError(f"{directory} has no config.json: point to a Hugging Face Llama (or Qwen3) directory")
     cfg = model_config_from_llama(json.loads(config_path.read_text()), str(config_path))
-    return Transformer.from_state_dict(cfg, from_llama_state_dict(cfg, _read_llama_tensors(directory)), dtype)
+    return Transformer.from_state_dict(cfg, read_llama_weights(directory, cfg), dtype)
+
+
+def read_llama_weights(directory: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A Llama (or Qwen3) directory's tensors by our names, for the model `cfg` describes."""
+    return from_llama_state_dict(cfg, _read_llama_tensors(Path(directory)))

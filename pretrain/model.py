@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, RopeScaling
 from pretrain.loss import linear_cross_entropy
 
 
@@ -67,9 +67,38 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 # --------------------------------------------------------------------------- positions
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (T, hd), in the half-split layout Llama checkpoints use."""
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None
+) -> torch.Tensor:
+    """The rotary frequencies (radians per position), (hd/2,): θ^(-2i/hd), rescaled by
+    `model.rope_scaling` for a context longer than the one trained at (docs/model.md, Rope
+    scaling). `linear` divides each by the factor (position interpolation). `llama3` (Llama 3.1)
+    divides only the low frequencies, whose wavelength 2π/f exceeds original/low_freq_factor (they
+    never made a full turn in training), keeps the high ones, below original/high_freq_factor (many
+    turns: local order), and blends the ones between by where original/wavelength lies between."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling.factor
+    if scaling.type == "linear":
+        return inv_freq / factor
+    original, low, high = (
+        scaling.original_max_position_embeddings,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+    )
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)  # 0 at the low band's edge, 1 at the high one's
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, blended)
+    return torch.where(wavelength < original / high, inv_freq, scaled)
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device=None, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (T, hd), in the half-split layout Llama checkpoints use."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
     return angles.cos(), angles.sin()
@@ -394,7 +423,9 @@ class Transformer(nn.Module):
             0, device=device
         )  # unused ones stay empty
         if cfg.positions == "rope":
-            self.rope_cos, self.rope_sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device)
+            self.rope_cos, self.rope_sin = rope_tables(
+                cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, device, cfg.rope_scaling
+            )
         if cfg.positions == "sinusoidal":
             self.pos_table = sinusoidal_table(cfg.max_seq_len, cfg.d_model, device)
 

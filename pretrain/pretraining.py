@@ -12,14 +12,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pretrain.checkpoint import resolve_resume
-from pretrain.config import RunConfig
+from pretrain.config import ModelConfig, RunConfig
 from pretrain.data import BatchLoader, MixtureStream, WindowStream, read_manifest
 from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
@@ -30,6 +30,7 @@ from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, continuations, validation_loss
 from pretrain.faults import FaultInjector
+from pretrain.finetune.initial import InitialModel, find_initial
 from pretrain.flops import describe_model, flops_per_token
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
@@ -57,11 +58,13 @@ class PreflightResult:
     ds_config: dict
     data_dir: Path  # the first corpus: its tokenizer is every corpus's
     identity: dict  # what defines the run (RUN_DIR/run.json): architecture, tokenizer, data, seq_len
+    initial: InitialModel | None = None  # checkpoint.init: the weights the run starts from
 
 
 def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     """The checks a job can fail before it starts: batch arithmetic, the DeepSpeed JSON, the data,
-    fault ranks, the checkpoint `checkpoint.resume` names, the W&B package when W&B is on."""
+    fault ranks, the checkpoint `checkpoint.resume` names, the one `checkpoint.init` names (its
+    model and tokenizer against the run's), the W&B package when W&B is on."""
     check_available(cfg.logging.wandb)  # every rank, before any process group
     plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
     for key, step in (
@@ -78,12 +81,58 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan, cfg.optim)
     manifests = check_data(cfg, world_size)
     resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
+    tokenizer_sha256 = manifests[0]["tokenizer"]["sha256"]
     identity = model_identity(cfg.model) | {
-        "tokenizer.sha256": manifests[0]["tokenizer"]["sha256"],
+        "tokenizer.sha256": tokenizer_sha256,
         "data.fingerprint": data_fingerprint(cfg, manifests),
         "data.seq_len": cfg.data.seq_len,
     }
-    return PreflightResult(plan, ds_config, local_sources(cfg.data)[0][1], identity)
+    initial = check_init(cfg, tokenizer_sha256)
+    return PreflightResult(plan, ds_config, local_sources(cfg.data)[0][1], identity, initial)
+
+
+# What a run may change in the model it starts from (checkpoint.init): its context. Every other
+# field decides the weights' shapes or what they compute (preset, init_std and ffn_multiple_of
+# decide neither: d_ff is compared itself).
+CONTEXT_FIELDS = ("max_seq_len", "rope_theta", "rope_scaling")
+NOT_ARCHITECTURE = ("preset", "init_std", "ffn_multiple_of")
+
+
+def init_mismatch(initial: ModelConfig, model: ModelConfig) -> str | None:
+    """Why the weights of `initial` cannot start a run of `model`, or None when they can."""
+    differing = [
+        f"model.{f.name} {getattr(initial, f.name)!r} → {getattr(model, f.name)!r}"
+        for f in fields(ModelConfig)
+        if f.name not in CONTEXT_FIELDS + NOT_ARCHITECTURE
+        and getattr(initial, f.name) != getattr(model, f.name)
+    ]
+    if model.positions == "learned" and initial.max_seq_len != model.max_seq_len:
+        differing.append(
+            f"model.max_seq_len {initial.max_seq_len} → {model.max_seq_len} with learned positions (one weight per position)"
+        )
+    if not differing:
+        return None
+    return (
+        f"its model differs from this run's in shape or kind ({'; '.join(differing)}): only model.max_seq_len, "
+        "model.rope_theta and model.rope_scaling may change; set the others as the checkpoint has them"
+    )
+
+
+def check_init(cfg: RunConfig, tokenizer_sha256: str) -> InitialModel | None:
+    """`checkpoint.init`, before any process group and without reading its weights: a checkpoint
+    (or Hugging Face directory) whose model has this run's shapes and whose tokenizer made the data."""
+    if cfg.checkpoint.init is None:
+        return None
+    initial = find_initial(cfg.checkpoint.init)
+    problem = init_mismatch(initial.model_cfg, cfg.model)
+    if problem is not None:
+        raise UserError(f"checkpoint.init={cfg.checkpoint.init}: {problem}")
+    if initial.tokenizer.sha256 != tokenizer_sha256:
+        raise UserError(
+            f"checkpoint.init={cfg.checkpoint.init}: its tokenizer ({initial.tokenizer.path}) is not the one the "
+            "data was prepared with: prepare the data with the model's tokenizer (`pretrain data prepare --tokenizer`)"
+        )
+    return initial
 
 
 def data_fingerprint(cfg: RunConfig, manifests: list[dict]) -> str:
@@ -293,10 +342,15 @@ class LanguageModeling:
         return f"done: {summary['step']} steps, {summary['tokens']:,} tokens; run directory {self.run_dir}"
 
 
-def build_model(cfg: RunConfig) -> Transformer:
+def build_model(cfg: RunConfig, initial: InitialModel | None = None) -> Transformer:
     """The model pretraining trains: `cfg.model`, with the objective's z-loss coefficient
-    (`loss.z_loss`, added to the loss in training mode only; evaluation reports plain cross-entropy)."""
-    return Transformer(cfg.model, z_loss=cfg.loss.z_loss)
+    (`loss.z_loss`, added to the loss in training mode only; evaluation reports plain cross-entropy);
+    randomly initialized, or with the weights of `checkpoint.init` (`initial`)."""
+    if initial is None:
+        return Transformer(cfg.model, z_loss=cfg.loss.z_loss)
+    model = initial.load_model(cfg.model)
+    model.z_loss = cfg.loss.z_loss
+    return model
 
 
 def pretrain(cfg: RunConfig) -> dict:
@@ -322,21 +376,26 @@ def run_plan(cfg: RunConfig, env: DistEnv) -> RunPlan:
         special_tokens=run_special_tokens(tokenizer, checked.data_dir),
         faults=cfg.faults,
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
-        make_model=functools.partial(build_model, cfg),
+        make_model=functools.partial(build_model, cfg, checked.initial),
         make_task=lambda env, engine: LanguageModeling(
             cfg, checked.data_dir, checked.plan, env, engine.device
         ),
         make_hooks=functools.partial(step_hooks, cfg, cadence),
-        first_lines=lambda parts: [first_line(cfg, checked.plan, parts)],
+        first_lines=lambda parts: [first_line(cfg, checked.plan, parts, checked.initial)],
     )
 
 
-def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts) -> str:
-    """What trains on what, and from which step."""
+def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts, initial: InitialModel | None = None) -> str:
+    """What trains on what, and from which step (and which weights)."""
+    start = ""
+    if parts.resume:
+        start = f" (resumed from {parts.resume.tag})"
+    elif initial is not None:
+        start = f" (weights from {initial.source}, checkpoint.init)"
     return (
         f"training {describe_model(cfg.model)} on {parts.env.world_size} process(es), ZeRO-{parts.zero} bf16: "
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {parts.state.step + 1}..{cfg.train.steps}"
-        + (f" (resumed from {parts.resume.tag})" if parts.resume else "")
+        + start
     )
 
 

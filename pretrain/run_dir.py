@@ -155,6 +155,8 @@ def model_identity(model_cfg) -> dict:
 # older run.json that lacks one is the same run (and the same config) when the new value is this.
 ADDED_KEYS = {
     "model.qk_norm": False,
+    "model.rope_scaling": None,
+    "checkpoint.init": None,
     "loss.z_loss": 0.0,
     "monitor.skip_step": False,
     "monitor.skip_ratio": 3.0,

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import sys
+import typing
 from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -79,19 +80,36 @@ def _schema(cls: type) -> DictConfig:
     return schema
 
 
+def _sections(cls: type) -> dict[str, type]:
+    """The fields of `cls` that are sections: a dataclass made by default, or an optional one
+    (`model.rope_scaling`: null unless set)."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in fields(cls):
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory):
+            found[f.name] = f.default_factory
+            continue
+        options = typing.get_args(hints[f.name]) if f.default is None else ()  # X | None
+        inner = [t for t in options if is_dataclass(t)]
+        if inner:
+            found[f.name] = inner[0]
+    return found
+
+
 def _check_shape(layer: dict[str, Any], cls: type, source: str, prefix: str = "") -> None:
     """Sections must be mappings and list fields lists, before OmegaConf sees them (its own
     messages for these cases name internals, not keys)."""
+    sections = _sections(cls)
     for f in fields(cls):
         if f.name not in layer or layer[f.name] is None:
             continue
         key, value = prefix + f.name, layer[f.name]
-        if is_dataclass(f.default_factory if f.default_factory is not MISSING else None):
+        if f.name in sections:
             if not isinstance(value, dict):
                 raise ConfigError(
                     f"{source}: {key} must be a section (a mapping of keys to values), got {value!r}"
                 )
-            _check_shape(value, f.default_factory, source, key + ".")
+            _check_shape(value, sections[f.name], source, key + ".")
         elif f.default_factory is list and not isinstance(value, list):
             raise ConfigError(f"{source}: {key} must be a list, for example {key}=[10,20]; got {value!r}")
 
@@ -145,8 +163,8 @@ def _merge_layer(
 
 def _known_keys(cls: type, section: str | None) -> list[str]:
     for part in section.split(".") if section else []:
-        owner = {f.name: f.default_factory for f in fields(cls)}.get(part)
-        if owner is None or not is_dataclass(owner):
+        owner = _sections(cls).get(part)
+        if owner is None:
             return []
         cls = owner
     return [f.name for f in fields(cls)]

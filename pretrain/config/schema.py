@@ -25,6 +25,55 @@ _choice = functools.partial(check_choice, error=ConfigError)
 _positive = functools.partial(check_positive, error=ConfigError)
 
 
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+
+@dataclass(kw_only=True)
+class RopeScaling:
+    """`model.rope_scaling`: the rotary frequencies rescaled for a context longer than the one the
+    model was trained at (docs/model.md, Rope scaling). `linear` divides every frequency by `factor`
+    (position interpolation, Chen et al. 2023); `llama3` is Llama 3.1's rule (transformers'
+    "llama3"): frequencies whose wavelength is longer than original_max_position_embeddings /
+    low_freq_factor are divided by `factor`, those shorter than ... / high_freq_factor are kept,
+    and those between are blended. Written into an export's config.json as `rope_scaling`."""
+
+    type: str | None = None  # llama3 | linear
+    factor: float | None = None  # the new context over the original one (Llama 3.1: 8)
+    # llama3 only (Llama 3.1's values when left unset: 1 and 4)
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None  # llama3: the length trained at before (8192)
+
+    def __post_init__(self) -> None:
+        key = "model.rope_scaling"
+        if self.type is None:
+            raise ConfigError(f"{key}.type is not set: choose llama3 (Llama 3.1's rule) or linear")
+        _choice(f"{key}.type", self.type, ROPE_SCALING_TYPES)
+        if self.factor is None:
+            raise ConfigError(f"{key}.factor is not set: give the new context length over the original one")
+        if not (math.isfinite(self.factor) and self.factor >= 1):
+            raise ConfigError(f"{key}.factor={self.factor} must be a finite number >= 1 (1: no scaling)")
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.type == "linear":
+            for name in llama3:
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{key}.{name} is llama3's: type linear takes only factor; drop it")
+            return
+        if self.original_max_position_embeddings is None:
+            raise ConfigError(
+                f"{key}.original_max_position_embeddings is not set: give the length the model was trained at"
+            )
+        _positive(f"{key}.original_max_position_embeddings", self.original_max_position_embeddings)
+        self.low_freq_factor = 1.0 if self.low_freq_factor is None else self.low_freq_factor
+        self.high_freq_factor = 4.0 if self.high_freq_factor is None else self.high_freq_factor
+        _positive(f"{key}.low_freq_factor", self.low_freq_factor)
+        if not (math.isfinite(self.high_freq_factor) and self.high_freq_factor > self.low_freq_factor):
+            raise ConfigError(
+                f"{key}.high_freq_factor={self.high_freq_factor} must be above "
+                f"low_freq_factor={self.low_freq_factor} (Llama 3.1: 4 and 1)"
+            )
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The decoder's shape and its architecture switches (defaults are the Llama style)."""
@@ -53,6 +102,8 @@ class ModelConfig:
     # RMSNorm (learned weight over head_dim) on each head's queries and keys before rotary
     # embeddings, as in Qwen3 (OLMo 2: over all heads at once): bounds the attention logits
     qk_norm: bool = False
+    # rotary frequencies rescaled for a longer context (RopeScaling: llama3 or linear); None: plain RoPE
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
@@ -79,6 +130,13 @@ class ModelConfig:
             )
         if self.positions == "rope" and self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} is odd: rotary embeddings need an even head_dim")
+        if isinstance(self.rope_scaling, dict):  # as a saved run config (asdict) holds it
+            self.rope_scaling = rope_scaling_from_dict(self.rope_scaling)
+        if self.rope_scaling is not None and self.positions != "rope":
+            raise ConfigError(
+                f"model.rope_scaling is set but model.positions={self.positions!r}: it rescales rotary "
+                "positions only; drop it or use model.positions=rope"
+            )
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ConfigError(
                 f"model.d_model={self.d_model} is odd: sinusoidal positions need an even d_model"
@@ -90,6 +148,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+def rope_scaling_from_dict(values: dict) -> RopeScaling:
+    """`model.rope_scaling` from a mapping (a saved run config's), unknown keys refused in one line."""
+    known = {f.name for f in fields(RopeScaling)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"model.rope_scaling: unknown key {unknown[0]!r}: valid keys are {', '.join(sorted(known))}"
+        )
+    return RopeScaling(**values)
 
 
 def default_ffn_dim(d_model: int, activation: str, multiple_of: int) -> int:
@@ -321,6 +390,12 @@ class CheckpointConfig:
     # auto: the newest intact checkpoint (or a fresh start when there is none) | fresh: move an
     # earlier run in run.dir to previous/ and start over (`--fresh`) | a checkpoint tag or directory
     resume: str = "auto"
+    # the weights to start from, and nothing else of that run: a fresh optimizer, step 0, the data
+    # and the schedule from their start; a run directory (its newest complete checkpoint), one
+    # checkpoint's directory, or a Hugging Face Llama directory. Only model.max_seq_len, rope_theta
+    # and rope_scaling may differ from its model: continuing at a longer context (docs/training.md,
+    # Long context). A run with checkpoints of its own resumes from those instead.
+    init: str | None = None
     save_retries: int = (
         2  # failed saves in a row the run survives (trying again at the next save); then it stops
     )
@@ -342,6 +417,10 @@ class CheckpointConfig:
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"checkpoint.async_save={self.async_save!r}: use true or false")
         _positive("checkpoint.save_retries", self.save_retries, allow_zero=True)
+        if self.init == "":
+            raise ConfigError(
+                "checkpoint.init is empty: name a run or checkpoint directory, or leave it null"
+            )
         if not isinstance(self.resume, str) or not self.resume:
             raise ConfigError(
                 f"checkpoint.resume={self.resume!r}: use auto (the default), fresh, or a checkpoint tag or directory"
@@ -568,6 +647,12 @@ class FinetuneConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: FinetuneEvalConfig = field(default_factory=FinetuneEvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint.init is not None:
+            raise ConfigError(
+                "checkpoint.init is pretraining's: a fine-tuning run starts from finetune.init; set that instead"
+            )
 
     def check_runnable(self) -> FinetuneConfig:
         """What a fine-tuning run needs that a shown config may leave to the command line."""

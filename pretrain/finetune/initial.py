@@ -1,5 +1,5 @@
-"""`finetune.init`: the model a fine-tuning run starts from, checked against its tokenizer before
-any weights are read."""
+"""`finetune.init` (and pretraining's `checkpoint.init`): the model a run starts from, checked
+against its tokenizer before any weights are read."""
 
 from __future__ import annotations
 
@@ -46,17 +46,20 @@ class InitialModel:
     def source(self) -> str:
         return f"{'Hugging Face model' if self.kind == 'hf' else 'checkpoint'} {self.directory}"
 
-    def load_model(self) -> Transformer:
+    def load_model(self, model_cfg: ModelConfig | None = None) -> Transformer:
+        """The model with these weights, as `model_cfg` describes it when given: the same shapes,
+        another context (`checkpoint.init`: max_seq_len, rope_theta, rope_scaling); else its own."""
+        cfg = model_cfg or self.model_cfg
         if self.kind == "hf":
-            from pretrain.hf import load_hf
+            from pretrain.hf import read_llama_weights
 
-            return load_hf(self.directory)
+            return Transformer.from_state_dict(cfg, read_llama_weights(self.directory, self.model_cfg))
         from pretrain.inference import read_checkpoint, task_of
 
         _, run_config, state = read_checkpoint(self.directory)
         if task_of(run_config) == "classification":  # its backbone, without the old head
             state = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-        return Transformer.from_state_dict(self.model_cfg, state)
+        return Transformer.from_state_dict(cfg, state)
 
 
 def trained_peak(run_config: dict, d_model: int) -> float | None:
