@@ -1,4 +1,4 @@
-"""`pretrain config show` and `pretrain flops`."""
+"""`pretrain config show`, `pretrain flops` and `pretrain plan`."""
 
 from __future__ import annotations
 
@@ -67,6 +67,31 @@ def cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pretrain.config import RunConfig, load_any
+    from pretrain.engine import resolve_deepspeed_path
+    from pretrain.errors import UserError
+    from pretrain.memory import format_plan, run_plan
+
+    if args.gpus is None:
+        raise UserError(
+            "pretrain plan needs --gpus N: the number of GPUs the job runs on, all nodes together"
+        )
+    cfg = load_any(args.config, args.overrides)
+    if not isinstance(cfg, RunConfig):
+        raise UserError(
+            f"{args.config} is not a run config: give one from configs/train/ (`pretrain config list`)"
+        )
+    path = resolve_deepspeed_path(cfg.engine.deepspeed_config)
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON (line {exc.lineno}): fix it") from None
+    report = run_plan(cfg, ds, args.gpus, args.gpu_memory_gib, mfu=args.mfu, gpus_per_node=args.gpus_per_node)
+    print(json.dumps(report) if args.json else format_plan(report))
+    return 0
+
+
 def register(sub) -> None:
     config = sub.add_parser("config", help="inspect run configs")
     actions = config.add_subparsers(
@@ -111,3 +136,15 @@ def register(sub) -> None:
         help="bus bandwidth per GPU across nodes, GB/s (default 40)",
     )
     flops.set_defaults(handler=cmd_flops)
+
+    plan = sub.add_parser(
+        "plan",
+        help="memory per GPU (parameters, gradients, optimizer, activations) and the settings that fit",
+    )
+    add_config_argument(plan, "a run config, by name or file", overrides=True)
+    plan.add_argument("--gpus", type=int, help="GPUs in the job, all nodes (required)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80: H100)")
+    plan.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for throughput (default 0.40)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="for the interconnect (default 8)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(handler=cmd_plan)

@@ -31,6 +31,7 @@ from pretrain.console import deepspeed_log_level, pin_accelerator
 from pretrain.distributed import free_port
 from pretrain.errors import ExitCode, UserError
 from pretrain.lifeline import owner_tag
+from pretrain.memory import GIB, refusal, run_plan
 from pretrain.pretraining import preflight
 from pretrain.run_dir import OWNER_ENV, RunLock, claim
 
@@ -115,6 +116,27 @@ def local_process_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def local_gpu_memory_gib() -> float | None:
+    """The smallest local GPU's memory in GiB; None without GPUs (then the memory plan is not checked)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return (
+        min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) / GIB
+    )
+
+
+def check_memory_plan(cfg, ds: dict, world_size: int, gpu_memory_gib: float | None) -> None:
+    """The memory plan (`pretrain plan`, pretrain/memory.py) against the GPUs' memory where it is
+    known: a plan that cannot fit is refused in one line, with its figures and what would fit."""
+    if gpu_memory_gib is None:
+        return
+    line = refusal(run_plan(cfg, ds, world_size, gpu_memory_gib))
+    if line is not None:
+        raise UserError(line)
+
+
 def read_hostfile(path: str) -> dict[str, int]:
     """host → slots, through DeepSpeed's own parser; one clear error for a bad file."""
     if not Path(path).is_file():
@@ -186,6 +208,16 @@ def write_attempt_hostfile(run_dir: Path, slots: dict[str, int]) -> str:
     return str(path.absolute())
 
 
+def check_arguments(nproc: int | None, hostfile: str | None, no_ssh: bool, node_rank: int) -> None:
+    """The launch's own flags, each refusal one line."""
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc {nproc} must be at least 1")
+    if no_ssh and not hostfile:
+        raise UserError("--no-ssh needs --hostfile (the launcher reads the node list from it)")
+    if node_rank < 0 or (node_rank > 0 and not no_ssh):
+        raise UserError(f"--node-rank {node_rank}: only with --no-ssh, from 0 to the number of hosts - 1")
+
+
 def launch(
     config_path: str,
     overrides: list[str],
@@ -204,12 +236,7 @@ def launch(
     """Check the run as its job would, then supervise it under the service; the job's exit status.
     `next_steps`: after a complete run, where to look next (the demo prints its own)."""
     log = log or (lambda line: print(line, flush=True))
-    if nproc is not None and nproc < 1:
-        raise UserError(f"--nproc {nproc} must be at least 1")
-    if no_ssh and not hostfile:
-        raise UserError("--no-ssh needs --hostfile (the launcher reads the node list from it)")
-    if node_rank < 0 or (node_rank > 0 and not no_ssh):
-        raise UserError(f"--node-rank {node_rank}: only with --no-ssh, from 0 to the number of hosts - 1")
+    check_arguments(nproc, hostfile, no_ssh, node_rank)
     cfg = load_config(config_path, [*overrides, "monitor.enabled=true"])  # as the job runs it
     hosts = read_hostfile(hostfile) if hostfile else None
     if hosts is not None and node_rank >= len(hosts):
@@ -222,6 +249,8 @@ def launch(
     used = list(hosts)[: spares.nodes] if spares is not None else list(hosts or [])
     world_size = sum(hosts[h] for h in used) if hosts else per_node
     checked = preflight(cfg, world_size)
+    # the job's GPUs are this machine's unless over ssh (with --no-ssh, each node's own launch)
+    check_memory_plan(cfg, checked.ds_config, world_size, None if over_ssh else local_gpu_memory_gib())
     pin_accelerator()  # the job's processes skip DeepSpeed's accelerator probe (and its note)
     if master_addr is None and hosts:
         master_addr = next(iter(hosts))

@@ -361,7 +361,7 @@ NOT_DEAD = (
     ("pretrain/data/__init__.py", "__getattr__", "a module's lazy attributes (PEP 562), which Python calls"),
     ("pretrain/flops.py", "attention_projections attention_scores attention_weighted_sum",
      "FlopsBreakdown's parts: asdict sums them and writes them to the report"),
-    ("pretrain/scaling.py", "tokens_per_gpu_per_step compute_seconds communication_seconds exposed_seconds",
+    ("pretrain/scaling.py", "tokens_per_gpu_per_step exposed_seconds",
      "Projection's fields: asdict writes them to the report"),
     ("pretrain/train/hooks.py", "before_eval before_checkpoint",
      "step hook methods the loop calls by name (Trainer.ask('before_eval', ...))"),

@@ -50,8 +50,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, cli):
         "unknown key 'model.wat'",
     )
     unknown_preset = tmp_path / "preset.yaml"
-    unknown_preset.write_text("model:\n  preset: gpt3-13b\n")
-    assert_one_line_error(cli("flops", str(unknown_preset)), "unknown model preset 'gpt3-13b'")
+    unknown_preset.write_text("model:\n  preset: gpt3-14b\n")
+    assert_one_line_error(cli("flops", str(unknown_preset)), "unknown model preset 'gpt3-14b'")
     assert_one_line_error(
         cli("flops", str(REPO_CONFIG_DIR / "model" / "tiny.yaml"), "--tokens-per-sec", "5"), "--device"
     )

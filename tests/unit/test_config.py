@@ -22,6 +22,9 @@ GPT3_TABLE = {  # preset: (n_layers, d_model, n_heads, d_ff = 8/3·d rounded up 
     "gpt3-760m": (24, 1536, 16, 4096),
     "gpt3-1.3b": (24, 2048, 16, 5632),
     "gpt3-2.7b": (32, 2560, 32, 6912),
+    "gpt3-6.7b": (32, 4096, 32, 11008),
+    "gpt3-13b": (40, 5120, 40, 13824),  # GPT-3's d_model 5140 is not 40 heads of 128
+    "gpt3-175b": (96, 12288, 96, 32768),
 }
 
 
@@ -240,7 +243,7 @@ def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_ea
     assert {f.name for f in dataclasses.fields(MonitorConfig)} == set.union(*names.values())
     trainers = {"timeout", "quarantine", "skip_step", "skip_ratio", "skip_grad_norm_ratio", "skip_window"}
     trainers |= {"straggler_factor", "straggler_windows", "on_straggler"}
-    trainers |= {"replay", "machine_faults_to_exclude"}
+    trainers |= {"replay", "machine_faults_to_exclude", "consistency_every"}
     assert trainers == names[TrainerLinkConfig]
     cfg = load_config(
         "tiny",

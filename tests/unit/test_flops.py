@@ -82,3 +82,43 @@ def test_mfu_and_peaks():
     assert peak_flops_for("Tesla T4") is None
     assert mfu(100_000, 883_671_552, 989e12) == pytest.approx(100_000 * 883_671_552 / 989e12)
     assert 0.08 < mfu(100_000, 883_671_552, 989e12) < 0.09
+
+
+# GPT-3 (Brown et al. 2020), table D.1: parameters and total training compute over 300B tokens,
+# computed there as 6 FLOPs per parameter per token (attention left out).
+GPT3_PUBLISHED = {
+    "gpt3-6.7b": (6.66e9, 1.20e22),
+    "gpt3-13b": (12.85e9, 2.31e22),
+    "gpt3-175b": (174.6e9, 3.14e23),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPT3_PUBLISHED))
+def test_gpt3_presets_match_the_papers_counts_and_compute(name):
+    """Within 1.5% of table D.1's parameters: the Llama-style blocks differ from GPT-3's by an untied
+    32,000-piece head instead of a tied 50,257-piece embedding and 2,048 learned positions, SwiGLU
+    with d_ff rounded up to a multiple of 256 (3·d·d_ff: +0.8% per block at 6.7B) instead of a 4·d
+    MLP, no biases and RMSNorm, and for 13B d_model 5120 = 40 × 128 instead of the table's 5140
+    (+1.2%, +1.3%, +0.1% in all). The compute, 6 · N · 300B with N every parameter that multiplies
+    activations, within 1%."""
+    cfg = load_model_config(REPO_CONFIG_DIR / "model" / f"{name}.yaml")
+    params, compute = GPT3_PUBLISHED[name]
+    assert param_counts(cfg).total == pytest.approx(params, rel=0.015)
+    assert 6 * matmul_params(cfg) * 300e9 == pytest.approx(compute, rel=0.01)
+
+
+# Llama 3 (Llama Team 2024): the released checkpoints' parameter counts, to the parameter.
+LLAMA3_PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA3_PUBLISHED))
+def test_llama3_presets_match_the_released_models(name):
+    """The same blocks as Llama 3 (GQA with 8 KV heads, vocabulary 128,256, RoPE θ 500,000): the
+    count is exact, and FLOPs per token at 8,192 tokens are 6·N (N: all but the input embedding,
+    the paper's 6·N·D rule) plus attention's 12·L·d·T, 29% (8B) and 15% (70B) on top."""
+    cfg = load_model_config(REPO_CONFIG_DIR / "model" / f"{name}.yaml")
+    assert (cfg.n_kv_heads, cfg.vocab_size, cfg.rope_theta, cfg.max_seq_len) == (8, 128256, 500000.0, 8192)
+    assert param_counts(cfg).total == LLAMA3_PUBLISHED[name]
+    N = LLAMA3_PUBLISHED[name] - cfg.vocab_size * cfg.d_model
+    attention = 12 * cfg.n_layers * cfg.d_model * 8192
+    assert flops_per_token(cfg, 8192).total == 6 * N + attention

@@ -68,8 +68,8 @@ def test_config_show_and_list_by_name(tmp_path, monkeypatch, cli):
 def test_an_unknown_config_name_is_one_line(tmp_path, monkeypatch, cli):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="pretrain config list"):
-        resolve_config("gpt3-13b")
-    assert_one_line_error(cli("config", "show", "gpt3-13b"), "no config 'gpt3-13b'", "pretrain config list")
+        resolve_config("gpt3-14b")
+    assert_one_line_error(cli("config", "show", "gpt3-14b"), "no config 'gpt3-14b'", "pretrain config list")
     assert_one_line_error(cli("config", "show", "missing.yaml"), "missing.yaml does not exist")
 
 
