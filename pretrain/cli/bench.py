@@ -1,5 +1,5 @@
 """`pretrain bench data / masking / monitor / detection / train / profile / ablation /
-stability / optimizers`: benchmarks that print figures."""
+stability / optimizers / memory`: benchmarks that print figures."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def cmd_bench_masking(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         as_json=args.json,
     )
+    return 0
+
+
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    from pretrain.bench.memory import run
+
+    run(as_json=args.json)
     return 0
 
 
@@ -134,6 +141,14 @@ def cmd_bench_stability(args: argparse.Namespace) -> int:
     return 0
 
 
+def register_memory(whats) -> None:
+    memory = whats.add_parser(
+        "memory", help="the memory plan's activation model against the peak measured on small models"
+    )
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    memory.set_defaults(handler=cmd_bench_memory)
+
+
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     whats = bench.add_subparsers(
@@ -143,6 +158,7 @@ def register(sub) -> None:
     data.add_argument("--json", action="store_true", help="print one JSON object")
     data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
     data.set_defaults(handler=cmd_bench_data)
+    register_memory(whats)
 
     masking = whats.add_parser(
         "masking", help="training step time with document masking against without (same model and batch)"

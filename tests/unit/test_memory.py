@@ -3,8 +3,6 @@ estimators, the activation model against the peak memory torch's profiler measur
 command's output and its bad input, and `pretrain launch`'s check."""
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +10,9 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from pretrain import memory
+from pretrain.bench.memory import measured_peak
 from pretrain.cli.launch import check_memory_plan
 from pretrain.config import REPO_CONFIG_DIR, ModelConfig, load_config, load_model_config
-from pretrain.engine import apply_activation_checkpointing
 from pretrain.errors import UserError
 from pretrain.flops import param_counts
 from pretrain.loss import chunk_rows
@@ -61,26 +59,6 @@ def test_largest_layer_is_the_largest_module_of_the_model(preset):
 def test_the_gpu_chunk_is_the_loss_functions():
     for vocab in (32000, 128256):
         assert max(16, memory.GPU_CHUNK_LOGITS // vocab) == chunk_rows(vocab, torch.device("cuda"))
-
-
-def measured_peak(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool) -> int:
-    """Peak bytes torch's CPU allocator holds during one forward and backward pass in bf16, above
-    the weights: every gradient is dropped once accumulated, as DeepSpeed moves it to its buckets."""
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(torch.bfloat16)
-    if checkpointing:
-        apply_activation_checkpointing(model)
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len))
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
-        model(tokens, tokens).loss.backward()
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        profile.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    return max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
