@@ -1,7 +1,7 @@
 """The memory plan: what one GPU holds while it trains, from the config alone, and the settings
 that fit, ranked by expected throughput (`pretrain plan`, and `pretrain launch`'s check before a
-job starts). Values in, values out: no torch, no GPU ([Training](../docs/training.md), "The
-memory plan", states every formula and what it was checked against).
+job starts). Values in, values out: no torch, no GPU (docs/training.md, "The memory plan",
+states every formula and what it was checked against).
 
 Per GPU, in bytes, for Ψ parameters (`flops.param_counts`), N GPUs and bf16 training under
 DeepSpeed ZeRO (the fp32 master weights and AdamW's two moments in the optimizer):
