@@ -377,6 +377,7 @@ def run_plan(cfg: RunConfig, env: DistEnv) -> RunPlan:
         faults=cfg.faults,
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
         make_model=functools.partial(build_model, cfg, checked.initial),
+        make_resumed_model=functools.partial(build_model, cfg),  # (its checkpoint's weights replace these)
         make_task=lambda env, engine: LanguageModeling(
             cfg, checked.data_dir, checked.plan, env, engine.device
         ),

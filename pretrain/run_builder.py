@@ -80,6 +80,9 @@ class RunPlan:
     position_at: Callable[[int], dict] | None = None
     # the task's own parts
     make_model: Callable[[], nn.Module]
+    # the model when the run resumes from a checkpoint of its own, whose weights replace whatever it
+    # starts with: pretraining's skips reading checkpoint.init (None: make_model)
+    make_resumed_model: Callable[[], nn.Module] | None = None
     make_task: Callable[[DistEnv, Any], Task]  # (env, engine) → the task
     make_hooks: Callable[[RunParts], list[StepHook]] = lambda parts: []
     first_lines: Callable[[RunParts], list[str]]  # what the run says before its first step
@@ -110,7 +113,9 @@ def start(plan: RunPlan, env: DistEnv, setting: str, make_engine: MakeEngine) ->
     # (the last step saved but the run not finished, e.g. killed before its last evaluation or
     # results were written: the trainer does what is left, training nothing)
     ds_config = resume.deepspeed_config(plan.ds_config) if resume else plan.ds_config
-    engine, optimizer = make_engine(cfg.run, cfg.engine, cfg.optim, plan.make_model, ds_config)
+    # resuming, the checkpoint's weights replace the model's: a task may skip reading its first ones
+    make_model = plan.make_resumed_model if resume and plan.make_resumed_model else plan.make_model
+    engine, optimizer = make_engine(cfg.run, cfg.engine, cfg.optim, make_model, ds_config)
     return build_trainer(plan, env, engine, optimizer, resume)
 
 

@@ -241,19 +241,17 @@ def hf_init(tmp_path, tokenizer_dir):
     return directory
 
 
+LONGER = [
+    "model.max_seq_len=1024",
+    "data.seq_len=1024",
+    "model.rope_scaling.type=llama3",
+    "model.rope_scaling.factor=2",
+    "model.rope_scaling.original_max_position_embeddings=512",
+]
+
+
 def test_checkpoint_init_loads_the_weights_into_the_longer_context(hf_init, train_data):
-    cfg = load_config(
-        TINY,
-        [
-            *FAST,
-            f"checkpoint.init={hf_init}",
-            "model.max_seq_len=1024",
-            "data.seq_len=1024",
-            "model.rope_scaling.type=llama3",
-            "model.rope_scaling.factor=2",
-            "model.rope_scaling.original_max_position_embeddings=512",
-        ],
-    )
+    cfg = load_config(TINY, [*FAST, f"checkpoint.init={hf_init}", *LONGER])
     sha = json.loads((train_data / "manifest.json").read_text())["tokenizer"]["sha256"]
     initial = check_init(cfg, sha)
     model = initial.load_model(cfg.model)
@@ -264,6 +262,42 @@ def test_checkpoint_init_loads_the_weights_into_the_longer_context(hf_init, trai
         assert torch.equal(a, b), name
     with pytest.raises(UserError, match="its tokenizer"):
         check_init(cfg, "0" * 64)
+
+
+def test_a_run_starts_from_the_init_weights_and_resumes_without_reading_them(
+    tmp_path, hf_init, train_data, monkeypatch
+):
+    """In this process with a FakeEngine: the first start trains from checkpoint.init's weights at
+    step 0; a restart resumes from the run's own checkpoint and never reads checkpoint.init's weights."""
+    from pretrain.finetune.initial import InitialModel
+    from tests.unit.fakes import pretraining_trainer
+
+    def config(steps: int):
+        return load_config(
+            TINY,
+            [
+                *FAST,
+                f"run.dir={tmp_path / 'run'}",
+                f"data.dir={train_data}",
+                f"checkpoint.init={hf_init}",
+                *LONGER,
+                f"train.steps={steps}",
+                "checkpoint.every=1",
+                "eval.every=0",
+            ],
+        )
+
+    first = pretraining_trainer(config(1))
+    assert first.state.step == 0 and first.engine.module.rope_cos.shape == (1024, 16)
+    initial = load_hf(hf_init).state_dict()
+    for name, value in first.engine.module.state_dict().items():
+        assert torch.equal(value, initial[name]), name
+    assert first.train()["step"] == 1
+    monkeypatch.setattr(
+        InitialModel, "load_model", lambda *_: pytest.fail("checkpoint.init read on a resume")
+    )
+    second = pretraining_trainer(config(2))
+    assert second.state.step == 1 and second.train()["step"] == 2
 
 
 def test_checkpoint_init_of_other_shapes_is_refused_in_one_line(tmp_path, hf_init, train_data, cli):
