@@ -20,6 +20,16 @@ FAST = [
     "eval.attention_probe=null",  # drawing it takes ~0.8 s per evaluation; the golden run draws it
 ]
 
+# FAST's model continued at twice the session corpus's 512-token windows, with Llama 3.1's rope
+# scaling (docs/training.md, Long context)
+LONGER_CONTEXT = [
+    "model.max_seq_len=1024",
+    "data.seq_len=1024",
+    "model.rope_scaling.type=llama3",
+    "model.rope_scaling.factor=2",
+    "model.rope_scaling.original_max_position_embeddings=512",
+]
+
 
 def assert_one_line_error(result, *fragments: str) -> None:
     """Bad input: status 2, one line on stderr naming the problem, no traceback, nothing on stdout.

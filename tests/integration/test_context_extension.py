@@ -9,15 +9,8 @@ import math
 import torch
 
 from pretrain.inference import export_trained, load_trained
+from tests.helpers import LONGER_CONTEXT
 from tests.integration.runs import metrics, torchrun, train, train_state
-
-LONGER = [
-    "model.max_seq_len=1024",
-    "data.seq_len=1024",
-    "model.rope_scaling.type=llama3",
-    "model.rope_scaling.factor=2",
-    "model.rope_scaling.original_max_position_embeddings=512",
-]
 
 
 def test_the_golden_checkpoint_continues_at_twice_the_context_and_exports(tmp_path, golden_run, train_data):
@@ -27,7 +20,7 @@ def test_the_golden_checkpoint_continues_at_twice_the_context_and_exports(tmp_pa
         run_dir,
         train_data,
         f"checkpoint.init={golden_run}",
-        *LONGER,
+        *LONGER_CONTEXT,
         "train.steps=2",
         "schedule.warmup_steps=2",
         "checkpoint.every=2",

@@ -14,7 +14,7 @@ from pretrain.hf import load_hf, save_hf
 from pretrain.model import Transformer, rope_frequencies, rope_tables
 from pretrain.pretraining import check_init, init_mismatch
 from tests.conftest import random_weights_model, small_model_config
-from tests.helpers import FAST, TINY, assert_one_line_error
+from tests.helpers import FAST, LONGER_CONTEXT, TINY, assert_one_line_error
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -241,17 +241,8 @@ def hf_init(tmp_path, tokenizer_dir):
     return directory
 
 
-LONGER = [
-    "model.max_seq_len=1024",
-    "data.seq_len=1024",
-    "model.rope_scaling.type=llama3",
-    "model.rope_scaling.factor=2",
-    "model.rope_scaling.original_max_position_embeddings=512",
-]
-
-
 def test_checkpoint_init_loads_the_weights_into_the_longer_context(hf_init, train_data):
-    cfg = load_config(TINY, [*FAST, f"checkpoint.init={hf_init}", *LONGER])
+    cfg = load_config(TINY, [*FAST, f"checkpoint.init={hf_init}", *LONGER_CONTEXT])
     sha = json.loads((train_data / "manifest.json").read_text())["tokenizer"]["sha256"]
     initial = check_init(cfg, sha)
     model = initial.load_model(cfg.model)
@@ -280,7 +271,7 @@ def test_a_run_starts_from_the_init_weights_and_resumes_without_reading_them(
                 f"run.dir={tmp_path / 'run'}",
                 f"data.dir={train_data}",
                 f"checkpoint.init={hf_init}",
-                *LONGER,
+                *LONGER_CONTEXT,
                 f"train.steps={steps}",
                 "checkpoint.every=1",
                 "eval.every=0",
