@@ -5,7 +5,8 @@ host passes before each start.
 Before every start each host is checked (`check_hosts`: ssh answers within a timeout, the
 project's Python imports there and finds torch and DeepSpeed installed, the run directory is
 writable and has room, the GPUs its slots
-need are visible where there are GPUs). `HostSet.choose` then takes N healthy hosts — those of the
+need are visible where there are GPUs, each with the memory the run's memory plan needs per GPU,
+`pretrain/memory.py`). `HostSet.choose` then takes N healthy hosts — those of the
 last attempt first, then the spares in hostfile order, then hosts lost earlier in the run — or,
 with fewer than N healthy, fewer nodes down to M where the global batch still divides (more
 gradient accumulation keeps it exactly). A host that straggled (`monitor.on_straggler=replace`)
@@ -31,7 +32,7 @@ MIN_FREE_BYTES = 1 << 30  # the run directory's file system needs at least this 
 # Python, in the same directory. It prints one JSON line: the problem, or none.
 CHECK_SCRIPT = """
 import json, os, shutil, sys, tempfile
-run_dir, slots, min_free = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+run_dir, slots, min_free, need = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def say(problem):
     print(json.dumps({"problem": problem})); sys.exit(0)
 try:
@@ -54,13 +55,19 @@ if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl"):
     import torch
     if torch.cuda.device_count() < slots:
         say(f"{torch.cuda.device_count()} GPU(s) visible, {slots} expected")
+    have = min(torch.cuda.get_device_properties(i).total_memory for i in range(slots)) / 2**30
+    if have < need / 2**30:
+        say(f"its GPUs have {have:.1f} GiB but the memory plan needs {need / 2**30:.1f} GiB per GPU "
+            f"(`pretrain plan CFG --gpus N --gpu-memory-gib {have:.0f}` shows what fits)")
 say(None)
 """
 
 
-def check_host(host: str, run_dir: Path, slots: int, env: dict | None = None) -> str | None:
-    """Why `host` cannot take part in the next start, or None when it can."""
-    remote = shlex.join([sys.executable, "-c", CHECK_SCRIPT, str(run_dir), str(slots), str(MIN_FREE_BYTES)])
+def check_host(host: str, run_dir: Path, slots: int, env: dict | None = None, need: float = 0) -> str | None:
+    """Why `host` cannot take part in the next start, or None when it can. `need`: the bytes per GPU
+    of the run's memory plan (`pretrain/memory.py`; 0: not checked)."""
+    arguments = [str(run_dir), str(slots), str(MIN_FREE_BYTES), str(int(need))]
+    remote = shlex.join([sys.executable, "-c", CHECK_SCRIPT, *arguments])
     command = ["ssh", "-o", f"ConnectTimeout={CONNECT_SECONDS}", "-o", "BatchMode=yes", host]
     command.append(f"cd {shlex.quote(os.getcwd())} && {remote}")
     try:
@@ -76,10 +83,12 @@ def check_host(host: str, run_dir: Path, slots: int, env: dict | None = None) ->
     return said if said.startswith("ssh:") else f"ssh: {said}"
 
 
-def check_hosts(slots: dict[str, int], run_dir: Path, env: dict | None = None) -> dict[str, str | None]:
+def check_hosts(
+    slots: dict[str, int], run_dir: Path, env: dict | None = None, need: float = 0
+) -> dict[str, str | None]:
     """Every host's check, at once: host → None (healthy) or why not."""
     with ThreadPoolExecutor(max_workers=min(len(slots), 32) or 1) as pool:
-        found = {host: pool.submit(check_host, host, run_dir, n, env) for host, n in slots.items()}
+        found = {host: pool.submit(check_host, host, run_dir, n, env, need) for host, n in slots.items()}
         return {host: future.result() for host, future in found.items()}
 
 
@@ -104,6 +113,7 @@ class HostSet:
     excluded: dict[str, str] = field(default_factory=dict)  # left out of the last start: host → why
     lost: list[str] = field(default_factory=list)  # lost during the run (least preferred)
     banned: dict[str, str] = field(default_factory=dict)  # left out for the rest of the run (stragglers)
+    gpu_memory_needed: float = 0.0  # bytes per GPU of the run's memory plan, checked on every host
 
     def __post_init__(self) -> None:
         hosts = list(self.slots)

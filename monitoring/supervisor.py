@@ -609,7 +609,7 @@ class Supervisor:
         reason, when fewer than --min-nodes hosts can take part."""
         hosts, before = self.hosts, list(self.hosts.in_use)
         excluded_before = dict(hosts.excluded)
-        choice = hosts.choose(check_hosts(hosts.slots, self.run_dir))
+        choice = hosts.choose(check_hosts(hosts.slots, self.run_dir, need=hosts.gpu_memory_needed))
         for host, why in hosts.excluded.items():
             if excluded_before.get(host) != why:
                 self.log(f"launch: {host} left out: {why}")

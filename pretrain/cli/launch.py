@@ -116,6 +116,9 @@ def local_process_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+NOMINAL_GPU_GIB = 80.0  # the plan's bytes do not depend on it; only whether they fit does
+
+
 def local_gpu_memory_gib() -> float | None:
     """The smallest local GPU's memory in GiB; None without GPUs (then the memory plan is not checked)."""
     import torch
@@ -127,14 +130,23 @@ def local_gpu_memory_gib() -> float | None:
     )
 
 
-def check_memory_plan(cfg, ds: dict, world_size: int, gpu_memory_gib: float | None) -> None:
+def check_memory_plan(cfg, ds: dict, world_size: int, gpu_memory_gib: float | None) -> float:
     """The memory plan (`pretrain plan`, pretrain/memory.py) against the GPUs' memory where it is
-    known: a plan that cannot fit is refused in one line, with its figures and what would fit."""
-    if gpu_memory_gib is None:
-        return
-    line = refusal(run_plan(cfg, ds, world_size, gpu_memory_gib))
+    known: a plan that cannot fit is refused in one line, with its figures and what would fit.
+    The plan's bytes per GPU, for the hosts' own check over ssh (`monitoring/hosts.py`)."""
+    report = run_plan(cfg, ds, world_size, gpu_memory_gib or NOMINAL_GPU_GIB)
+    line = refusal(report) if gpu_memory_gib is not None else None
     if line is not None:
         raise UserError(line)
+    return report["plan"]["bytes"]["total"]
+
+
+def plan_memory(cfg, ds: dict, world_size: int, spares: HostSet | None) -> None:
+    """The memory plan before a start: against this machine's GPUs when the job's are these (each
+    node's own launch with --no-ssh too); over ssh, each host's check compares its own (`spares`)."""
+    needed = check_memory_plan(cfg, ds, world_size, None if spares is not None else local_gpu_memory_gib())
+    if spares is not None:
+        spares.gpu_memory_needed = needed
 
 
 def read_hostfile(path: str) -> dict[str, int]:
@@ -249,8 +261,7 @@ def launch(
     used = list(hosts)[: spares.nodes] if spares is not None else list(hosts or [])
     world_size = sum(hosts[h] for h in used) if hosts else per_node
     checked = preflight(cfg, world_size)
-    # the job's GPUs are this machine's unless over ssh (with --no-ssh, each node's own launch)
-    check_memory_plan(cfg, checked.ds_config, world_size, None if over_ssh else local_gpu_memory_gib())
+    plan_memory(cfg, checked.ds_config, world_size, spares)
     pin_accelerator()  # the job's processes skip DeepSpeed's accelerator probe (and its note)
     if master_addr is None and hosts:
         master_addr = next(iter(hosts))

@@ -167,3 +167,37 @@ def test_launch_refuses_a_plan_that_cannot_fit_and_skips_without_a_gpu():
             8,
             80.0,
         )
+
+
+def run_host_check(monkeypatch, capsys, tmp_path, gib: float, need: float) -> str | None:
+    """monitoring/hosts.py's CHECK_SCRIPT as a host runs it, here, on two GPUs of `gib` GiB (a fake torch)."""
+    import os
+    import sys
+    import types
+
+    from monitoring.hosts import CHECK_SCRIPT
+
+    gpu = types.SimpleNamespace(total_memory=int(gib * memory.GIB))
+    cuda = types.SimpleNamespace(device_count=lambda: 2, get_device_properties=lambda i: gpu)
+    fake = types.SimpleNamespace(cuda=cuda, __spec__=torch.__spec__)  # found installed, as torch is
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/nvidia0" or real_exists(p))
+    monkeypatch.setattr(sys, "argv", ["-c", str(tmp_path), "2", "0", str(int(need))])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        exec(compile(CHECK_SCRIPT, "check", "exec"), {"__name__": "__main__"})
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["problem"]
+
+
+def test_a_hosts_check_refuses_gpus_smaller_than_the_plan(monkeypatch, capsys, tmp_path):
+    """Over ssh `pretrain launch` does not see the GPUs: each host's check compares its own with the
+    plan's bytes per GPU (HostSet.gpu_memory_needed, from check_memory_plan)."""
+    assert run_host_check(monkeypatch, capsys, tmp_path, 80.0, 60 * memory.GIB) is None
+    assert run_host_check(monkeypatch, capsys, tmp_path, 80.0, 0) is None  # no plan: not checked
+    problem = run_host_check(monkeypatch, capsys, tmp_path, 40.0, 56.7 * memory.GIB)
+    assert problem.startswith("its GPUs have 40.0 GiB but the memory plan needs 56.7 GiB per GPU")
+    assert "--gpu-memory-gib 40" in problem
+    cfg = load_config(REPO_CONFIG_DIR / "train" / "gpt3-13b.yaml")
+    ds = json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero3.json").read_text())
+    assert check_memory_plan(cfg, ds, 8, None) == pytest.approx(56.7 * memory.GIB, rel=0.01)

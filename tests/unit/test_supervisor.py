@@ -218,7 +218,7 @@ def test_a_node_the_trainer_moves_off_is_left_out_and_a_spare_takes_its_place(tm
         return FakeJob(exits_after=1, status=0, attempt=attempt)
 
     monkeypatch.setattr(sv.Job, "start", start)
-    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir: dict.fromkeys(slots))  # all healthy
+    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir, **_: dict.fromkeys(slots))  # all healthy
     hosts = HostSet(slots={"a": 1, "b": 1, "c": 1}, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
     log: list[str] = []
     config = MonitorConfig(max_restarts=0)  # a counted restart would give up
@@ -251,7 +251,7 @@ def test_with_no_spare_a_node_the_trainer_moves_off_stays_and_is_never_asked_abo
         return FakeJob(exits_after=1, status=0, attempt=attempt)
 
     monkeypatch.setattr(sv.Job, "start", start)
-    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir: dict.fromkeys(slots))
+    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir, **_: dict.fromkeys(slots))
     hosts = HostSet(slots={"a": 1, "b": 1}, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
     log: list[str] = []
     supervisor = Supervisor(
