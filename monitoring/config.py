@@ -97,6 +97,11 @@ class TrainerLinkConfig:
     # CPU). A host with machine_faults_to_exclude of them is moved off at a restart.
     replay: bool = False
     machine_faults_to_exclude: int = 2
+    # The replicas compared (docs/monitoring.md, "Replay and replica checks"): every
+    # consistency_every steps, before every checkpoint and after every rejected step, the weights
+    # every rank holds alike are digested and compared; a rank whose copy differs is a machine
+    # fault (replica_mismatch, a rollback to the newest consistent checkpoint). 0: never.
+    consistency_every: int = 100
 
     def check_trainer_link(self) -> None:
         check_positive("monitor.timeout", self.timeout)
@@ -116,6 +121,10 @@ class TrainerLinkConfig:
         check_positive("monitor.straggler_windows", self.straggler_windows)
         check_choice("monitor.on_straggler", self.on_straggler, STRAGGLER_RESPONSES)
         check_positive("monitor.machine_faults_to_exclude", self.machine_faults_to_exclude)
+        if self.consistency_every < 0:
+            raise SettingError(
+                f"monitor.consistency_every={self.consistency_every} must be >= 0 (0: no replica check)"
+            )
 
 
 @dataclass(kw_only=True)

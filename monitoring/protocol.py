@@ -696,6 +696,21 @@ class MachineFault(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicaMismatch(Event):
+    """At step `step` the weights every rank should hold alike differed: `ranks` (on `hosts`) hold
+    a copy that is not the one the optimizer's fp32 master weights give (or, where those cannot be
+    read, the minority's), in the parameters `tensors`. A machine fault: the run goes back to
+    `rolled_back_to`, the newest checkpoint whose replicas were consistent (None: none was, and
+    the job stops), and nothing is quarantined (monitor.consistency_every)."""
+
+    type: ClassVar[str] = "replica_mismatch"
+    ranks: list[int]
+    hosts: list[str]
+    tensors: list[str]
+    rolled_back_to: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobStopped(Event):
     """The supervisor gave up on the job: why, what was saved and how to go on."""
 
@@ -745,6 +760,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         WorldResized,
         Straggler,
         MachineFault,
+        ReplicaMismatch,
         JobStopped,
         CheckpointCorrupt,
         StopRequested,

@@ -209,8 +209,11 @@ class FaultInjector:
         partitions = getattr(optimizer, "parallel_partitioned_bit16_groups", None)
         if partitions and len(partitions[0]) > 1:
             target = partitions[0][(self.rank + 1) % len(partitions[0])]
-        else:
-            target = next(self.engine.module.parameters()).data
+        else:  # a block's matrix, which every token passes through; under ZeRO-3 this rank's
+            # shard of it, the one copy, which every rank gathers (a persistent parameter's gathered
+            # copy is gathered again after a skipped step: a fault there is a transient one)
+            param = next(p for name, p in self.engine.module.named_parameters() if name.startswith("layers."))
+            target = getattr(param, "ds_tensor", param.data)
         flip_top_exponent_bit(target.view(-1)[:1])
         print(
             f"faults: flipped a weight bit on rank {self.rank} after step {step}", file=sys.stderr, flush=True

@@ -42,9 +42,11 @@ from pretrain.skip_step import SkipGuard
 from pretrain.tokenizer import Tokenizer, check_beside, load_run_tokenizer, run_special_tokens, run_tokenizer
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence
+from pretrain.train.machine_faults import FaultLedger
 from pretrain.train.monitor_hook import Monitored
 from pretrain.train.precursor_hook import InstabilityPrecursors
 from pretrain.train.replay_hook import ReplayCheck
+from pretrain.train.replica_hook import ReplicaCheck
 from pretrain.train.skip_hook import SkipBadUpdates
 from pretrain.train.straggler_hook import StragglerRule, StragglerWatch
 from pretrain.wandb_sink import check_available
@@ -438,6 +440,20 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
             link=monitor,
         )
     )
+    ledger = FaultLedger(env=env, run_dir=run_dir, counts=FaultCounts(cfg.monitor.machine_faults_to_exclude))
+    if cfg.monitor.consistency_every:  # (before the replay: a wrong copy of the weights replays alike)
+        hooks.append(
+            ReplicaCheck(
+                env=env,
+                run_dir=run_dir,
+                writer=writer,
+                engine=engine,
+                task=parts.task,
+                checkpointer=parts.checkpointer,
+                ledger=ledger,
+                every=cfg.monitor.consistency_every,
+            )
+        )
     if cfg.monitor.replay:  # (after the skip guard's, before the monitor's: it amends the report)
         hooks.append(
             ReplayCheck(
@@ -447,7 +463,7 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
                 engine=engine,
                 faults=faults,
                 grad_accum=engine.gradient_accumulation_steps(),
-                counts=FaultCounts(cfg.monitor.machine_faults_to_exclude),
+                ledger=ledger,
             )
         )
     if monitor is not None:

@@ -169,6 +169,7 @@ ADDED_KEYS = {
     "monitor.on_straggler": "warn",
     "monitor.replay": False,
     "monitor.machine_faults_to_exclude": 2,
+    "monitor.consistency_every": 0,
     "monitor.on_repeat": [],
     "monitor.repeat_window": 100,
     "monitor.repeat_lr_factor": 0.5,

@@ -11,11 +11,8 @@ data, and the step goes the way it goes today (the skip, the monitor's verdict, 
 quarantine). Different values: a machine computed one of the passes wrong — a `machine_fault`
 event names the ranks and hosts, the console says it in one line, the update stays skipped, and
 the monitor is told the step was skipped in place (`train/update_skipped`), so it neither rolls
-back nor quarantines the step's documents. A host with `monitor.machine_faults_to_exclude` faults
-(counted over the run in RUN_DIR/monitor/machine_faults.json, replica mismatches included) is
-moved off: every rank saves and stops with ExitCode.REPLACE_NODE, rank 0 having named the host in
-RUN_DIR/monitor/replace.json for the supervisor (`pretrain launch`), which restarts the job
-without it.
+back nor quarantines the step's documents. The fault counts toward its host's exclusion
+(`machine_faults.py`).
 
 On a normal step it adds no host read and no collective: the first pass's values are device
 tensors (the losses the step computed, and `GradientTally`'s per-parameter norms), read only on a
@@ -25,24 +22,19 @@ rejected step.
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from monitoring.protocol import REPLACE_FILE, MachineFault, append_event, monitor_dir
-from pretrain import atomic
+from monitoring.protocol import MachineFault, append_event
 from pretrain.distributed import DistEnv, all_gather_objects
-from pretrain.errors import ExitCode
 from pretrain.faults import FaultInjector
 from pretrain.metrics import MetricsWriter
-from pretrain.replay import GPU_RTOL, FaultCounts, GradientTally, changed_ranks
-from pretrain.train.hooks import CONTINUE, Answer, SaveAndStop, StepHook
-
-COUNTS_FILE = "machine_faults.json"  # RUN_DIR/monitor/: machine faults per host over the run
+from pretrain.replay import GPU_RTOL, GradientTally, changed_ranks
+from pretrain.train.hooks import CONTINUE, Answer, StepHook
+from pretrain.train.machine_faults import FaultLedger
 
 
 @dataclass(kw_only=True)
@@ -56,8 +48,7 @@ class ReplayCheck(StepHook):
     engine: Any  # a DeepSpeed engine (or anything with its interface)
     faults: FaultInjector  # a loss fault of the data is applied again on the replay
     grad_accum: int
-    counts: FaultCounts
-    hosts: list[str] = field(default_factory=list)  # every rank's host, by rank
+    ledger: FaultLedger
     tally: GradientTally | None = None
     batches: list = field(default_factory=list)  # this step's micro-batches (references)
     losses: list = field(default_factory=list)  # this step's local losses (device scalars)
@@ -66,8 +57,7 @@ class ReplayCheck(StepHook):
     def open(self, stack: contextlib.ExitStack) -> None:
         self.tally = GradientTally(self.engine.module)
         stack.callback(self.tally.remove)
-        self.hosts = all_gather_objects(socket.gethostname())
-        self.counts.counts = read_counts(self.run_dir)
+        self.ledger.open()
 
     def before_step(self, step: int) -> None:
         self.batches, self.losses = [], []
@@ -93,7 +83,7 @@ class ReplayCheck(StepHook):
             return CONTINUE
         metrics["train/update_skipped"] = 1.0  # (the monitor's report: a skip, not the data's fault)
         metrics["train/machine_fault"] = 1.0
-        hosts = [self.hosts[r] for r in changed]
+        hosts = [self.ledger.hosts[r] for r in changed]
         if self.env.is_main:
             append_event(
                 self.run_dir,
@@ -106,7 +96,7 @@ class ReplayCheck(StepHook):
                 ),
             )
         shown = "; ".join(
-            f"rank {r} on {self.hosts[r]}: loss {passes[r][0][0]:.6g} then {passes[r][1][0]:.6g}, "
+            f"rank {r} on {self.ledger.hosts[r]}: loss {passes[r][0][0]:.6g} then {passes[r][1][0]:.6g}, "
             f"gradient norm {passes[r][0][1]:.6g} then {passes[r][1][1]:.6g}"
             for r in changed
         )
@@ -114,7 +104,7 @@ class ReplayCheck(StepHook):
             f"step {step}: machine fault: the replayed step changed ({shown}); update skipped, "
             "its documents kept"
         )
-        return self.count(step, hosts, "its replayed step changed")
+        return self.ledger.count(step, changed, "its replayed step changed")
 
     def local_values(self, norm: torch.Tensor) -> tuple[float, float]:
         """(this rank's mean loss over the step's micro-batches, its gradient norm): one host read."""
@@ -136,32 +126,3 @@ class ReplayCheck(StepHook):
             # as DeepSpeed's backward scales it (engine._scale_loss_by_gas; bf16's loss scale is 1)
             torch.autograd.grad(loss.float() / self.grad_accum, params, allow_unused=True)
         return self.tally.take()
-
-    def count(self, step: int, hosts: list[str], why: str) -> Answer:
-        """One machine fault on each of `hosts`; a host that reaches the limit is moved off."""
-        reached = self.counts.add(hosts)
-        if self.env.is_main:
-            monitor_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
-            atomic.write_json(monitor_dir(self.run_dir) / COUNTS_FILE, self.counts.counts)
-        if not reached:
-            return CONTINUE
-        host = reached[0]
-        reason = (
-            f"{self.counts.counts[host]} machine faults on {host} (monitor.machine_faults_to_exclude="
-            f"{self.counts.limit}; the last at step {step}: {why})"
-        )
-        if self.env.is_main:
-            atomic.write_json(
-                monitor_dir(self.run_dir) / REPLACE_FILE,
-                {"host": host, "rank": self.hosts.index(host), "step": step, "reason": reason},
-            )
-        return SaveAndStop(f"moving off {host} ({reason})", ExitCode.REPLACE_NODE)
-
-
-def read_counts(run_dir: Path) -> dict[str, int]:
-    """RUN_DIR/monitor/machine_faults.json: {host: faults} over the run so far."""
-    path = monitor_dir(run_dir) / COUNTS_FILE
-    try:
-        return {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}

@@ -63,6 +63,27 @@ class Outcomes(Protocol):
     def outcome(self, outcome: Outcome) -> None: ...
 
 
+def go_back(
+    tag: str, env: DistEnv, run_dir: Path, engine: Any, task: Traceable, checkpointer: Checkpointer
+) -> tuple[dict, bool | None, list[str]] | None:
+    """Every rank: load checkpoint `tag` (the next older intact one if it does not verify), move
+    the checkpoints after it aside (rank 0: the abandoned timeline's tags, else []) and put the
+    data at its position. Its train_state.json, whether the weights loaded match those saved, the
+    abandoned tags; None when no intact checkpoint is left at or before `tag`."""
+    task.pause()
+    loaded = checkpointer.load(engine, tag)
+    if loaded is None:
+        return None
+    saved, matches = loaded
+    barrier()  # every rank has read the target before newer checkpoints move away
+    abandoned = []
+    if env.is_main:
+        abandoned = abandon_after(run_dir, saved["step"])
+        trim_abandoned(run_dir)
+    task.load_state_dict(saved["data"])
+    return saved, matches, abandoned
+
+
 @dataclass(frozen=True)
 class LrScale:
     """The monitor's factor on the learning rate: `scale` (the newest rollback's lr_scale), times
@@ -104,8 +125,7 @@ class Rollbacks:
         self.announce(rollback, applied_at)
         evidence = self.task.evidence([w for w, _ in windows]) if self.env.is_main else {}
         decided = {"decision": rollback.decision, "decided_at": rollback.step, "applied_at": applied_at}
-        self.task.pause()
-        loaded = self.checkpointer.load(self.engine, rollback.target)
+        loaded = go_back(rollback.target, self.env, self.run_dir, self.engine, self.task, self.checkpointer)
         if loaded is None:
             reason = f"no intact checkpoint at or before {rollback.target}"
             self.writer.message(f"monitor: {reason}: rollback cancelled")
@@ -116,11 +136,8 @@ class Rollbacks:
                 append_event(self.run_dir, cancelled)
             self.tell(rollback, applied_at, None, reason)
             return None
-        saved, matches = loaded
-        barrier()  # every rank has read the target before newer checkpoints move away
+        saved, matches, abandoned = loaded
         if self.env.is_main:
-            abandoned = abandon_after(self.run_dir, saved["step"])
-            trim_abandoned(self.run_dir)
             applied = RollbackApplied(
                 step=saved["step"],
                 tag=tag_for(saved["step"]),
@@ -132,7 +149,6 @@ class Rollbacks:
                 **evidence,
             )
             append_event(self.run_dir, applied)
-        self.task.load_state_dict(saved["data"])
         self.task.reshuffle(rollback.seed)
         if (self.quarantine or rollback.quarantine) and windows:
             self.set_aside(rollback, windows, evidence)

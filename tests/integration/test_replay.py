@@ -2,12 +2,18 @@
 again on every rank. A flipped gradient bit on rank 1 (a transient machine fault) gives other
 values the second time: a `machine_fault` event names rank 1 and its host, the update stays
 skipped, and the run goes on exactly as a run in which that step was skipped without a fault (a
-NaN loss there, which the replay reproduces: the data, no `machine_fault`)."""
+NaN loss there, which the replay reproduces: the data, no `machine_fault`). A flipped weight bit
+in rank 1's copy (a fault that stays) makes the replicas differ: `replica_mismatch` names rank 1,
+the run goes back to the newest checkpoint whose replicas were consistent, quarantines nothing,
+and completes with every later checkpoint consistent."""
+
+import json
+from pathlib import Path
 
 import pytest
 
-from monitoring.protocol import MachineFault, read_events
-from tests.integration.runs import metrics, torchrun, train
+from monitoring.protocol import MachineFault, ReplicaMismatch, read_events
+from tests.integration.runs import metrics, torchrun, train, train_state
 
 REPLAY = ["monitor.replay=true", "eval.every=0", "checkpoint.every=100", "train.steps=5"]
 
@@ -19,6 +25,41 @@ def flipped_and_skipped(tmp_path_factory, train_data):
     train(torchrun(2), flipped, train_data, *REPLAY, "faults.flip_step=3", "faults.flip_rank=1")
     train(torchrun(2), skipped, train_data, *REPLAY, "faults.nan_steps=[3]")
     return flipped, skipped
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def weight_flipped(request, tmp_path_factory, train_data):
+    """ZeRO-2: a bit of rank 1's copy of rank 0's partition; ZeRO-3: of rank 1's shard, the one
+    copy, with no parameter kept whole (as a large model's are not: the tiny model's all are)."""
+    root = tmp_path_factory.mktemp("replicas")
+    config = json.loads(Path(f"configs/deepspeed/zero{request.param}.json").read_text())
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (root / "ds.json").write_text(json.dumps(config))
+    flip = ["faults.flip_step=3", "faults.flip_rank=1", "faults.flip_target=weight"]
+    overrides = [*REPLAY, *flip, f"engine.deepspeed_config={root / 'ds.json'}", "checkpoint.every=2"]
+    train(torchrun(2), root / "run", train_data, *overrides, "train.steps=6")
+    return root / "run"
+
+
+def test_a_flipped_weight_bit_is_a_replica_mismatch_of_rank_1_rolled_back(weight_flipped):
+    events = read_events(weight_flipped)
+    (mismatch,) = [e for e in events if isinstance(e, ReplicaMismatch)]
+    # the flip lands after step 3's update; step 4 is non-finite on rank 1, rejected, and checked
+    assert mismatch.step == 4 and mismatch.ranks == [1] and len(mismatch.hosts) == 1
+    assert mismatch.rolled_back_to == "step_00000002" and mismatch.tensors
+    assert not [e for e in events if isinstance(e, MachineFault)]  # (checked before the replay)
+    assert not (weight_flipped / "quarantine.jsonl").exists()  # the data is innocent
+    records = [json.loads(line) for line in (weight_flipped / "metrics.jsonl").read_text().splitlines()]
+    losses = {}
+    for record in records:
+        if "train/loss" in record:
+            losses.setdefault(record["step"], []).append(record["train/loss"])
+    assert len(losses[3]) == 2 and losses[3][0] == losses[3][1]  # step 3 again, from step 2: the same
+    assert all(len(v) == 1 for step, v in losses.items() if step > 4)
+    for step in (4, 6):  # every later checkpoint: its replicas found consistent as it was saved
+        assert train_state(weight_flipped, step)["hooks"]["replicas"]["checked_at"] == step
+    counts = json.loads((weight_flipped / "monitor" / "machine_faults.json").read_text())
+    assert list(counts.values()) == [1]
 
 
 def test_a_flipped_gradient_bit_is_a_machine_fault_of_rank_1(flipped_and_skipped):

@@ -258,6 +258,9 @@ def one_of_each_event() -> list:
         p.WorldResized(step=12, previous=2, size=1, accumulation=2),
         p.Straggler(step=20, rank=1, host="node-b", factor=1.9),
         p.MachineFault(step=21, ranks=[1], hosts=["node-b"], first=[[2.5, 3e19]], replay=[[2.5, 1.25]]),
+        p.ReplicaMismatch(
+            step=22, ranks=[1], hosts=["node-b"], tensors=["embed.weight"], rolled_back_to="step_00000020"
+        ),
     ]
 
 

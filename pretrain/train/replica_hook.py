@@ -1,0 +1,160 @@
+"""The step hook that compares the replicas (`monitor.consistency_every`; issue 46,
+docs/monitoring.md, "Replay and replica checks").
+
+Every `consistency_every` steps, after every step whose update did not land (a rank's wrong copy
+of a weight makes its loss non-finite, so no update lands and nothing rewrites the copy), and
+before every checkpoint, each rank digests the weights every rank should hold alike
+(`pretrain/replicas.py`) and the digests are compared in one small all-gather. The same on every
+rank: consistent, and a checkpoint saved now records it (train_state.json `hooks.replicas`). Not
+the same: each rank compares its copy of the differing parameters with what the optimizer's fp32
+master weights give (DeepSpeed's `safe_get_full_fp32_param`), which names the rank at fault; a
+`replica_mismatch` event and one console line say which, the fault counts toward its host's
+exclusion (`machine_faults.py`), and every rank goes back to the newest checkpoint recorded
+consistent — nothing is quarantined (the data is innocent) and the monitor is not asked: the run
+goes on from there as after a restart.
+
+The check runs before the save it precedes, so no checkpoint is written from diverged replicas.
+On the other steps it costs nothing: no host read, no collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from monitoring.protocol import ReplicaMismatch, append_event
+from pretrain.checkpoint import step_of, tags_on_disk
+from pretrain.checkpoint.checkpointer import Checkpointer, TrainState, read_train_state
+from pretrain.checkpoint.layout import check_complete, checkpoints_dir
+from pretrain.distributed import DistEnv, all_gather_objects
+from pretrain.metrics import MetricsWriter
+from pretrain.replicas import differing, masters_disagree, odd_ranks, own_copies, replica_digests
+from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
+from pretrain.train.machine_faults import FaultLedger
+from pretrain.train.rollback import Traceable, go_back
+
+NAMED = 5  # differing parameters named in the event and on the console
+
+
+@dataclass(kw_only=True)
+class ReplicaCheck(StepHook):
+    """Named: each checkpoint keeps the step its replicas were last found consistent at and the
+    digest they had (`hooks.replicas`)."""
+
+    name = "replicas"
+    env: DistEnv
+    run_dir: Path
+    writer: MetricsWriter
+    engine: Any  # a DeepSpeed engine (or anything with its interface)
+    task: Traceable
+    checkpointer: Checkpointer
+    ledger: FaultLedger
+    every: int  # monitor.consistency_every
+    checked_at: int | None = None  # the step the replicas were last found consistent at
+    digest: str | None = None  # their digest then (sha256 of every parameter's, abbreviated)
+    skipped_before: int = 0
+
+    def open(self, stack) -> None:
+        self.ledger.open()
+
+    def before_step(self, step: int) -> None:
+        self.skipped_before = self.engine.skipped_steps
+
+    def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:
+        rejected = self.engine.skipped_steps != self.skipped_before  # (every rank knows the same)
+        if rejected or step % self.every == 0:
+            return self.check(step)
+        return CONTINUE
+
+    def before_checkpoint(self, step: int, stopping: bool, last: bool) -> Answer:
+        return CONTINUE if self.checked_at == step else self.check(step)
+
+    def state_dict(self) -> dict | None:
+        return None if self.checked_at is None else {"checked_at": self.checked_at, "digest": self.digest}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.checked_at, self.digest = state.get("checked_at"), state.get("digest")
+
+    # --------------------------------------------------------------------------------- the check
+
+    def check(self, step: int) -> Answer:
+        named = self.replicated()
+        local = replica_digests([p.data for _, p in named]).tolist()
+        shards = masters_disagree(own_copies(self.engine.optimizer))
+        gathered = all_gather_objects(({name: d for (name, _), d in zip(named, local, strict=True)}, shards))
+        digests = [d for d, _ in gathered]
+        bad = differing(digests)
+        off_master = [r for r, (_, groups) in enumerate(gathered) if groups]
+        if not bad and not off_master:
+            self.checked_at = step
+            self.digest = hashlib.sha256(json.dumps(digests[0], sort_keys=True).encode()).hexdigest()[:16]
+            return CONTINUE
+        if bad:
+            mine = dict(named)
+            wrong = all_gather_objects(copy_is_wrong([mine[name] for name in bad]))
+            ranks = sorted(set(odd_ranks(digests, bad, wrong)) | set(off_master))
+        else:
+            ranks = off_master
+        bad += [f"rank {r}'s bf16 partition {i}" for r in off_master for i in gathered[r][1]]
+        target = all_gather_objects(self.target(step) if self.env.is_main else None)[0]
+        hosts = [self.ledger.hosts[r] for r in ranks]
+        if self.env.is_main:
+            event = ReplicaMismatch(
+                step=step, ranks=ranks, hosts=hosts, tensors=bad[:NAMED], rolled_back_to=target
+            )
+            append_event(self.run_dir, event)
+        where = ", ".join(f"rank {r} on {h}" for r, h in zip(ranks, hosts, strict=True))
+        self.writer.message(
+            f"step {step}: machine fault: the replicas differ ({where}: {', '.join(bad[:NAMED])}"
+            + (f" and {len(bad) - NAMED} more" if len(bad) > NAMED else "")
+            + ("); rolling back to " + target if target else "); no checkpoint with consistent replicas")
+        )
+        leaving = self.ledger.count(step, ranks, "its copy of the weights differed")
+        if target is None:
+            return Stop(f"the replicas differ at step {step} and no checkpoint has consistent replicas")
+        loaded = go_back(target, self.env, self.run_dir, self.engine, self.task, self.checkpointer)
+        if loaded is None:
+            return Stop(f"the replicas differ at step {step} and no intact checkpoint is left at {target}")
+        saved = loaded[0]
+        if leaving is not CONTINUE:  # (the host reached the limit: it is moved off as the job restarts)
+            self.writer.message(f"{leaving.reason}: restart the job without it")
+        return Rewind(TrainState(step=saved["step"], tokens=saved["tokens"], hooks=saved.get("hooks", {})))
+
+    def replicated(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters every rank holds whole: all of them, but under ZeRO-3 only the persistent
+        ones (the others are shards, held by one rank each)."""
+        named = list(self.engine.module.named_parameters())
+        if self.engine.zero_optimization_stage() < 3:
+            return named
+        return [(n, p) for n, p in named if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel]
+
+    def target(self, step: int) -> str | None:
+        """Rank 0: the newest complete checkpoint at or before `step` whose replicas were found
+        consistent as it was saved."""
+        root = checkpoints_dir(self.run_dir)
+        for tag in reversed(tags_on_disk(self.run_dir)):
+            if step_of(tag) > step or check_complete(root / tag, verify_hashes=False) is not None:
+                continue
+            record = read_train_state(self.run_dir, tag).get("hooks", {}).get(self.name) or {}
+            if record.get("checked_at") == step_of(tag):
+                return tag
+        return None
+
+
+def copy_is_wrong(params: list[torch.nn.Parameter]) -> bool | None:
+    """Every rank (a collective per parameter): is this rank's copy of any of `params` not what
+    the optimizer's fp32 master weights give? None when DeepSpeed cannot say (no master weights)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    wrong = False
+    for param in params:
+        master = safe_get_full_fp32_param(param)
+        if master is None:
+            return None
+        wrong = wrong or not torch.equal(param.data, master.to(param.device, param.dtype))
+    return wrong
