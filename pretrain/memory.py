@@ -218,7 +218,8 @@ def plan(
         params, largest_layer(cfg), hardware.gpus, setting.zero
     )
     if optimizer == "muon":  # master weights (4) + one moment (4) where Muon trains, two (8) elsewhere
-        optimizer_states *= (FP32 + FP32 + 2 * FP32 * (1 - muon_share(cfg))) / (3 * FP32)
+        share = muon_share(cfg)
+        optimizer_states *= (FP32 + FP32 * share + 2 * FP32 * (1 - share)) / (3 * FP32)
     tokens = setting.micro_batch_size * seq_len // setting.sequence_parallel
     activations = activation_bytes(cfg, tokens, setting.activation_checkpointing)
     held = parameters + gradients + optimizer_states + activations + BF16 * setting.zero.buffer_elements

@@ -201,3 +201,23 @@ def test_a_hosts_check_refuses_gpus_smaller_than_the_plan(monkeypatch, capsys, t
     cfg = load_config(REPO_CONFIG_DIR / "train" / "gpt3-13b.yaml")
     ds = json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero3.json").read_text())
     assert check_memory_plan(cfg, ds, 8, None) == pytest.approx(56.7 * memory.GIB, rel=0.01)
+
+
+def test_the_plan_takes_s_from_the_config_and_muon_keeps_one_moment():
+    from types import SimpleNamespace
+
+    cfg = load_config(REPO_CONFIG_DIR / "train" / "llama3-8b.yaml", ["engine.activation_checkpointing=false"])
+    ds = json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero3.json").read_text())
+    whole = memory.run_plan(cfg, ds, 8, 80.0)["plan"]
+    cfg.parallel = SimpleNamespace(sequence=2)  # parallel.sequence (the sequence-parallel section)
+    split = memory.run_plan(cfg, ds, 8, 80.0)["plan"]
+    assert split["setting"]["sequence_parallel"] == 2
+    assert split["bytes"]["activations"] == memory.activation_bytes(cfg.model, 8192 // 2, False)
+    assert split["bytes"]["activations"] < whole["bytes"]["activations"] / 1.8  # the head's V·d terms stay
+    assert split["bytes"]["optimizer_states"] == whole["bytes"]["optimizer_states"]  # ZeRO over all 8
+    with pytest.raises(UserError, match="not a multiple of parallel.sequence=2"):
+        memory.run_plan(cfg, ds, 7, 80.0)
+    muon = load_config(REPO_CONFIG_DIR / "train" / "llama3-8b.yaml", ["optim.name=muon", "train.grad_clip=0"])
+    states = memory.run_plan(muon, ds, 8, 80.0)["plan"]["bytes"]["optimizer_states"]
+    share = memory.muon_share(muon.model)  # the blocks' matrices: 87% of Llama 3 8B
+    assert states == pytest.approx(whole["bytes"]["optimizer_states"] * (1 - share / 3))
