@@ -455,9 +455,11 @@ def run_plan(
 def format_plan(report: dict, top: int = 10) -> str:
     """`pretrain plan` without --json: the config's own plan as a table, then what fits, fastest first."""
     a, own = report["assumptions"], report["plan"]
+    params = report["params"]
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     b = own["bytes"]
     lines = [
-        f"model {report['model']}: {report['params'] / 1e9:.2f}B params, seq_len {report['seq_len']}, "
+        f"model {report['model']}: {size} params, seq_len {report['seq_len']}, "
         f"{report['global_batch_windows']} windows per step on {a['gpus']} GPU(s) of {a['gpu_memory_gib']:.0f} GiB",
         f"this config ({own['zero']}, activation checkpointing "
         f"{'on' if own['setting']['activation_checkpointing'] else 'off'}, micro-batch "
