@@ -25,14 +25,16 @@ from pretrain.deepspeed_ops import announced_builds
 from pretrain.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.errors import ConfigError
 from pretrain.optimizers import LR_RATIOS
+from pretrain.sequence_parallel import split_attention
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    micro_batch_size: int  # windows per rank per forward/backward
+    micro_batch_size: int  # windows per rank per forward/backward (per sequence-parallel group)
     grad_accum: int  # micro-batches per optimizer step
-    world_size: int
+    world_size: int  # data-parallel ranks: the processes / sequence_parallel
     seq_len: int
+    sequence_parallel: int = 1  # S: ranks sharing each window (parallel.sequence)
 
     @property
     def global_batch_size(self) -> int:  # windows per optimizer step, all ranks
@@ -43,16 +45,25 @@ class BatchPlan:
         return self.global_batch_size * self.seq_len
 
 
-def plan_batches(train: TrainConfig, seq_len: int, world_size: int) -> BatchPlan:
-    plan = BatchPlan(train.micro_batch_size, train.grad_accum, world_size, seq_len)
+def plan_batches(train: TrainConfig, seq_len: int, world_size: int, sequence_parallel: int = 1) -> BatchPlan:
+    """The batch sizes of `world_size` processes, S = `sequence_parallel` of them sharing each
+    window: world_size / S data-parallel ranks (`pretrain.pretraining.preflight` checks that S
+    divides the processes)."""
+    data_parallel = world_size // sequence_parallel
+    plan = BatchPlan(train.micro_batch_size, train.grad_accum, data_parallel, seq_len, sequence_parallel)
     wanted = train.global_batch_size
+    ranks = (
+        f"{world_size} processes"
+        if sequence_parallel == 1
+        else f"{data_parallel} data-parallel ranks ({world_size} processes / parallel.sequence={sequence_parallel})"
+    )
     if wanted is not None and wanted != plan.global_batch_size:
         hint = ""
-        if wanted % (train.micro_batch_size * world_size) == 0:
-            hint = f"; with {world_size} processes set train.grad_accum={wanted // (train.micro_batch_size * world_size)}"
+        if wanted % (train.micro_batch_size * data_parallel) == 0:
+            hint = f"; with {ranks} set train.grad_accum={wanted // (train.micro_batch_size * data_parallel)}"
         raise ConfigError(
             f"train.global_batch_size={wanted} but train.micro_batch_size={train.micro_batch_size} × "
-            f"train.grad_accum={train.grad_accum} × {world_size} processes = {plan.global_batch_size}{hint}"
+            f"train.grad_accum={train.grad_accum} × {ranks} = {plan.global_batch_size}{hint}"
         )
     return plan
 
@@ -88,6 +99,8 @@ def deepspeed_config(
         "train_batch_size": plan.global_batch_size,
         "gradient_clipping": grad_clip,
     }
+    if plan.sequence_parallel > 1 or "sequence_parallel_size" in ds:  # (DeepSpeed's own key)
+        derived["sequence_parallel_size"] = plan.sequence_parallel
     for key, value in derived.items():
         given = ds.get(key, "auto")
         if given != "auto" and given != value:
@@ -104,9 +117,41 @@ def deepspeed_config(
     # check_grad_overflow: a step whose gradients hold NaN/Inf is skipped, never applied.
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": True, "check_grad_overflow": True}
     ds.setdefault("steps_per_print", 10**9)  # the trainer does its own logging
+    if plan.sequence_parallel > 1 and zero_stage(ds) == 3:
+        ds["zero_optimization"] = zero3_sequence_parallel(path, ds["zero_optimization"])
     if optim is not None:
         check_optimizer(optim, ds)
     return ds
+
+
+def zero3_sequence_parallel(path: Path, zero: dict[str, Any]) -> dict[str, Any]:
+    """ZeRO-3's settings under sequence parallelism. DeepSpeed 0.19.8's ZeRO-3 averages a bucket's
+    gradients over its data-parallel ranks (processes / S: the sequence-parallel ranks' gradients
+    are parts of one window's, to be summed) only on its contiguous path; its reduce-scatter path
+    (`reduce_scatter_coalesced`, the default) divides by every process, which makes each gradient
+    S times too small (measured: half the gradient norm of one process at S = 2; stages 1 and 2
+    are right). So reduce_scatter is off and contiguous_gradients on; a file that sets them
+    otherwise is refused."""
+    for key, wanted in (("reduce_scatter", False), ("contiguous_gradients", True)):
+        if zero.get(key, wanted) != wanted:
+            raise ConfigError(
+                f"{path}: zero_optimization.{key}={zero[key]} with parallel.sequence > 1: DeepSpeed's "
+                f"ZeRO-3 then averages gradients over every process, not the data-parallel ones; set it to "
+                f"{str(wanted).lower()} or remove it"
+            )
+    return zero | {"reduce_scatter": False, "contiguous_gradients": True}
+
+
+def check_zero3_buckets(ds: dict[str, Any], largest_parameter: int) -> None:
+    """Under sequence parallelism, ZeRO-3 reduces a parameter larger than reduce_bucket_size on the
+    path that divides by every process (`zero3_sequence_parallel`): refused."""
+    size = float(ds.get("zero_optimization", {}).get("reduce_bucket_size", 5e8))
+    if zero_stage(ds) == 3 and ds.get("sequence_parallel_size", 1) > 1 and largest_parameter > size:
+        raise ConfigError(
+            f"zero_optimization.reduce_bucket_size={size:.0f} is below the model's largest parameter "
+            f"({largest_parameter:,} elements): with parallel.sequence > 1 DeepSpeed's ZeRO-3 would average "
+            f"its gradient over every process; set reduce_bucket_size to at least {largest_parameter}"
+        )
 
 
 def zero_stage(ds: dict[str, Any]) -> int:
@@ -228,13 +273,16 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
 
     if engine.activation_checkpointing:
         apply_activation_checkpointing(model)
+    # parallel.sequence: attention across each window's ranks; DeepSpeed's groups as its mpu
+    sequence = ds.get("sequence_parallel_size", 1)
+    mpu = split_attention(model, sequence) if sequence > 1 else None
     if engine.compile:
         compile_blocks(model)
     with announced_builds(say_once_per_node(DistEnv.from_environ())):  # fused / CPU Adam: a JIT build
         optimizers.import_deepspeed_muon_compiling_lazily()
         optimizer = make_optimizer(model, optim, ds)
         ratios = getattr(optimizer, LR_RATIOS, None)
-        wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+        wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=mpu)
     if ratios is not None:
         setattr(optimizer, LR_RATIOS, ratios)  # on DeepSpeed's ZeRO optimizer, which set_lr is given
     return wrapped, optimizer

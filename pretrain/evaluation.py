@@ -28,6 +28,7 @@ from pretrain.data import BatchLoader, WindowStream
 from pretrain.data.loader import document_ids
 from pretrain.distributed import DistEnv, all_reduce_sum
 from pretrain.errors import UserError
+from pretrain.sequence_parallel import SequenceShard
 from pretrain.tokenizer import Tokenizer
 
 
@@ -68,19 +69,23 @@ def validation_loss(
     batches: int,
     env: DistEnv,
     eos_id: int | None = None,
+    shard: SequenceShard | None = None,
 ) -> dict[str, float]:
     """Mean loss (and perplexity) over the first `batches` micro-batches of every rank's share of
-    the validation split; with `eos_id`, attention kept inside each document (document masking)."""
+    the validation split; with `eos_id`, attention kept inside each document (document masking).
+    With `shard` (parallel.sequence), the share is its data-parallel rank's, each rank of its group
+    passing the model its shard of each window (every rank then holds the windows' mean)."""
+    shard = shard or SequenceShard.of(env.rank, env.world_size, 1)
     engine.eval()
     try:
         totals = rank_totals(
-            engine,
+            shard.calling(engine),
             data_dir,
             seq_len,
             micro_batch_size,
             batches,
-            env.rank,
-            env.world_size,
+            shard.data_rank,
+            shard.data_world,
             engine.device,
             eos_id,
         )
@@ -104,7 +109,7 @@ class RunEvaluation:
     seq_len: int
     micro_batch_size: int
     batches: int  # eval.batches, per rank
-    world_size: int  # of the job that saved the checkpoint (and evaluated at its step)
+    world_size: int  # data-parallel ranks of the job that saved the checkpoint (and evaluated at its step)
     document_masking: bool
     fingerprints: dict[str, str]  # corpus name → fingerprint (data.dir alone is "data")
 
@@ -127,7 +132,7 @@ class RunEvaluation:
             run_config["data"]["seq_len"],
             run_config["train"]["micro_batch_size"],
             run_config["eval"]["batches"],
-            state["world_size"],
+            state["world_size"] // (run_config.get("parallel") or {}).get("sequence", 1),
             bool(run_config["data"].get("document_masking")),
             fingerprints,
         )

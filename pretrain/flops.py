@@ -63,6 +63,18 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     )
 
 
+def largest_parameter(cfg: ModelConfig) -> int:
+    """Elements of the model's largest parameter tensor: the embedding or head, q/k/v, or the
+    feed-forward's input projection (SwiGLU's gate and up are one matrix)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    return max(
+        cfg.vocab_size * d,
+        cfg.max_seq_len * d if cfg.positions == "learned" else 0,
+        (cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d,
+        (2 if cfg.activation == "swiglu" else 1) * cfg.d_ff * d,
+    )
+
+
 def describe_model(cfg: ModelConfig) -> str:
     """How the console names a model: its size and shape (a preset's name may no longer fit it
     once fields are overridden)."""

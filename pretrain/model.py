@@ -193,6 +193,20 @@ def flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = True):
+    """The attention core of `Attention` (its `core`, which sequence parallelism swaps for DeepSpeed's
+    Ulysses around this one: `pretrain/sequence_parallel.py`). q (B, nh, T, hd); k, v (B, nkv, S,
+    hd) → (B, nh, T, hd). `mask`: None (causal when `causal`), a dense boolean mask or a block mask
+    (`document_mask`)."""
+    gqa = k.shape[1] != q.shape[1]
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if mask is not None:
+        return flex_attention(q, k, v, mask, gqa)
+    # Fused kernels (flash / memory-efficient on GPU); the T×T matrix never exists.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, for incremental decoding: prefill once from empty,
     then one token per forward call. (L, B, nkv, max_len, hd) each; `length` tokens are filled."""
@@ -226,6 +240,8 @@ class Attention(nn.Module):
         # key heads (Qwen3's q_norm / k_norm); None without it, so the parameters are unchanged.
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # q, k, v → the heads' outputs: `local_attention`, or a module around it (sequence parallelism)
+        self.core = local_attention
 
     def forward(
         self,
@@ -256,16 +272,11 @@ class Attention(nn.Module):
         if cache is not None:
             causal = cache.length == 0  # prefill is causal; a decoded token sees everything cached
             k, v = cache.append(self.layer_index, k, v)  # (B, nkv, length + T, hd)
-        probs, gqa = None, self.n_kv_heads != self.n_heads
+        probs = None
         if need_weights:
             y, probs = attention_with_probs(q, k, v, mask)
-        elif isinstance(mask, torch.Tensor):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif mask is not None:
-            y = flex_attention(q, k, v, mask, gqa)
-        else:
-            # Fused kernels (flash / memory-efficient on GPU); the T×T matrix never exists.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        else:  # (decoding with a cache reads this process's own sequence: the local core)
+            y = (self.core if cache is None else local_attention)(q, k, v, mask, causal)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh·hd)
         return self.o_proj(y), probs
 
@@ -435,10 +446,12 @@ class Transformer(nn.Module):
         need_weights: bool = False,
         cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """tokens (B, T) → final-norm hidden states (B, T, d), and per-layer attention if asked.
         With a cache, tokens continue the cached sequence (positions start at cache.length). With
-        document_ids (B, T), attention stays inside each document and positions restart at its start."""
+        document_ids (B, T), attention stays inside each document and positions restart at its start.
+        `positions` (B, T) or (T,), when given, are the tokens' positions (`forward`)."""
         T = tokens.shape[1]
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.max_seq_len:
@@ -449,10 +462,12 @@ class Transformer(nn.Module):
             raise ValueError("after the prefill, a cache takes one token per call (and no attention maps)")
         if cache is not None and document_ids is not None:
             raise ValueError("document_ids are for training windows: decode one document with a cache")
-        mask, positions = None, slice(start, start + T)
+        mask, given = None, positions is not None
+        if not given:
+            positions = slice(start, start + T)
         if document_ids is not None:
             mask = document_mask(document_ids, "dense" if need_weights else self.masked_attention)
-            positions = positions_in_document(document_ids)  # (B, T)
+            positions = positions if given else positions_in_document(document_ids)  # (B, T)
         h = self.tok_embeddings(tokens)  # (B, T, d)
         if self.embed_scale != 1.0:
             h = h * self.embed_scale
@@ -468,7 +483,7 @@ class Transformer(nn.Module):
         else:
             where = (
                 positions
-                if document_ids is not None
+                if not isinstance(positions, slice)
                 else torch.arange(start, start + T, device=tokens.device)
             )
             h = h + self.pos_embeddings(where)
@@ -487,13 +502,20 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> ModelOutput:
         """tokens (B, T) int64 → logits (B, T, V); with targets (B, T), instead the mean
         cross-entropy over positions whose target is not IGNORE_INDEX (in fp32), and no logits
         (in training mode with `z_loss` > 0, plus the z-loss over the same positions).
         document_ids (B, T), equal within a document: attention stays inside each document and
-        rotary positions restart at its first token (document masking)."""
-        h, attentions = self.hidden_states(tokens, need_weights, cache, document_ids)
+        rotary positions restart at its first token (document masking).
+
+        Sequence parallelism (`pretrain/sequence_parallel.py`) gives each rank a shard of the
+        window: `tokens` and `targets` are the shard's, `positions` (B, T) each token's position in
+        the window (as above: restarting at each document's first token under document masking),
+        and `document_ids` the whole window's (B, T·S), which the mask, and the attention core
+        that sees the whole window's keys, need."""
+        h, attentions = self.hidden_states(tokens, need_weights, cache, document_ids, positions)
         if targets is not None:
             z_loss = self.z_loss if self.training else 0.0
             return ModelOutput(None, self.lm_head(h, targets, z_loss), attentions)

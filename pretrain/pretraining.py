@@ -26,18 +26,19 @@ from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import fingerprint, split_windows
 from pretrain.data.views import local_sources
 from pretrain.distributed import DistEnv
-from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
+from pretrain.engine import BatchPlan, check_zero3_buckets, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.evaluation import attention_probe, continuations, validation_loss
 from pretrain.faults import FaultInjector
 from pretrain.finetune.initial import InitialModel, find_initial
-from pretrain.flops import describe_model, flops_per_token
+from pretrain.flops import describe_model, flops_per_token, largest_parameter
 from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
 from pretrain.replay import FaultCounts
 from pretrain.run_builder import RunParts, RunPlan, run
 from pretrain.run_dir import model_identity
 from pretrain.schedules import schedule_for
+from pretrain.sequence_parallel import SequenceShard
 from pretrain.skip_step import SkipGuard
 from pretrain.tokenizer import Tokenizer, check_beside, load_run_tokenizer, run_special_tokens, run_tokenizer
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
@@ -68,7 +69,8 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     fault ranks, the checkpoint `checkpoint.resume` names, the one `checkpoint.init` names (its
     model and tokenizer against the run's), the W&B package when W&B is on."""
     check_available(cfg.logging.wandb)  # every rank, before any process group
-    plan = plan_batches(cfg.train, cfg.data.seq_len, world_size)
+    check_sequence_parallel(cfg, world_size)
+    plan = plan_batches(cfg.train, cfg.data.seq_len, world_size, cfg.parallel.sequence)
     for key, step in (
         ("kill", "kill_step"),
         ("hang", "hang_step"),
@@ -81,7 +83,8 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
                 f"faults.{key}_rank={rank} but the job has {world_size} rank(s): pick a rank below {world_size}"
             )
     ds_config = deepspeed_config(cfg.engine, cfg.train.grad_clip, plan, cfg.optim)
-    manifests = check_data(cfg, world_size)
+    check_zero3_buckets(ds_config, largest_parameter(cfg.model))
+    manifests = check_data(cfg, plan.world_size)  # (windows are read per data-parallel rank)
     resolve_resume(cfg.run.dir, cfg.checkpoint.resume)
     tokenizer_sha256 = manifests[0]["tokenizer"]["sha256"]
     identity = model_identity(cfg.model) | {
@@ -135,6 +138,23 @@ def check_init(cfg: RunConfig, tokenizer_sha256: str) -> InitialModel | None:
             "data was prepared with: prepare the data with the model's tokenizer (`pretrain data prepare --tokenizer`)"
         )
     return initial
+
+
+def check_sequence_parallel(cfg: RunConfig, world_size: int) -> None:
+    """`parallel.sequence` against the job (the model and the window are the config's own checks)."""
+    S = cfg.parallel.sequence
+    if S == 1:
+        return
+    if world_size % S:
+        raise UserError(
+            f"parallel.sequence={S} but the job has {world_size} process(es): each window is shared by "
+            f"{S} ranks, so run a multiple of {S} processes or set parallel.sequence to a divisor of {world_size}"
+        )
+    if cfg.engine.compile:
+        raise UserError(
+            f"engine.compile=true with parallel.sequence={S}: compiled blocks around DeepSpeed's "
+            "all-to-all are not proven here; set engine.compile=false"
+        )
 
 
 def data_fingerprint(cfg: RunConfig, manifests: list[dict]) -> str:
@@ -232,12 +252,16 @@ class LanguageModeling:
         self.data_dir, self.seq_len, self.env, self.run_dir = data_dir, cfg.data.seq_len, env, cfg.run.dir
         self.micro_batch_size, self.eval_batches = plan.micro_batch_size, cfg.eval.batches
         self.grad_accum = plan.grad_accum
+        # parallel.sequence: the group's ranks read the same windows, each keeping its shard
+        self.shard = SequenceShard.of(env.rank, env.world_size, plan.sequence_parallel)
         self.evaluates = cfg.eval.every > 0
         self.probe_text, self.max_seq_len = cfg.eval.attention_probe, cfg.model.max_seq_len
         self.sampling = cfg.eval
         self.named_tokenizer = cfg.data.tokenizer
         self.sources = local_sources(cfg.data)
-        stream = MixtureStream(self.sources, cfg.data.seq_len, env.rank, env.world_size, seed=cfg.run.seed)
+        stream = MixtureStream(
+            self.sources, cfg.data.seq_len, self.shard.data_rank, self.shard.data_world, seed=cfg.run.seed
+        )
         self.loader = BatchLoader(stream, plan.micro_batch_size, device)
         # document masking: attention within each document; ids computed from EOS positions
         self.eos_id = read_manifest(data_dir)["tokenizer"]["eos_id"] if cfg.data.document_masking else None
@@ -247,7 +271,7 @@ class LanguageModeling:
         batch = {"tokens": inputs, "targets": targets}
         if self.eos_id is not None:
             batch["document_ids"] = document_ids(inputs, self.eos_id)
-        return batch
+        return self.shard.split(batch)
 
     def last_batch_ids(self) -> list:
         return list(self.loader.last_windows)
@@ -264,7 +288,7 @@ class LanguageModeling:
     def windows_of(self, state: dict) -> list[tuple[int, int]]:
         stream = MixtureStream(self.sources, self.seq_len, seed=0)  # (the seed comes from the state)
         stream.load_state_dict(state)
-        return stream.windows(self.micro_batch_size * self.grad_accum * self.env.world_size)
+        return stream.windows(self.micro_batch_size * self.grad_accum * self.shard.data_world)
 
     def evidence(self, windows: list[int]) -> dict:
         return {"windows": windows} | documents_or_reason(self._provenance, windows)
@@ -287,6 +311,7 @@ class LanguageModeling:
                 self.eval_batches,
                 self.env,
                 self.eos_id,
+                self.shard,
             )["loss"]
             for name, directory, _ in self.sources
         }
@@ -396,7 +421,9 @@ def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts, initial: Initia
     elif initial is not None:
         start = f" (weights from {initial.source}, checkpoint.init)"
     return (
-        f"training {describe_model(cfg.model)} on {parts.env.world_size} process(es), ZeRO-{parts.zero} bf16: "
+        f"training {describe_model(cfg.model)} on {parts.env.world_size} process(es), ZeRO-{parts.zero} bf16"
+        + (f", sequence parallel {plan.sequence_parallel}" if plan.sequence_parallel > 1 else "")
+        + ": "
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {parts.state.step + 1}..{cfg.train.steps}"
         + start
     )

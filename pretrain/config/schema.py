@@ -384,6 +384,40 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    """How the job's ranks share the work besides data parallelism (docs/training.md, Long context)."""
+
+    # S: each window's tokens split across the S ranks of a sequence-parallel group (DeepSpeed
+    # Ulysses); the data-parallel degree is the number of processes / S
+    sequence: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallel.sequence", self.sequence)
+
+    def check(self, model: ModelConfig, seq_len: int) -> None:
+        """What sequence parallelism needs of the model and the window, each refusal one line."""
+        S = self.sequence
+        if S == 1:
+            return
+        if seq_len % S:
+            raise ConfigError(
+                f"data.seq_len={seq_len} is not divisible by parallel.sequence={S}: each rank "
+                "holds an equal share of the window; choose a multiple of it"
+            )
+        if model.n_heads % S:
+            raise ConfigError(
+                f"model.n_heads={model.n_heads} is not divisible by parallel.sequence={S}: each rank "
+                "attends with an equal share of the heads; choose S dividing the heads"
+            )
+        kv = model.n_kv_heads
+        if kv % S and S % kv:
+            raise ConfigError(
+                f"model.n_kv_heads={kv} and parallel.sequence={S}: one must divide the other (fewer "
+                "key/value heads than S are replicated, as DeepSpeed does); choose S accordingly"
+            )
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     every: int = 1000  # steps between checkpoints
     keep: int = 3  # newest complete checkpoints kept, plus the current rollback target
@@ -564,6 +598,7 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -576,6 +611,7 @@ class RunConfig:
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
                 "raise model.max_seq_len or shorten data.seq_len"
             )
+        self.parallel.check(self.model, self.data.seq_len)
 
 
 RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from pretrain.precursors import PREFIX, UpdateRatios, forward_precursors
+from pretrain.sequence_parallel import own_document_ids, unsplit
 from pretrain.train.hooks import CONTINUE, Answer, StepHook
 
 
@@ -39,9 +40,12 @@ class InstabilityPrecursors(StepHook):
             return {}
         batch, self.batch = self.batch, None
         values = self.ratios.after_step()
-        values |= forward_precursors(
-            self.engine.module, batch["tokens"], batch.get("document_ids"), max_tokens=self.tokens
-        )
+        # parallel.sequence: a prefix of this rank's own shard, attended to locally (rank 0's is
+        # the window's); the logits depend on positions' offsets only, as in training
+        with unsplit(self.engine.module):
+            values |= forward_precursors(
+                self.engine.module, batch["tokens"], own_document_ids(batch), max_tokens=self.tokens
+            )
         return values | summaries(values)
 
     def after_step(self, step: int, metrics: dict, batch_ids: list, vote: float) -> Answer:

@@ -10,7 +10,17 @@ from pathlib import Path
 from pretrain.distributed import free_port
 from tests.helpers import FAST, TINY, metrics_by_step
 
-__all__ = ["FAST", "TINY", "events", "launcher", "metrics", "torchrun", "train", "train_state"]
+__all__ = [
+    "FAST",
+    "TINY",
+    "events",
+    "launcher",
+    "metrics",
+    "torchrun",
+    "train",
+    "train_state",
+    "worker_results",
+]
 
 
 def launcher(nproc: int, module: str = "pretrain.train") -> list[str]:
@@ -52,6 +62,16 @@ def train(command, run_dir, data_dir, *overrides, check=True) -> subprocess.Comp
     if check:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
+
+
+def worker_results(nproc: int, module: str, out: Path) -> list[dict]:
+    """`module` run as a job of `nproc` processes with `out` as its argument (a test file's own
+    worker, which writes out/rank_N.json); each rank's JSON, in rank order."""
+    command = [*torchrun(nproc, module), str(out)]
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return [json.loads((Path(out) / f"rank_{rank}.json").read_text()) for rank in range(nproc)]
 
 
 metrics = metrics_by_step  # per step, the last record written (a resumed run appends)

@@ -13,13 +13,12 @@ The unit tier: tests/unit/test_skip_step.py::test_each_signal_is_judged_against_
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_skip_step import CATEGORIES, GRAD_ACCUM, MICRO_BATCH, ROOT, SEQ
+from tests.integration.test_skip_step import CATEGORIES, GRAD_ACCUM, MICRO_BATCH, SEQ
 
 LOSS_RATIO, GRAD_NORM_RATIO = 2.0, 5.0
 # (the loss the guard judges ×, the gradients ×) per step; three normal steps first (min_count=3)
@@ -81,13 +80,9 @@ def worker() -> None:
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory) -> list[dict]:
-    from tests.integration.runs import torchrun
+    from tests.integration.runs import worker_results
 
-    out = tmp_path_factory.mktemp("skip_ratios")
-    command = [*torchrun(1, "tests.integration.test_skip_ratios"), str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads((out / "rank_0.json").read_text())
+    return worker_results(1, "tests.integration.test_skip_ratios", tmp_path_factory.mktemp("skip_ratios"))[0]
 
 
 def test_the_loss_and_the_gradient_norm_are_each_skipped_by_their_own_ratio(steps):
