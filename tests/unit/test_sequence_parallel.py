@@ -145,3 +145,23 @@ def test_a_job_whose_processes_s_does_not_divide_is_refused_before_it_starts(tra
     )
     with pytest.raises(UserError, match="engine.compile=true with parallel.sequence=2"):
         preflight(compiled, 2)
+
+
+def test_pretrain_eval_as_run_reads_each_data_parallel_ranks_share(tmp_path):
+    """A run at S = 2 on 4 processes evaluated 2 data-parallel ranks' shares (`pretrain eval
+    --as-run` recomputes them one after another)."""
+    import json
+
+    from pretrain.evaluation import RunEvaluation
+
+    (tmp_path / "train_state.json").write_text(
+        json.dumps({"step": 20, "world_size": 4, "data": {"fingerprint": "aaa"}})
+    )
+    config = {
+        "data": {"seq_len": 512, "document_masking": False},
+        "train": {"micro_batch_size": 2},
+        "eval": {"batches": 2},
+        "parallel": {"sequence": 2},
+    }
+    assert RunEvaluation.of(tmp_path, config).world_size == 2
+    assert RunEvaluation.of(tmp_path, {k: v for k, v in config.items() if k != "parallel"}).world_size == 4
