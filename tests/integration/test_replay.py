@@ -27,9 +27,9 @@ def flipped_and_skipped(tmp_path_factory, train_data):
     return flipped, skipped
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["zero1", "zero2", "zero3"])
 def weight_flipped(request, tmp_path_factory, train_data):
-    """ZeRO-2: a bit of rank 1's copy of rank 0's partition; ZeRO-3: of rank 1's shard, the one
+    """ZeRO-1/2: a bit of rank 1's copy of rank 0's partition; ZeRO-3: of rank 1's shard, the one
     copy, with no parameter kept whole (as a large model's are not: the tiny model's all are)."""
     root = tmp_path_factory.mktemp("replicas")
     config = json.loads(Path(f"configs/deepspeed/zero{request.param}.json").read_text())
@@ -73,3 +73,38 @@ def test_a_flipped_gradient_bit_is_a_machine_fault_of_rank_1(flipped_and_skipped
     other = metrics(skipped)
     for step in (4, 5):  # after the skipped step: bit for bit the run that skipped it for the data
         assert per_step[step]["train/loss"] == other[step]["train/loss"], step
+
+
+def test_through_the_service_a_machine_fault_is_not_rolled_back_and_the_data_is_quarantined(
+    tmp_path, train_data
+):
+    """One 2-process run reporting to the real monitoring service, replay on: a gradient flip on
+    rank 1 at step 3 (a machine fault: the update skipped, judged `skipped`, no rollback, nothing
+    quarantined), then a NaN loss at step 6, which the replay reproduces (the data): the service
+    rolls back and that step's windows are quarantined, as without the replay."""
+    from tests.integration.test_monitoring import _start_service
+
+    process, _, _ = _start_service(tmp_path, "monitor.warmup=4", "monitor.window=16")
+    try:
+        faults = ["faults.flip_step=3", "faults.flip_rank=1", "faults.nan_steps=[6]"]
+        monitored = ["monitor.enabled=true", "monitor.replay=true", "monitor.quarantine=true"]
+        train(
+            torchrun(2),
+            tmp_path,
+            train_data,
+            *REPLAY,
+            *faults,
+            *monitored,
+            "checkpoint.every=2",
+            "train.steps=10",
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    events = read_events(tmp_path)
+    assert [(e.step, e.ranks) for e in events if isinstance(e, MachineFault)] == [(3, [1])]
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["finding"]) for e in lines if e["type"] == "rollback"] == [(6, "nonfinite")]
+    assert [e["level"] for e in lines if e["type"] == "step" and e["step"] == 3] == ["skipped"]
+    (quarantined,) = [json.loads(line) for line in (tmp_path / "quarantine.jsonl").read_text().splitlines()]
+    assert quarantined["step"] == 6 and len(quarantined["windows"]) == 4  # (2 ranks x 2 windows)
