@@ -511,8 +511,8 @@ class Transformer(nn.Module):
         rotary positions restart at its first token (document masking).
 
         Sequence parallelism (`pretrain/sequence_parallel.py`) gives each rank a shard of the
-        window: `tokens` and `targets` are the shard's, `positions` (B, T) each token's position in
-        the window (as above: restarting at each document's first token under document masking),
+        window: `tokens` and `targets` are the shard's, `positions` each token's position in the
+        window ((T,); (B, T) under document masking, restarting at each document's first token),
         and `document_ids` the whole window's (B, T·S), which the mask, and the attention core
         that sees the whole window's keys, need."""
         h, attentions = self.hidden_states(tokens, need_weights, cache, document_ids, positions)

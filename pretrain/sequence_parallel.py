@@ -59,15 +59,15 @@ class SequenceShard:
         tokens, ids = batch["tokens"], batch.get("document_ids")
         T = tokens.shape[1]
         part = slice(self.rank * T // self.size, (self.rank + 1) * T // self.size)
-        positions = (
-            positions_in_document(ids)
+        positions = (  # (B, T/S) restarting at each document; else (T/S,), as the model's default
+            positions_in_document(ids)[:, part].contiguous()
             if ids is not None
-            else torch.arange(T, device=tokens.device).expand_as(tokens)
+            else torch.arange(part.start, part.stop, device=tokens.device)
         )
         shard = {
             "tokens": tokens[:, part].contiguous(),
             "targets": batch["targets"][:, part].contiguous(),
-            "positions": positions[:, part].contiguous(),
+            "positions": positions,
         }
         if ids is not None:
             shard["document_ids"] = ids

@@ -30,12 +30,14 @@ from pathlib import Path
 import pytest
 
 S = 2
-# fp32 (the worker): the largest absolute difference, about 10x the measured (docs/training.md).
-LAYER_TOLERANCE = 1e-5  # the issue's bound for one layer's outputs; measured below 1e-6
-MODEL_LOSS_TOLERANCE, MODEL_GRAD_TOLERANCE = 1e-5, 1e-5  # measured 5e-7 and 2e-8 (relative: 3e-6)
-# bf16 jobs: about 4x the largest difference measured between the split and the unsplit job.
-LOSS_TOLERANCE = 1e-4  # measured 2.5e-5 at step 2
-GRAD_NORM_TOLERANCE = 0.01  # relative, of the step-1 gradient norm and each group's
+# fp32 (the worker; docs/training.md, Long context). Outputs and losses: the largest absolute
+# difference (measured 0: the same sums per head); gradients: the largest difference over the
+# largest element, per tensor (measured 7.7e-7 for a layer, 5.3e-7 for the model).
+LAYER_TOLERANCE = 1e-5  # the issue's bound for one layer's outputs
+MODEL_LOSS_TOLERANCE, MODEL_GRAD_TOLERANCE = 1e-5, 1e-5
+# bf16 jobs, about 4-6x the largest difference measured between the split and the unsplit job:
+LOSS_TOLERANCE = 1e-4  # measured 2.4e-6 at step 2, 2.6e-5 at step 3 after the resume
+GRAD_NORM_TOLERANCE = 0.01  # relative, step 1's whole norm and each group's: measured 0.17%
 
 
 # ------------------------------------------------------------------------------ the 2-process worker
@@ -91,9 +93,9 @@ def layer_case(name: str, n_kv_heads: int, masking: bool, group) -> dict:
     }
 
 
-def model_case(group) -> dict:
-    """The whole (tiny) model on one 8,192-token window with document masking, in fp32: the
-    window's loss on every rank, and the gradients summed over the group."""
+def model_case(group, masking: bool) -> dict:
+    """The whole (tiny) model on one 8,192-token window, in fp32: the window's loss on every rank,
+    and the gradients summed over the group."""
     import torch
     import torch.distributed as dist
 
@@ -110,7 +112,8 @@ def model_case(group) -> dict:
     window[0, torch.randint(0, T, (12,))] = 2
     batch = {"tokens": window[:, :-1], "targets": window[:, 1:].clone()}
     batch["targets"][0, :7] = -100  # a few ignored targets, all in rank 0's shard
-    batch["document_ids"] = document_ids(batch["tokens"], 2)
+    if masking:
+        batch["document_ids"] = document_ids(batch["tokens"], 2)
     expected = whole(**batch).loss
     expected.backward()
     split = Transformer(cfg)
@@ -142,7 +145,7 @@ def worker() -> None:
             layer_case("GQA, 1 key/value head (replicated), document masking", 1, True, group),
             layer_case("GQA, 2 key/value heads, document masking", 2, True, group),
         ],
-        "model": model_case(group),
+        "model": [model_case(group, masking=True), model_case(group, masking=False)],
     }
     (out / f"rank_{env.rank}.json").write_text(json.dumps(results, indent=1))
 
@@ -168,9 +171,9 @@ def test_the_split_model_gives_the_windows_loss_and_gradients_in_fp32(fp32_job):
     """The loss is the mean over the whole window (7 ignored targets on one shard included), on
     every rank of the group; the group's gradients add up to the unsplit model's."""
     for rank in fp32_job:
-        model = rank["model"]
-        assert abs(model["loss"] - model["expected"]) <= MODEL_LOSS_TOLERANCE, model
-        assert model["grad"] <= MODEL_GRAD_TOLERANCE, model
+        for model in rank["model"]:  # with document masking, and without
+            assert abs(model["loss"] - model["expected"]) <= MODEL_LOSS_TOLERANCE, model
+            assert model["grad"] <= MODEL_GRAD_TOLERANCE, model
 
 
 # 8,192-token windows of a 1-layer model with 2 query heads and 1 key/value head (replicated at S=2)
