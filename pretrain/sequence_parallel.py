@@ -129,9 +129,10 @@ def _batch_first_core(q, k, v, mask, causal) -> torch.Tensor:
 
 
 class WindowMean(torch.autograd.Function):
-    """[loss × counted targets, counted targets] of this rank's shard → the window's mean, summed
-    over the group in the forward pass; the backward pass hands each rank's shard its own part
-    (the identity through the sum), so the group's gradients add up to the window mean's."""
+    """[loss × counted targets, counted targets] of this rank's shard → their sums over the group
+    (the window's, whose ratio is its mean) in the forward pass; the backward pass hands each
+    rank's shard its own part (the identity through the sum), so the group's gradients add up to
+    the window mean's."""
 
     @staticmethod
     def forward(ctx, parts: torch.Tensor, group) -> torch.Tensor:
