@@ -218,16 +218,8 @@ def make_optimizer(
 
 def check_optimizer(optim: OptimConfig, ds: dict[str, Any]) -> None:
     """The optimizer against the completed DeepSpeed JSON: Muon only where it is proven
-    (`pretrain.optimizers.check`), and not onto a checkpoint saved at another world size, whose
-    universal form has no place for Muon's momentum (DeepSpeed 0.19.8's `ds_to_universal` knows
-    only Adam's `exp_avg` and `exp_avg_sq`: it fails on a Muon group with KeyError 'exp_avg')."""
+    (`pretrain.optimizers.check`)."""
     optimizers.check(optim, ds, offloads=_offloads_optimizer(ds))
-    if optim.name == "muon" and ds.get("checkpoint", {}).get("load_universal"):
-        raise ConfigError(
-            "optim.name=muon: this run's checkpoint was saved with another number of processes, and "
-            "DeepSpeed's universal checkpoint, which changes it, cannot carry Muon's momentum; resume "
-            "with the number of processes it was saved with"
-        )
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -9,6 +9,8 @@ RNG state, retention and pins.
                      saves (step, tokens, lr scale, the data stream, RNG)
     background.py    `checkpoint.async_save`: the state copied in the loop, written, hashed and marked
                      complete by a thread
+    universal.py     resuming at another world size: DeepSpeed's universal checkpoint, with Muon's
+                     momentum
 
 The names of layout.py, retention.py and integrity.py are importable from here without torch (the monitoring
 service reads checkpoints this way); the checkpointer is imported from its module.

@@ -5,7 +5,7 @@ A checkpoint is DeepSpeed's files (weights, optimizer, ZeRO shards) plus ours: `
 each rank holds, fp32 master weights included), `run_config.json`, the tokenizer, and each rank's
 RNG state. Every rank writes its part; rank 0 then marks the checkpoint complete, moves `latest`
 and applies retention. Resuming at another world size goes through DeepSpeed's universal
-checkpoint format, converted once.
+checkpoint format, converted once (universal.py: with Muon's momentum).
 
 Every load verifies first (rank 0 hashes every file against the manifest; the verdict is
 broadcast): a corrupt checkpoint is set aside and the next older intact one is used
@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import json
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from pretrain import atomic
-from pretrain.checkpoint import background, integrity, layout, retention, rng
+from pretrain.checkpoint import background, integrity, layout, retention, rng, universal
 from pretrain.checkpoint.mirror import Mirror
 from pretrain.config import CheckpointConfig, FaultsConfig
 from pretrain.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
@@ -472,7 +471,9 @@ class Checkpointer:
         engine.load_checkpoint(
             str(load_dir), tag=resume.tag, load_module_strict=True, load_lr_scheduler_states=False
         )
-        if not resume.universal:
+        if resume.universal:
+            universal.load_momentum(engine.optimizer, load_dir / resume.tag)
+        else:
             rng.restore(json.loads((self.root / resume.tag / rng.rng_file(self.env.rank)).read_text()))
         self.last_tag = resume.tag
         return resume.state
@@ -509,29 +510,13 @@ class Checkpointer:
         return counts[1].item() == 0
 
     def _make_universal(self, tag: str) -> None:
-        """Convert a checkpoint to DeepSpeed's universal format (world-size independent) once."""
+        """Convert a checkpoint to DeepSpeed's universal format (world-size independent) once,
+        Muon's momentum included (universal.py)."""
         source, target = self.root / tag, self.root / "universal" / tag
         if self.env.is_main and layout.check_complete(target, verify_hashes=False) is not None:
             shutil.rmtree(target, ignore_errors=True)
             target.parent.mkdir(parents=True, exist_ok=True)
-            command = [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                str(source),
-                "--output_folder",
-                str(target),
-                "--num_extract_workers",
-                "1",
-                "--num_merge_workers",
-                "1",
-            ]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(
-                    f"converting {source} to a universal checkpoint failed:\n{result.stderr[-2000:]}"
-                )
+            universal.convert(source, target)
             layout.mark_complete(target, {"tag": tag, "universal": True})
         barrier()
 

@@ -131,8 +131,6 @@ def run_variant(variant: str, env, out: Path) -> dict:
     from deepspeed.accelerator import get_accelerator
     from safetensors.torch import save_file
 
-    from pretrain.engine import set_lr
-
     # fp32 jobs: told the accelerator has no fp16, DeepSpeed's own fallback runs the Gram iteration
     # in fp32 (`ns_compute_dtype`), which takes fp16's rounding out of the tight comparison
     accelerator = get_accelerator()
@@ -148,12 +146,7 @@ def run_variant(variant: str, env, out: Path) -> dict:
     first = None
     losses = []
     for step in range(1, STEPS + 1):
-        set_lr(optimizer, lr_at(step))
-        for micro in range(GRAD_ACCUM):
-            loss = engine(**batch(step, micro, env.rank)).loss
-            engine.backward(loss)
-            engine.step()
-        losses.append(float(loss.detach()))
+        losses.append(train_step(engine, optimizer, env, step))
         if step == 1:
             first = masters(engine)
     tensors = {f"weight/{n}": t for n, t in masters(engine).items()}
@@ -162,9 +155,24 @@ def run_variant(variant: str, env, out: Path) -> dict:
     save_file(
         {k: v.contiguous() for k, v in tensors.items()}, str(out / f"{variant}_rank_{env.rank}.safetensors")
     )
-    skipped = skip_then_step(engine, optimizer, env) if VARIANTS[variant][1] else None  # (a bf16 guard)
+    skipped = rolled_back = None
+    if VARIANTS[variant][1]:  # (a bf16 guard; the loop's rollback with DeepSpeed's bf16 optimizer)
+        skipped = skip_then_step(engine, optimizer, env)
+        rolled_back = rollback_then_step(engine, optimizer, env, out / variant)
     engine.destroy()
-    return {"groups": groups, "losses": losses, "skip": skipped}
+    return {"groups": groups, "losses": losses, "skip": skipped, "rollback": rolled_back}
+
+
+def train_step(engine, optimizer, env, step: int) -> float:
+    """One optimizer step (1-based) of GRAD_ACCUM micro-batches; the last micro-batch's loss."""
+    from pretrain.engine import set_lr
+
+    set_lr(optimizer, lr_at(step))
+    for micro in range(GRAD_ACCUM):
+        loss = engine(**batch(step, micro, env.rank)).loss
+        engine.backward(loss)
+        engine.step()
+    return float(loss.detach())
 
 
 def held_state(engine, optimizer) -> dict:
@@ -176,10 +184,49 @@ def held_state(engine, optimizer) -> dict:
     found |= {
         f"fp32/{i}": t.detach().clone() for i, t in enumerate(optimizer.single_partition_of_fp32_groups)
     }
-    for i, state in enumerate(optimizer.optimizer.state.values()):
-        for key, value in state.items():
+    for i, group in enumerate(optimizer.optimizer.param_groups):
+        for key, value in optimizer.optimizer.state.get(group["params"][0], {}).items():
             found[f"{key}/{i}"] = (value if torch.is_tensor(value) else torch.tensor(float(value))).clone()
     return found
+
+
+def rollback_then_step(engine, optimizer, env, run_dir: Path) -> dict:
+    """The loop's rollback with Muon (`pretrain.train.rollback.go_back` loads the target through
+    `Checkpointer.load`): a checkpoint saved after step 12, step 13 trained, the checkpoint loaded
+    back. Which held tensors then differ from the saved ones (by value: a legacy load gives
+    ZeRO-2's bf16 momentum back as fp32, which the next step turns back to bf16), what
+    rollback_applied.matches_checkpoint would say, and which differ after step 13 again from
+    after step 13 the first time (bit for bit)."""
+    import torch
+
+    from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
+    from pretrain.config import CheckpointConfig
+
+    tokenizer = run_dir / "tokenizer.model"  # what a checkpoint copies; nothing reads it here
+    tokenizer.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.write_bytes(b"")
+    checkpointer = Checkpointer(
+        run_dir / "run", env, CheckpointConfig(), run_config={}, tokenizer=tokenizer, config_hash=""
+    )
+    tag = checkpointer.save(engine, TrainState(step=STEPS + 2), None)
+    saved = held_state(engine, optimizer)
+    train_step(engine, optimizer, env, STEPS + 3)
+    first = held_state(engine, optimizer)
+    _, matches = checkpointer.load(engine, tag)
+    loaded = held_state(engine, optimizer)
+    train_step(engine, optimizer, env, STEPS + 3)
+    again = held_state(engine, optimizer)
+    return {
+        "held": sorted(saved),
+        "matches_checkpoint": matches,
+        "loaded_differ": [n for n in saved if not torch.equal(saved[n].double(), loaded[n].double())],
+        "moved": [n for n in saved if not torch.equal(saved[n], first[n])],
+        "again_differ": [
+            n
+            for n in first
+            if not torch.equal(first[n].view(-1).view(torch.uint8), again[n].view(-1).view(torch.uint8))
+        ],
+    }
 
 
 def skip_then_step(engine, optimizer, env) -> dict:
@@ -396,6 +443,20 @@ def test_a_skipped_step_leaves_muons_state_and_the_next_one_trains(job, variant)
         assert any(name.startswith("momentum_buffer/") for name in skip["skipped"])
         assert not any(skip["skipped"].values()), [n for n, changed in skip["skipped"].items() if changed]
         assert all(skip["next"].values()), [n for n, changed in skip["next"].items() if not changed]
+
+
+@pytest.mark.parametrize("variant", [v for v, (_, bf16, _) in VARIANTS.items() if bf16])
+def test_a_rollback_brings_muons_state_back_exactly(job, variant):
+    """The loop's rollback load (`Checkpointer.load`) with Muon under ZeRO-1 and ZeRO-2: after a
+    step past the checkpoint, every weight, master, momentum and AdamW moment is the checkpoint's
+    again, the weights' digests say so (rollback_applied.matches_checkpoint), and the step trained
+    again from it is, bit for bit, the step trained from it the first time."""
+    for rank in (0, 1):
+        rollback = json.loads((job / f"rank_{rank}.json").read_text())[variant]["rollback"]
+        assert any(name.startswith("momentum_buffer/") for name in rollback["held"])
+        assert sorted(rollback["moved"]) == rollback["held"]  # the step after the save changed all
+        assert rollback["matches_checkpoint"] is True
+        assert rollback["loaded_differ"] == [] and rollback["again_differ"] == []
 
 
 if __name__ == "__main__":

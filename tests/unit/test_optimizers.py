@@ -163,7 +163,6 @@ def test_deepspeeds_optimizer_on_whole_matrices_is_the_reference():
             "offloaded",
         ),
         ({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}, "train.grad_clip=1.0"),
-        ({**ZERO2, "checkpoint": {"load_universal": True}}, "number of processes it was saved with"),
     ],
 )
 def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
@@ -174,6 +173,7 @@ def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value)
     check_optimizer(OptimConfig(), ds)  # AdamW: anything DeepSpeed takes
     check_optimizer(muon(), {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.0})
+    check_optimizer(muon(), {**ZERO2, "checkpoint": {"load_universal": True}})  # another world size
 
 
 def test_a_shipped_zero3_json_with_muon_is_refused_where_the_json_is_completed():
