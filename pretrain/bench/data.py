@@ -117,7 +117,76 @@ def bench_stream(work: Path, seconds: float = 2.0, tokens: int = 64 * 2**20) -> 
     return result
 
 
-def run(as_json: bool = False, quick: bool = False) -> dict:
+def bench_source(url: str, work: Path, windows: int = 2000, seq_len: int = 2048) -> dict:
+    """A prepared dataset in an object store (`--source URL`) against the same dataset on local
+    disk: the time to the first window with an empty cache (manifest, tokenizer, the first shard
+    fetched and verified), the windows per second of a whole pass of `windows` shuffled windows
+    from the store (the cache filling, the prefetcher ahead) and again with the cache full, the
+    cache's hits and misses, and the same windows from a local copy of the dataset."""
+    from pretrain.data.storage import DEFAULT_CACHE_GIB, ShardCache, filesystem
+    from pretrain.data.views import local_dataset
+
+    cache = work / "cache"
+    started = time.perf_counter()
+    view = local_dataset(url, cache_dir=cache)
+    stream = WindowStream(view, seq_len, seed=1)
+    next(stream)
+    first = time.perf_counter() - started
+    windows = min(windows, stream.num_windows)
+
+    def rate(data_dir) -> float:
+        stream = WindowStream(data_dir, seq_len, seed=1)
+        started = time.perf_counter()
+        for _ in range(windows):
+            next(stream)
+        return windows * (seq_len + 1) / (time.perf_counter() - started)
+
+    cold = rate(view)
+    shard_cache = ShardCache.at(cache, DEFAULT_CACHE_GIB)
+    stats = dict(shard_cache.stats)
+    warm = rate(view)
+    local = work / "local"
+    fs, path = filesystem(url)
+    fs.get(path.rstrip("/") + "/", str(local), recursive=True)
+    rate(local)  # (read once: the page cache, as the store's copy was)
+    on_disk = rate(local)
+    ShardCache.close_all()
+    return {
+        "source": url,
+        "seq_len": seq_len,
+        "windows": windows,
+        "first_window_seconds": first,
+        "store_tokens_per_sec_cold": cold,
+        "store_tokens_per_sec_warm": warm,
+        "local_tokens_per_sec": on_disk,
+        "cache_hits": stats["hits"],
+        "cache_misses": stats["misses"],
+        "cache_hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]),
+        "fetched_bytes": stats["fetched_bytes"],
+    }
+
+
+def run(as_json: bool = False, quick: bool = False, source: str | None = None) -> dict:
+    """`source`: a prepared dataset's URL, measured against a local copy instead (`bench_source`)."""
+    if source is not None:
+        with tempfile.TemporaryDirectory(prefix="pretrain-bench-data-") as tmp:
+            result = bench_source(source, Path(tmp), windows=200 if quick else 2000)
+        if as_json:
+            print(json.dumps(result))
+            return result
+        print(f"{source}, {result['windows']} shuffled windows of {result['seq_len']} tokens:")
+        print(f"  first window, empty cache: {result['first_window_seconds']:.2f} s")
+        for key, label in (
+            ("store_tokens_per_sec_cold", "from the store, cache filling"),
+            ("store_tokens_per_sec_warm", "from the store, cache full"),
+            ("local_tokens_per_sec", "from a local copy"),
+        ):
+            print(f"  {label:<30}: {result[key] / 1e6:8.2f}M tokens/s")
+        print(
+            f"  cache: {result['cache_hits']} hits, {result['cache_misses']} misses in the first pass "
+            f"({100 * result['cache_hit_rate']:.1f}% hits), {result['fetched_bytes'] / 2**20:.1f} MiB fetched"
+        )
+        return result
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-data-") as tmp:
         work = Path(tmp)
         result = bench_stream(work, seconds=0.5, tokens=8 * 2**20) if quick else bench_stream(work)

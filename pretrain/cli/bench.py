@@ -12,7 +12,7 @@ from pretrain.errors import CommandParser
 def cmd_bench_data(args: argparse.Namespace) -> int:
     from pretrain.bench.data import run
 
-    run(as_json=args.json, quick=args.quick)
+    run(as_json=args.json, quick=args.quick, source=args.source)
     return 0
 
 
@@ -157,6 +157,12 @@ def register(sub) -> None:
     data = whats.add_parser("data", help="window-stream and prepare throughput")
     data.add_argument("--json", action="store_true", help="print one JSON object")
     data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
+    data.add_argument(
+        "--source",
+        metavar="URL",
+        help="a prepared dataset in an object store (s3://...): its stream, cache and first window "
+        "against a local copy",
+    )
     data.set_defaults(handler=cmd_bench_data)
     register_memory(whats)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import numpy as np
 import pytest
 
 from pretrain.cli import main
@@ -192,3 +193,30 @@ def test_a_store_that_stops_answering_mid_run_is_retried_then_stops_the_run(s3_s
             assert stop.requested and "the data store stopped answering" in stop.why
         STOP_CAUSE.clear()
     assert "trying again in 0.1 s" in capsys.readouterr().err
+
+
+def test_bench_data_measures_a_dataset_in_the_store_against_a_local_copy(
+    s3_server, train_data, tokenizer_dir, tmp_path
+):
+    """`pretrain bench data --source URL`: the first window from an empty cache, a pass from the
+    store (every shard fetched once: its bytes are the shards'), the same pass from the full
+    cache and from a local copy."""
+    from pretrain.bench.data import bench_source
+    from pretrain.data import read_manifest
+
+    bucket = s3_server.bucket()
+    prepare_into(s3_server, train_data, tokenizer_dir, f"{bucket}/topics")
+    with s3_server.environment():
+        result = bench_source(f"{bucket}/topics", tmp_path, windows=50, seq_len=512)
+    manifest = read_manifest(train_data)
+    shard_bytes = manifest["splits"]["train"]["tokens"] * np.dtype(manifest["dtype"]).itemsize
+    assert result["windows"] == 50 and result["first_window_seconds"] > 0
+    assert result["fetched_bytes"] == shard_bytes  # each train shard fetched once, verified
+    assert result["cache_misses"] >= 1 and 0 <= result["cache_hit_rate"] < 1
+    assert (
+        min(
+            result[k]
+            for k in ("store_tokens_per_sec_cold", "store_tokens_per_sec_warm", "local_tokens_per_sec")
+        )
+        > 0
+    )
