@@ -61,6 +61,13 @@ NS_EPS = 1e-7
 GRAM_RESTART = 2  # the Gram form starts again from X at this iteration (half-precision drift)
 LR_RATIOS = "pretrain_lr_ratios"  # the optimizer's attribute: each group's lr / optim.lr
 PROVEN_STAGES = (1, 2)
+# Why not ZeRO-3 (docs/training.md, Optimizers): its Muon matches the reference (with reduce_scatter
+# off, which it requires), but stage3.py's step() updates the momentum before the gradient-norm
+# check, where the skip guard (monitor.skip_step) decides: a skipped step still moves it
+ZERO3_MOMENTUM = (
+    "under ZeRO-3, DeepSpeed 0.19.8 updates Muon's momentum before the gradient-norm check, so a step "
+    "monitor.skip_step skips still changes it"
+)
 
 
 # ------------------------------------------------------------------------------------ the split
@@ -342,10 +349,11 @@ def check(optim: OptimConfig, ds: dict[str, Any], offloads: bool) -> None:
         return
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
     if stage not in PROVEN_STAGES:
+        why = f": {ZERO3_MOMENTUM}" if stage == 3 else ""
         raise ConfigError(
             f"optim.name=muon with ZeRO stage {stage}: DeepSpeed's Muon is proven here under ZeRO-1 and "
-            "ZeRO-2 only (tests/integration/test_muon.py); use configs/deepspeed/zero1.json or zero2.json, "
-            "or optim.name=adamw"
+            f"ZeRO-2 only (tests/integration/test_muon.py){why}; use configs/deepspeed/zero1.json or "
+            "zero2.json, or optim.name=adamw"
         )
     if offloads:
         raise ConfigError(
