@@ -141,6 +141,19 @@ def cmd_bench_stability(args: argparse.Namespace) -> int:
     return 0
 
 
+def register_data(whats) -> None:
+    data = whats.add_parser("data", help="window-stream and prepare throughput")
+    data.add_argument("--json", action="store_true", help="print one JSON object")
+    data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
+    data.add_argument(
+        "--source",
+        metavar="URL",
+        help="a prepared dataset in an object store (s3://...): its stream, cache and first window "
+        "against a local copy",
+    )
+    data.set_defaults(handler=cmd_bench_data)
+
+
 def register_memory(whats) -> None:
     memory = whats.add_parser(
         "memory", help="the memory plan's activation model against the peak measured on small models"
@@ -154,16 +167,7 @@ def register(sub) -> None:
     whats = bench.add_subparsers(
         dest="bench_command", required=True, parser_class=CommandParser, metavar="WHAT"
     )
-    data = whats.add_parser("data", help="window-stream and prepare throughput")
-    data.add_argument("--json", action="store_true", help="print one JSON object")
-    data.add_argument("--quick", action="store_true", help="smaller and shorter (for smoke tests)")
-    data.add_argument(
-        "--source",
-        metavar="URL",
-        help="a prepared dataset in an object store (s3://...): its stream, cache and first window "
-        "against a local copy",
-    )
-    data.set_defaults(handler=cmd_bench_data)
+    register_data(whats)
     register_memory(whats)
 
     masking = whats.add_parser(

@@ -375,8 +375,6 @@ NOT_DEAD = (
     ("pretrain/skip_step.py", "global_mean",
      "the module's documented helper for a loop whose all-reduce comes after engine.step(); "
      "tests/integration/test_skip_step.py's loop uses it"),
-    ("pretrain/data/storage.py", "close_all",
-     "a process's caches live as long as it does; tests close them all between tests (test_storage, test_s3)"),
 )  # fmt: skip
 
 
