@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 from pretrain.config import ModelConfig, RunConfig, config_dir
 from pretrain.errors import UserError
-from pretrain.flops import PEAK_FLOPS, flops_per_token, param_counts
+from pretrain.flops import PEAK_FLOPS, flops_per_token, largest_parameter, param_counts
 from pretrain.scaling import Interconnect, project
 
 GIB = 2**30
@@ -62,6 +62,7 @@ class ZeroSettings:
     offload_optimizer: bool
     offload_params: bool
     buffer_elements: float  # communication buckets held on each GPU, in elements
+    reduce_bucket_elements: float = DEEPSPEED_DEFAULT_BUCKET  # reduce_bucket_size
 
     @classmethod
     def from_deepspeed(cls, ds: dict) -> ZeroSettings:
@@ -76,6 +77,7 @@ class ZeroSettings:
             offload_optimizer=_offloaded(zero, "offload_optimizer"),
             offload_params=_offloaded(zero, "offload_param") and stage == 3,
             buffer_elements=reduce * (2 if overlap else 1) + gather,
+            reduce_bucket_elements=reduce,
         )
 
     def describe(self) -> str:
@@ -305,6 +307,18 @@ def candidate_settings(
     return found
 
 
+def runs_with_sequence_parallel(cfg: ModelConfig, setting: Setting, compiled: bool) -> bool:
+    """Whether a run refuses the setting's S (pretraining's preflight, engine.check_zero3_buckets):
+    key/value heads and S that do not divide one another, compiled blocks, and under ZeRO-3 a
+    parameter larger than reduce_bucket_size."""
+    S = setting.sequence_parallel
+    if S == 1:
+        return True
+    if compiled or (cfg.n_kv_heads % S and S % cfg.n_kv_heads):
+        return False
+    return setting.zero.stage != 3 or largest_parameter(cfg) <= setting.zero.reduce_bucket_elements
+
+
 def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(max(limit, 1).bit_length()) if 1 << i <= limit]
 
@@ -337,6 +351,7 @@ class JobShape:
     grad_accum: int
     sequence_parallel: int
     global_windows: int  # windows per optimizer step, all GPUs
+    compiled: bool = False  # engine.compile: refused with parallel.sequence > 1, so none is offered
 
 
 def memory_plan(
@@ -353,6 +368,7 @@ def memory_plan(
     )
     mine = plan(cfg, seq_len, own, hardware, optimizer)
     options = candidate_settings(cfg, seq_len, job.global_windows, hardware.gpus, packaged_zero_configs())
+    options = [s for s in options if runs_with_sequence_parallel(cfg, s, job.compiled)]
     feasible = ranked([plan(cfg, seq_len, s, hardware, optimizer) for s in options])
     return {
         "model": cfg.preset,
@@ -448,6 +464,7 @@ def run_plan(
         grad_accum=train.grad_accum,
         sequence_parallel=S,
         global_windows=train.global_batch_size or train.micro_batch_size * train.grad_accum * gpus // S,
+        compiled=cfg.engine.compile,
     )
     return memory_plan(cfg.model, cfg.data.seq_len, job, hardware, cfg.optim.name)
 

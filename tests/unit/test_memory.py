@@ -221,3 +221,18 @@ def test_the_plan_takes_s_from_the_config_and_muon_keeps_one_moment():
     states = memory.run_plan(muon, ds, 8, 80.0)["plan"]["bytes"]["optimizer_states"]
     share = memory.muon_share(muon.model)  # the blocks' matrices: 87% of Llama 3 8B
     assert states == pytest.approx(whole["bytes"]["optimizer_states"] * (1 - share / 3))
+
+
+def test_the_plan_offers_no_sequence_parallel_setting_a_run_would_refuse():
+    """llama3-8b (8 key/value heads; a 525M-element embedding, over the packaged zero3.json's
+    reduce_bucket_size of 5e8): with engine.compile on (its train config), no S > 1 (compiled
+    blocks are refused with it); without, S > 1 only outside ZeRO-3."""
+    ds = json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero3.json").read_text())
+    for compiled in (True, False):
+        cfg = load_config(
+            REPO_CONFIG_DIR / "train" / "llama3-8b.yaml", [f"engine.compile={str(compiled).lower()}"]
+        )
+        offered = [p["setting"] for p in memory.run_plan(cfg, ds, 8, 80.0)["feasible"]]
+        parallel = [s for s in offered if s["sequence_parallel"] > 1]
+        assert bool(parallel) is not compiled and len(offered) > len(parallel)
+        assert all(s["zero"]["stage"] != 3 for s in parallel)
