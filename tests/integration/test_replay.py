@@ -8,6 +8,7 @@ the run goes back to the newest checkpoint whose replicas were consistent, quara
 and completes with every later checkpoint consistent."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,26 @@ def flipped_and_skipped(tmp_path_factory, train_data):
     train(torchrun(2), flipped, train_data, *REPLAY, "faults.flip_step=3", "faults.flip_rank=1")
     train(torchrun(2), skipped, train_data, *REPLAY, "faults.nan_steps=[3]")
     return flipped, skipped
+
+
+def test_under_zero3_the_skip_guard_rejects_a_flipped_gradient_and_the_replay_names_rank_1(
+    tmp_path, train_data
+):
+    """Under ZeRO-3 the flipped gradient stays finite through its fp32 reduction (4e36): DeepSpeed
+    clips it and would apply it; the skip guard (monitor.skip_step, its window warm after 2 steps)
+    rejects the update, and the replay finds rank 1's gradient changed: a machine fault."""
+    guard = ["monitor.skip_step=true", "monitor.skip_window=2"]
+    flip = [
+        "faults.flip_step=4",
+        "faults.flip_rank=1",
+        "engine.deepspeed_config=configs/deepspeed/zero3.json",
+    ]
+    train(torchrun(2), tmp_path, train_data, *REPLAY, *guard, *flip, "train.steps=4")
+    events = read_events(tmp_path)
+    (fault,) = [e for e in events if isinstance(e, MachineFault)]
+    assert fault.step == 4 and fault.ranks == [1]
+    assert not math.isfinite(float(fault.first[0][1])) and math.isfinite(float(fault.replay[0][1]))
+    assert [e.step for e in events if e.type == "update_skipped"] == [4]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=["zero1", "zero2", "zero3"])
