@@ -36,7 +36,7 @@ from pretrain.model import Transformer
 from pretrain.monitor_link import MonitorLink
 from pretrain.replay import FaultCounts
 from pretrain.run_builder import RunParts, RunPlan, run
-from pretrain.run_dir import model_identity
+from pretrain.run_dir import has_checkpoints, model_identity
 from pretrain.schedules import schedule_for
 from pretrain.sequence_parallel import SequenceShard
 from pretrain.skip_step import SkipGuard
@@ -92,8 +92,21 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
         "data.fingerprint": data_fingerprint(cfg, manifests),
         "data.seq_len": cfg.data.seq_len,
     }
-    initial = check_init(cfg, tokenizer_sha256)
+    initial = check_init_unless_resuming(cfg, tokenizer_sha256)
     return PreflightResult(plan, ds_config, local_sources(cfg.data)[0][1], identity, initial)
+
+
+def check_init_unless_resuming(cfg: RunConfig, tokenizer_sha256: str) -> InitialModel | None:
+    """`check_init`; but a run that will resume from checkpoints of its own does not read
+    checkpoint.init's weights, so there a problem with them (moved, deleted) is a note, not an
+    error (`first_model` refuses the run if it has no checkpoint to resume from after all)."""
+    try:
+        return check_init(cfg, tokenizer_sha256)
+    except UserError as problem:
+        if cfg.checkpoint.resume == "fresh" or not has_checkpoints(cfg.run.dir):
+            raise
+        print(f"note: {problem}; the run resumes from its own checkpoints, which do not need it", flush=True)
+        return None
 
 
 # What a run may change in the model it starts from (checkpoint.init): its context. Every other
@@ -369,6 +382,16 @@ class LanguageModeling:
         return f"done: {summary['step']} steps, {summary['tokens']:,} tokens; run directory {self.run_dir}"
 
 
+def first_model(cfg: RunConfig, initial: InitialModel | None) -> Transformer:
+    """The model of a run's first start: from checkpoint.init's weights where it names them."""
+    if cfg.checkpoint.init is not None and initial is None:
+        raise UserError(
+            f"checkpoint.init={cfg.checkpoint.init} could not be read (above) and {cfg.run.dir} has no "
+            "intact checkpoint to resume from: restore it, or start with checkpoint.init=null"
+        )
+    return build_model(cfg, initial)
+
+
 def build_model(cfg: RunConfig, initial: InitialModel | None = None) -> Transformer:
     """The model pretraining trains: `cfg.model`, with the objective's z-loss coefficient
     (`loss.z_loss`, added to the loss in training mode only; evaluation reports plain cross-entropy);
@@ -403,7 +426,7 @@ def run_plan(cfg: RunConfig, env: DistEnv) -> RunPlan:
         special_tokens=run_special_tokens(tokenizer, checked.data_dir),
         faults=cfg.faults,
         flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len).total,
-        make_model=functools.partial(build_model, cfg, checked.initial),
+        make_model=functools.partial(first_model, cfg, checked.initial),
         make_resumed_model=functools.partial(build_model, cfg),  # (its checkpoint's weights replace these)
         make_task=lambda env, engine: LanguageModeling(
             cfg, checked.data_dir, checked.plan, env, engine.device

@@ -41,8 +41,16 @@ def build_parser() -> CommandParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """A command line's arguments as its handler gets them (the config settled: CONFIG or --config)."""
-    return resolve_config_argument(build_parser().parse_args(argv))
+    """A command line's arguments as its handler gets them (the config settled: CONFIG or --config).
+    Dotted overrides may also follow the options (`pretrain plan CONFIG --gpus 8 KEY=VALUE`), which
+    argparse alone does not take once CONFIG has been read."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not (hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest)):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*(args.overrides or []), *rest]
+    return resolve_config_argument(args)
 
 
 def _without_local_rank(argv: list[str]) -> list[str]:

@@ -151,3 +151,14 @@ def test_flops_and_config_show_print_the_same_for_either_form(cli):
         positional = cli(*words, "tiny", "model.n_layers=3")
         assert positional.returncode == 0 and positional.stdout, positional.stderr
         assert cli(*words, "--config", "tiny", "model.n_layers=3").stdout == positional.stdout
+
+
+def test_overrides_may_follow_the_options(capsys):
+    """`pretrain plan CONFIG --gpus 8 KEY=VALUE` (the issue's form), as `--config CONFIG --gpus 8
+    KEY=VALUE` already was; anything else left over is still refused in one line."""
+    after = parse(["plan", "tiny", "--gpus", "8", "engine.compile=false", "train.steps=5"])
+    before = parse(["plan", "tiny", "engine.compile=false", "train.steps=5", "--gpus", "8"])
+    assert vars(after) == vars(before) and after.overrides == ["engine.compile=false", "train.steps=5"]
+    with pytest.raises(SystemExit) as stopped:
+        parse(["plan", "tiny", "--gpus", "8", "bogus"])
+    assert stopped.value.code == 2 and "unrecognized arguments: bogus" in capsys.readouterr().err

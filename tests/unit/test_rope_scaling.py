@@ -263,14 +263,14 @@ def test_a_run_starts_from_the_init_weights_and_resumes_without_reading_them(
     from pretrain.finetune.initial import InitialModel
     from tests.unit.fakes import pretraining_trainer
 
-    def config(steps: int):
+    def config(steps: int, init=hf_init):
         return load_config(
             TINY,
             [
                 *FAST,
                 f"run.dir={tmp_path / 'run'}",
                 f"data.dir={train_data}",
-                f"checkpoint.init={hf_init}",
+                f"checkpoint.init={init}",
                 *LONGER_CONTEXT,
                 f"train.steps={steps}",
                 "checkpoint.every=1",
@@ -289,6 +289,8 @@ def test_a_run_starts_from_the_init_weights_and_resumes_without_reading_them(
     )
     second = pretraining_trainer(config(2))
     assert second.state.step == 1 and second.train()["step"] == 2
+    third = pretraining_trainer(config(3, init=tmp_path / "moved"))  # (the source gone: a note)
+    assert third.state.step == 2 and third.train()["step"] == 3
 
 
 def test_checkpoint_init_of_other_shapes_is_refused_in_one_line(tmp_path, hf_init, train_data, cli):
