@@ -28,7 +28,8 @@ INTEGRATION_SECONDS = {
     "test_monitoring.py": 60,
     "test_commands.py": 54,
     "test_ssh_launch.py": 50,
-    "test_sequence_parallel.py": 45,
+    "test_sequence_parallel.py": 57,
+    "test_replay.py": 60,
     "test_nonfinite_engine.py": 42,
 }
 

@@ -10,8 +10,9 @@ and, summed over the group, its gradients.
 In bf16, real `pretrain train` jobs on 8,192-token windows with document masking and ZeRO-3: 2
 processes at parallel.sequence=2 train steps 1-2 and stop (saving step 2); 1 process trains
 steps 1-3 with the same global batch; 1 process at parallel.sequence=1 resumes the first job's
-step 2 (another S and world size: DeepSpeed's universal conversion) and trains step 3. Losses,
-gradient norms (whole and per layer group), the held-out loss and the data position agree.
+step 2 (another S and world size: DeepSpeed's universal conversion) and trains step 3; 2 processes
+at parallel.sequence=2 under ZeRO-2 train step 1. Losses, gradient norms (whole and per layer
+group), the held-out loss and the data position agree.
 
 Run by pytest, this file launches itself: `python -m torch.distributed.run --nproc_per_node 2
 -m tests.integration.test_sequence_parallel OUT_DIR` runs `worker()` on each rank, which writes
@@ -214,8 +215,8 @@ def long_data(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory, long_data) -> dict[str, Path]:
-    """The split job (stopped after step 2), the one-process job, and the split job resumed by one
-    process at S = 1."""
+    """The split job (stopped after step 2), the one-process job, the split job resumed by one
+    process at S = 1, and the split job's first step under ZeRO-2."""
     from tests.integration.runs import FAST, TINY, torchrun
 
     def train(nproc: int, run_dir: Path, *overrides: str) -> None:
@@ -237,7 +238,15 @@ def jobs(tmp_path_factory, long_data) -> dict[str, Path]:
     resumed = tmp_path_factory.mktemp("resumed")
     shutil.copytree(split, resumed, dirs_exist_ok=True)
     train(1, resumed, "checkpoint.resume=auto")
-    return {"split": split, "single": single, "resumed": resumed}
+    zero2 = tmp_path_factory.mktemp("zero2")  # (ZeRO-2 divides by the data-parallel ranks itself)
+    train(
+        2,
+        zero2,
+        f"parallel.sequence={S}",
+        "train.stop_at_step=1",
+        "engine.deepspeed_config=configs/deepspeed/zero2.json",
+    )
+    return {"split": split, "single": single, "resumed": resumed, "zero2": zero2}
 
 
 def test_two_ranks_sharing_each_window_train_as_one_process_does(jobs):
@@ -256,6 +265,19 @@ def test_two_ranks_sharing_each_window_train_as_one_process_does(jobs):
     # resumed at S = 1 by one process (universal conversion): the one-process job's step 3
     assert abs(resumed[3]["train/loss"] - single[3]["train/loss"]) <= LOSS_TOLERANCE
     assert train_state(jobs["resumed"], 3)["data"] == train_state(jobs["single"], 3)["data"]
+
+
+def test_under_zero2_the_split_jobs_first_step_is_the_one_process_jobs(jobs):
+    """ZeRO-2's own reduction at S = 2 (not the ZeRO-3 path the run reroutes): the loss and every
+    gradient norm of step 1 as one process computes them."""
+    from tests.integration.runs import metrics
+
+    zero2, single = metrics(jobs["zero2"])[1], metrics(jobs["single"])[1]
+    assert abs(zero2["train/loss"] - single["train/loss"]) <= LOSS_TOLERANCE
+    norms = [k for k in single if k.startswith("train/grad_norm")]
+    assert len(norms) == 4
+    for key in norms:
+        assert zero2[key] == pytest.approx(single[key], rel=GRAD_NORM_TOLERANCE), key
 
 
 def test_the_held_out_loss_of_a_split_job_is_the_one_process_jobs(jobs):
