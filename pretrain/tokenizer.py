@@ -725,6 +725,7 @@ def train_tokenizer_on(
         raise UserError(f"{out_dir / MODEL_FILE} exists: choose another --out, or pass --overwrite")
     source = resolve_source(specs, text_field=text_field)
     announce(f"training a {model_type} tokenizer of {vocab_size} pieces on {source.summary}")
+    source.download()  # (a source in an object store: here, checked; its empty files known)
     if source.skipped_line:
         announce(source.skipped_line)
     return train_tokenizer(source.documents(), out_dir, vocab_size, model_type, sample_sentences)

@@ -41,7 +41,7 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
     run = RunEvaluation.of(trained.directory, trained.run_config)
     seq_len = window_length(trained)
     if args.as_run:
-        result = _as_run(trained, run, Path(args.data))
+        result = _as_run(trained, run, args.data)  # (a directory or a URL: not a Path, s3:/b/x)
     else:
         result = perplexity(trained, args.data, args.batch_size, args.max_batches)
         result["windows"] = result["tokens"] // seq_len
@@ -73,8 +73,9 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_run(trained, run, data_dir: Path) -> dict:
-    """What the run's evaluation computes at the checkpoint's step on `data_dir`, one of its corpora."""
+def _as_run(trained, run, data_dir: str) -> dict:
+    """What the run's evaluation computes at the checkpoint's step on `data_dir` (a directory or a URL),
+    one of its corpora."""
     import torch
 
     from pretrain.data import read_manifest

@@ -33,18 +33,14 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.prepare import prepare, skipped_report, validation_report
     from pretrain.data.sources import resolve_source
-    from pretrain.data.storage import is_url, refuse_url
-    from pretrain.errors import UserError
+    from pretrain.data.storage import refuse_url
 
     refuse_url(args.tokenizer, "--tokenizer")
-    for spec in args.source:
-        if is_url(spec):
-            raise UserError(
-                f"--source {spec} is a URL: prepare from local files (copy them here first); --out may be a URL"
-            )
     if args.format == "megatron":  # token ids already (pretrain/data/megatron.py)
         from pretrain.data.megatron import resolve_megatron_source
 
+        for spec in args.source:  # (memory-mapped where they lie)
+            refuse_url(spec, "--source (with --format megatron)")
         source = resolve_megatron_source(args.source)
     else:
         _refuse_megatron_pairs(args.source)
@@ -212,7 +208,8 @@ def register(sub) -> None:
         nargs="+",
         required=True,
         metavar="SRC",
-        help="files/globs, a Hub dataset name, or builtin:pydoc; with --format megatron, PREFIX (of "
+        help="files/globs (local, or URLs such as s3://bucket/*.jsonl), a Hub dataset name, or builtin:pydoc; "
+        "with --format megatron, PREFIX (of "
         "PREFIX.bin + PREFIX.idx), a glob or a directory of them",
     )
     prep.add_argument(

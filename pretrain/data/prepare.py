@@ -21,7 +21,8 @@ tokenizer_meta.json (the special tokens used, `--eos-token` ... included); the m
 tokenizer entry names the file, and the special tokens are part of the recipe.
 
 The output directory is only ever replaced when it is our own dataset or empty: the same recipe
-(source files with their sizes and mtimes, tokenizer, settings) is a no-op while its shards match
+(source files with their sizes and mtimes, or objects in a store with their sizes and ETags,
+tokenizer, settings) is a no-op while its shards match
 the manifest, and is rebuilt when they do not; a different recipe needs --overwrite; any other
 directory, or one holding a source file, is refused.
 
@@ -440,6 +441,7 @@ def _write_dataset(
     index = {split: DocumentIndexWriter(staging, split) for split in SPLITS}
     stats = {"skipped_blank_documents": 0}
     if source.kind == "files":  # files with no records, skipped (pretrain/data/sources.py)
+        source.download()  # (files in an object store: here, checked; only once the recipe is new)
         stats["skipped_empty_files"] = len(source.empty_files)
     origins: dict[str, int] = {}
     if source.kind == "megatron":  # token ids already: converted, not tokenized (pretrain/data/megatron.py)

@@ -3,6 +3,11 @@
     local files or globs   .txt/.text/.md (one document per file), .jsonl/.json and .parquet (a
                            text field), read through `datasets` in streaming mode, files in sorted
                            order; text and JSON files also compressed (.gz, .bz2, .xz, .zst)
+    URLs or URL globs      the same file types in an object store (s3://bucket/corpus.jsonl,
+                           s3://bucket/part-*.parquet: any fsspec URL, pretrain/data/storage.py),
+                           downloaded into a temporary directory when first read and read from
+                           there as local files are; identified by each object's URL, size and
+                           ETag (`RemoteFile`), so an unchanged source is known without a download
     a Hub dataset name     the same streaming code path (`load_dataset(name, streaming=True)`)
     builtin:pydoc          the local Python installation's documentation: the `pydoc_data` topics
                            and the docstrings of the standard library, read with `ast` (nothing
@@ -37,12 +42,16 @@ import itertools
 import json
 import lzma
 import os
+import shutil
 import sys
 import sysconfig
-from collections.abc import Iterator
+import tempfile
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.data import storage
 from pretrain.data.shards import is_prepared_dataset
 from pretrain.errors import UserError
 
@@ -66,6 +75,20 @@ MAX_INVALID_FRACTION = 0.01
 BOM = "\ufeff"
 
 
+# What identifies an object's content in a store's listing, in order of preference (S3's ETag,
+# GCS's checksums, then a modification time): a source file's stat, as size and mtime are locally.
+CONTENT_TAGS = ("ETag", "etag", "md5Hash", "crc32c", "LastModified", "last_modified", "updated", "mtime")
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A source file in an object store: its URL, size and content tag (`CONTENT_TAGS`)."""
+
+    url: str
+    size: int
+    tag: str
+
+
 @dataclass
 class Source:
     """An ordered, re-iterable stream of documents, with a stable description for manifests."""
@@ -76,6 +99,8 @@ class Source:
     name: str | None = None
     text_field: str = "text"
     empty_files: list[Path] = field(default_factory=list)  # of `files`: no records, skipped
+    remote: list[RemoteFile] = field(default_factory=list)  # files in a store, `files` once downloaded
+    urls: dict[Path, str] = field(default_factory=dict)  # a downloaded file -> its URL
 
     @property
     def summary(self) -> str:
@@ -90,10 +115,8 @@ class Source:
         """A line naming the empty files skipped, for the commands' reports (None: none)."""
         if not self.empty_files:
             return None
-        count = len(self.empty_files)
-        return (
-            f"skipped {count} empty file{'s' if count > 1 else ''} (no records): {_names(self.empty_files)}"
-        )
+        count, named = len(self.empty_files), [self.urls.get(p, p) for p in self.empty_files]
+        return f"skipped {count} empty file{'s' if count > 1 else ''} (no records): {_names(named)}"
 
     def documents(self) -> Iterator[str]:
         for _, _, doc in self.records():
@@ -110,22 +133,67 @@ class Source:
                 (f"hub:{self.name}", index, doc) for index, doc in _hub_documents(self.name, self.text_field)
             )
         else:
+            self.download()
             empty = set(self.empty_files)
-            records = _file_records([p for p in self.files if p not in empty], self.text_field)
-        for origin, index, doc in records:
-            # An editor's byte-order mark says how the file is encoded; it is not text.
-            yield origin, index, doc[1:] if doc.startswith(BOM) else doc
+            records = _file_records([p for p in self.files if p not in empty], self.text_field, self.urls)
+        try:
+            for origin, index, doc in records:
+                # An editor's byte-order mark says how the file is encoded; it is not text.
+                yield origin, index, doc[1:] if doc.startswith(BOM) else doc
+        except UserError as exc:
+            raise self.named(exc) from None
 
     def stat_digest(self) -> str | None:
-        """A digest of each file's resolved path, size and mtime_ns (None for other kinds), so a
-        recipe changes when an input file does, though its name stays the same."""
+        """A digest of each file's resolved path, size and mtime_ns (of an object in a store: its
+        URL, size and content tag; None for other kinds), so a recipe changes when an input file
+        does, though its name stays the same."""
         if self.kind != "files":
             return None
         digest = hashlib.sha256()
+        if self.remote:  # (its downloaded copies are new files each time)
+            for remote in self.remote:
+                digest.update(f"{remote.url}\0{remote.size}\0{remote.tag}\n".encode())
+            return digest.hexdigest()
         for path in self.files:
             stat = path.stat()
             digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
         return digest.hexdigest()
+
+    def download(self) -> None:
+        """The files in a store (`remote`), downloaded into a temporary directory (removed with
+        this Source, or at exit) and checked as local files are; a no-op for local files and once
+        done. Each failure is one line naming the URL."""
+        if not self.remote or self.files:
+            return
+        root = Path(tempfile.mkdtemp(prefix="pretrain-source-"))
+        weakref.finalize(self, shutil.rmtree, root, True)
+        for index, remote in enumerate(self.remote):
+            # Its own name (the suffix says how it is read) in a directory of its own.
+            local = root / f"{index:05d}" / remote.url.rsplit("/", 1)[-1]
+            local.parent.mkdir()
+            fs, path = storage.filesystem(remote.url)
+            try:
+                fs.get_file(path, str(local))
+            except Exception as exc:  # the filesystems raise their own kinds
+                raise UserError(storage.problem(remote.url, exc)) from None
+            if local.stat().st_size != remote.size:
+                raise UserError(
+                    f"{remote.url} changed while it was read ({local.stat().st_size:,} bytes, listed "
+                    f"{remote.size:,}): run again once it is written"
+                )
+            self.files.append(local)
+            self.urls[local] = remote.url
+        try:
+            self.empty_files = _empty_files(self.files, self.text_field)
+        except UserError as exc:
+            raise self.named(exc) from None
+
+    def named(self, exc: UserError) -> UserError:
+        """`exc` with each downloaded file's path replaced by its URL (the name a user gave)."""
+        line = str(exc)
+        for local, url in self.urls.items():
+            line = line.replace(str(local.resolve()), url).replace(str(local), url)
+        return UserError(line)
 
 
 def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
@@ -137,9 +205,19 @@ def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
         return Source("builtin", f"{BUILTIN_PYDOC} (Python {sysconfig.get_python_version()})")
     if BUILTIN_PYDOC in specs:
         raise UserError(f"{BUILTIN_PYDOC} cannot be mixed with other sources")
+    if any(storage.is_url(spec) for spec in specs):
+        return _remote_source(specs, text_field)
     if len(specs) == 1 and _looks_like_hub_name(specs[0]):
         return Source("hub", f"hub:{specs[0]}", name=specs[0], text_field=text_field)
     files = _expand_files(specs)
+    empty = _empty_files(files, text_field)
+    # Resolved paths: the same files named from another directory are the same recipe.
+    description = "files:" + ",".join(str(p.resolve()) for p in files)
+    return Source("files", description, files=files, text_field=text_field, empty_files=empty)
+
+
+def _empty_files(files: list[Path], text_field: str) -> list[Path]:
+    """The files holding no records, each file checked (`_check_file`); refused when all are."""
     empty = [path for path in files if _check_file(path, text_field)]
     if empty and len(empty) == len(files):
         if len(files) == 1:
@@ -147,12 +225,61 @@ def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
         raise UserError(
             f"every source file is empty (no records): {_names(files)}; pass files that hold documents"
         )
-    # Resolved paths: the same files named from another directory are the same recipe.
-    description = "files:" + ",".join(str(p.resolve()) for p in files)
-    return Source("files", description, files=files, text_field=text_field, empty_files=empty)
+    return empty
 
 
-def _names(paths: list[Path], shown: int = 3) -> str:
+def _remote_source(specs: list[str], text_field: str) -> Source:
+    """URLs or URL globs of files in an object store: listed now (names, sizes, content tags: the
+    recipe), downloaded when first read (`Source.download`)."""
+    if not all(storage.is_url(spec) for spec in specs):
+        raise UserError(
+            f"--source mixes URLs and local paths ({', '.join(specs)}): pass URLs only (upload the local "
+            "files beside the others) or local paths only"
+        )
+    remote = [found for spec in specs for found in _list_objects(spec)]
+    for found in remote:
+        if file_type(Path(found.url)) not in ACCEPTED_SUFFIXES:
+            raise UserError(
+                f"{found.url}: unsupported file type {file_type(Path(found.url))!r}; use {ACCEPTED}"
+            )
+    description = "files:" + ",".join(found.url for found in remote)
+    return Source("files", description, text_field=text_field, remote=remote)
+
+
+def _list_objects(spec: str) -> list[RemoteFile]:
+    """The objects `spec` names (one, or a glob's matches in sorted order); one line when none."""
+    fs, path = storage.filesystem(spec)
+    try:
+        fs.invalidate_cache()  # (a listing this process made before may be stale: the recipe needs today's)
+        if glob.has_magic(path):
+            infos = [info for info in fs.glob(path, detail=True).values() if info.get("type") == "file"]
+            if not infos:
+                raise UserError(f"no objects match {spec!r}: check the pattern")
+        else:
+            infos = [fs.info(path)]
+            if infos[0].get("type") != "file":
+                raise UserError(
+                    f"{spec} is a prefix, not an object: name its files, or a glob such as "
+                    f"{spec.rstrip('/')}/*.jsonl"
+                )
+    except UserError:
+        raise
+    except Exception as exc:  # the filesystems raise their own kinds
+        raise UserError(storage.problem(spec, exc)) from None
+    found = [
+        RemoteFile(fs.unstrip_protocol(info["name"]), int(info["size"]), _content_tag(info)) for info in infos
+    ]
+    return sorted(found, key=lambda remote: remote.url)
+
+
+def _content_tag(info: dict) -> str:
+    """What in a store's listing of an object changes with its content (`CONTENT_TAGS`); "" when
+    the store gives none of them (the size alone then identifies it)."""
+    key = next((key for key in CONTENT_TAGS if info.get(key) is not None), None)
+    return f"{key}={info[key]}" if key else ""
+
+
+def _names(paths: Sequence[Path | str], shown: int = 3) -> str:
     more = f" and {len(paths) - shown:,} more" if len(paths) > shown else ""
     return ", ".join(str(p) for p in paths[:shown]) + more
 
@@ -341,20 +468,23 @@ def _invalid_fraction(data: bytes) -> float:
     return max(invalid, 0) / len(data)
 
 
-def _file_records(files: list[Path], text_field: str) -> Iterator[tuple[str, int, str]]:
+def _file_records(
+    files: list[Path], text_field: str, urls: dict[Path, str]
+) -> Iterator[tuple[str, int, str]]:
     """Text files (one record each) go through one streaming `load_dataset` call per run of
-    consecutive ones; a JSON or Parquet file gets its own call, so each record knows its file."""
+    consecutive ones; a JSON or Parquet file gets its own call, so each record knows its file (its
+    resolved path, or for a file downloaded from a store, its URL in `urls`)."""
     run: list[Path] = []
     for path in [*files, None]:
         if run and (path is None or _kind(path) != "text"):
             for file, (_, text) in zip(run, _stream_files(run, text_field), strict=True):
-                yield str(file.resolve()), 0, text
+                yield urls.get(file) or str(file.resolve()), 0, text
             run = []
         if path is not None and _kind(path) == "text":
             run.append(path)
         elif path is not None:
             for index, text in _stream_files([path], text_field):
-                yield str(path.resolve()), index, text
+                yield urls.get(path) or str(path.resolve()), index, text
 
 
 def _kind(path: Path) -> str:

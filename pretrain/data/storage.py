@@ -142,7 +142,11 @@ def problem(url: str, exc: BaseException) -> str:
             "AWS_PROFILE, or run where an instance role gives them (docs/data.md)"
         )
     if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
-        return f"{url}: access denied: give these credentials read access to it (s3:GetObject, s3:ListBucket)"
+        # (a HEAD request's 403 carries no code: a key the store does not know reads the same)
+        return (
+            f"{url}: access denied ({text[:80]}): give these credentials read access to it (s3:GetObject, "
+            "s3:ListBucket), or check they are the ones meant (AWS_ACCESS_KEY_ID, AWS_PROFILE)"
+        )
     if "bucket does not exist" in text.lower() or "NoSuchBucket" in text:
         return (
             f"{url}: the bucket {bucket} does not exist: check its name, and AWS_ENDPOINT_URL for an "

@@ -3,7 +3,8 @@ test session, which the project reaches through s3fs over HTTP exactly as it rea
 
 The fixture `s3_server` gives the endpoint, the environment a process needs to reach it (test
 credentials, AWS_ENDPOINT_URL, no instance-metadata lookup, no ~/.aws files) and helpers: a fresh
-bucket per test, an s3fs filesystem, and a `blackhole` endpoint that accepts connections and never
+bucket per test, an s3fs filesystem, credentials it refuses (`denied`: an IAM user with no policy,
+moto checking IAM meanwhile), and a `blackhole` endpoint that accepts connections and never
 answers (a network that stops answering). Skipped, with the reason, where moto or s3fs is missing.
 
 Use: `from tests.integration.s3_server import s3_server  # noqa: F401` in a conftest.py, then
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -65,6 +68,39 @@ class S3Server:
             os.environ.clear()
             os.environ.update(saved)
             _forget_filesystems()
+
+    @contextlib.contextmanager
+    def denied(self) -> Iterator[dict[str, str]]:
+        """Credentials the server knows and refuses: a new IAM user with no policy, while the server
+        checks every request against IAM (moto's /moto-api/reset-auth; unchecked again after). Gives
+        the environment changes that use them, for `environment(**changes)`."""
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        )
+        name = f"denied-{os.getpid()}-{next(self._names)}"
+        iam.create_user(UserName=name)
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        previous = self._checked("0")
+        try:
+            yield {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        finally:
+            self._checked(previous)
+
+    def _checked(self, after: str) -> str:
+        """moto's IAM checks from `after` requests on ("0": all, "inf": none); the previous setting."""
+        request = urllib.request.Request(
+            f"{self.endpoint}/moto-api/reset-auth",
+            data=after.encode(),
+            headers={"Content-Type": "text/plain"},
+        )  # (not a form: moto reads the body as it is)
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return json.loads(answer.read())["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"]
 
 
 def _forget_filesystems() -> None:

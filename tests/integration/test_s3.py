@@ -2,21 +2,25 @@
 reached through s3fs over HTTP as AWS is.
 
 One training run is shared by its assertions: the session's corpus prepared into a bucket, trained
-10 steps by 2 processes with the golden run's settings from s3://, checkpoints mirrored to the
-bucket; then the rest of the run in an *empty* run directory, with part of the cache deleted, which
-resumes from the mirror. Its losses and evaluations must be the golden run's, bit for bit.
+by 2 processes with the golden run's settings from s3://, checkpoints mirrored to the bucket, and
+killed (SIGKILL, every process) mid-run, after step 11; then the rest of the run in an *empty* run
+directory, with part of the cache deleted, which resumes from the mirror. Its losses and
+evaluations must be the golden run's, bit for bit.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from pretrain.cli import main
-from pretrain.data import WindowStream
+from pretrain.data import WindowStream, read_manifest
 from pretrain.data.storage import ShardCache
 from pretrain.data.views import local_dataset
 from pretrain.errors import DataError, UserError
@@ -63,6 +67,25 @@ def train(run_dir, data: str, *overrides: str, env: dict) -> subprocess.Complete
     return result
 
 
+def train_until_killed(run_dir, data: str, *overrides: str, env: dict, mirrored: str, fs) -> str:
+    """`train`'s job with rank 0 hung as step 12 begins (faults.hang_step), every process of it
+    SIGKILLed once the hang began and `mirrored` is in the store: a node lost mid-run. Its output."""
+    args = [*torchrun(2), "--config", TINY, f"run.dir={run_dir}", f"data.dir={data}", *FAST, *overrides]
+    output = run_dir.parent / f"{run_dir.name}.out"
+    with open(output, "w") as out:
+        job = subprocess.Popen([*args, "faults.hang_step=12"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600  # (a safety net: the job is at step 12 within a minute alone)
+    while not ((run_dir / "faults_fired.json").exists() and fs.exists(mirrored)):
+        assert job.poll() is None and time.monotonic() < deadline, output.read_text()[-4000:]
+        time.sleep(0.1)
+        fs.invalidate_cache()
+    launcher = psutil.Process(job.pid)
+    for process in [launcher, *launcher.children(recursive=True)]:  # (the ranks: sessions of their own)
+        process.kill()
+    job.wait()
+    return output.read_text()
+
+
 def test_training_from_s3_is_the_golden_run_and_resumes_from_the_mirror(
     s3_server, golden_run, train_data, tokenizer_dir, tmp_path
 ):
@@ -74,9 +97,11 @@ def test_training_from_s3_is_the_golden_run_and_resumes_from_the_mirror(
         (train_data / "manifest.json").read_text()
     )
     settings = [*OVERRIDES, f"checkpoint.mirror={mirror}", f"data.cache_dir={cache}"]
-    first = train(tmp_path / "first", data, *settings, "train.stop_at_step=10", env=s3_server.env)
-    assert sorted(metrics(tmp_path / "first")) == list(range(1, 11)), first.stderr[-2000:]
-    assert fs.exists(f"{mirror}/step_00000010/complete.json")
+    step_10 = f"{mirror}/step_00000010/complete.json"
+    first = train_until_killed(
+        tmp_path / "first", data, *settings, env=s3_server.env, mirrored=step_10, fs=fs
+    )
+    assert sorted(metrics(tmp_path / "first")) == list(range(1, 12)), first[-2000:]
     # A new node: an empty run directory, and a cache that lost the validation shard.
     manifest = json.loads((train_data / "manifest.json").read_text())
     (cache / "shards" / f"{manifest['splits']['validation']['shards'][0]['sha256']}.bin").unlink()
@@ -122,6 +147,45 @@ def test_a_shard_corrupted_in_the_bucket_is_fetched_again_then_refused(
     assert ShardCache.at(tmp_path / "cache", 1.0).stats["refetched"] == 1
 
 
+def test_prepare_from_a_url_gives_the_local_shards_and_eval_as_run_reads_them(
+    s3_server, golden_run, train_data, tokenizer_dir, tmp_path, monkeypatch, capsys
+):
+    """`data prepare --source s3://...` gives the shards the local file gives (the corpus
+    fingerprint the golden run trained on); the same recipe again is a no-op without a download, a
+    changed object a different recipe; `eval --data URL --as-run` gives the run's own eval/loss."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the download, eval's default cache)
+    bucket = s3_server.bucket()
+    fs = s3_server.fs()
+    fs.put_file(str(train_data.parent / "topics.jsonl"), f"{bucket}/corpus/topics.jsonl")
+    prepare = ["data", "prepare", "--source", f"{bucket}/corpus/*.jsonl", "--tokenizer", str(tokenizer_dir)]
+    prepare += ["--out", f"{bucket}/topics", "--val-fraction", "0.1", "--workers", "1", "--no-progress"]
+    with s3_server.environment():
+        assert run(*prepare, capsys=capsys)[0] == 0
+        ours, local = json.loads(fs.cat_file(f"{bucket}/topics/manifest.json")), read_manifest(train_data)
+        assert ours["splits"] == local["splits"] and ours["fingerprint"] == local["fingerprint"]
+        assert ours["documents"]["origins"] == [f"{bucket}/corpus/topics.jsonl"]
+        code, err = run(*prepare, capsys=capsys)
+        assert (
+            code == 0
+            and err == f"{bucket}/topics already holds this dataset; nothing to do (--overwrite to rebuild)"
+        )
+        edited = fs.cat_file(f"{bucket}/corpus/topics.jsonl").replace(b"a", b"b", 1)  # (the same size)
+        fs.pipe_file(f"{bucket}/corpus/topics.jsonl", edited)
+        code, err = run(*prepare, capsys=capsys)
+        assert code == 2 and err == (
+            f"pretrain: error: {bucket}/topics already holds a different dataset: choose another --out, or pass --overwrite"
+        )
+        logged = json.loads((golden_run / "train_summary.json").read_text())["eval"][-1]
+        capsys.readouterr()
+        code = main(
+            ["eval", "--checkpoint", str(golden_run), "--data", f"{bucket}/topics", "--as-run", "--json"]
+        )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["loss"] == pytest.approx(logged["loss"], abs=5e-6) and result["logged"] == logged["loss"]
+
+
 def run(*args: str, capsys) -> tuple[int, str]:
     capsys.readouterr()
     code = main(list(args))
@@ -140,6 +204,14 @@ def test_bad_inputs_are_one_line_naming_the_url(s3_server, tmp_path, capsys):
         )
         with pytest.raises(UserError, match=r"does not exist: check its name, and AWS_ENDPOINT_URL"):
             local_dataset("s3://no-such-bucket/x", tmp_path)
+    # Access denied: a 403 from the server, which checks IAM meanwhile, before anything starts.
+    verify = ("data", "verify", f"{bucket}/x")
+    prepare = ("data", "prepare", "--source", f"{bucket}/c.jsonl", "--tokenizer", "no", "--out", "no")
+    with s3_server.denied() as user, s3_server.environment(**user):
+        for args, url in ((verify, f"{bucket}/x/manifest.json"), (prepare, f"{bucket}/c.jsonl")):
+            code, err = run(*args, capsys=capsys)
+            assert code == 2 and err.count("\n") == 0, err
+            assert f"{url}: access denied (Forbidden): give these credentials read access" in err
     with (
         s3_server.environment(AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None),
         pytest.raises(

@@ -636,3 +636,44 @@ def test_the_docs_list_exactly_the_accepted_suffixes():
     listed = [suffix for row in rows for suffix in re.findall(r"`(\.[a-z0-9.]+)`", row)]
     assert sorted(listed) == sorted(ACCEPTED_SUFFIXES) and len(set(listed)) == len(listed)
     assert all(s in ACCEPTED for s in (*KNOWN_SUFFIXES, *COMPRESSIONS))
+
+
+def test_url_sources_are_listed_then_downloaded_and_read_as_local_files(tmp_path, tokenizer_dir, monkeypatch):
+    """A source in an object store (fsspec's memory:// here; S3 through moto's server in
+    tests/integration/test_s3.py): a glob's objects in sorted order give the local files' shards,
+    named by URL in the document index and in what is said; the same recipe again downloads
+    nothing; a prefix, a pattern matching nothing and URLs mixed with paths are one line each."""
+    import fsspec
+
+    fs, root = fsspec.filesystem("memory"), f"memory://unit-{os.getpid()}-{tmp_path.name}"
+    local = [
+        write_jsonl(tmp_path / name, docs) for name, docs in (("a.jsonl", DOCS[:3]), ("b.jsonl", DOCS[3:]))
+    ]
+    for path in local:
+        fs.pipe_file(f"{root}/corpus/{path.name}", path.read_bytes())
+    fs.pipe_file(f"{root}/corpus/c.jsonl", b"")
+    source = resolve_source(f"{root}/corpus/*.jsonl")
+    urls = [remote.url for remote in source.remote]
+    assert [url.rsplit("/", 1)[1] for url in urls] == ["a.jsonl", "b.jsonl", "c.jsonl"] and not source.files
+    ours = prepare(source, tokenizer_dir, tmp_path / "ours", val_fraction=0.1, progress=False).manifest
+    theirs = prepare_dataset(
+        resolve_source(str(tmp_path / "*.jsonl")), tokenizer_dir, tmp_path / "theirs", 0.1, progress=False
+    )
+    assert ours["splits"] == theirs["splits"] and ours["documents"]["origins"] == urls[:2]
+    assert source.skipped_line == f"skipped 1 empty file (no records): {urls[2]}"
+    monkeypatch.setattr(Source, "download", lambda self: pytest.fail("the same recipe downloaded its source"))
+    again = prepare(
+        resolve_source(f"{root}/corpus/*.jsonl"), tokenizer_dir, tmp_path / "ours", val_fraction=0.1
+    )
+    assert not again.written
+    monkeypatch.undo()
+    fs.pipe_file(f"{root}/corpus/d.jsonl", b"not json\n")
+    with pytest.raises(UserError, match=r"^memory://\S+/corpus/d.jsonl is not JSON lines"):
+        prepare(resolve_source(f"{root}/corpus/d.jsonl"), tokenizer_dir, tmp_path / "d", progress=False)
+    for spec, line in (
+        ([f"{root}/corpus"], "is a prefix, not an object: name its files, or a glob such as"),
+        ([f"{root}/corpus/*.parquet"], "no objects match"),
+        ([f"{root}/corpus/a.jsonl", str(local[1])], "--source mixes URLs and local paths"),
+    ):
+        with pytest.raises(UserError, match=re.escape(line)):
+            resolve_source(spec)
