@@ -274,9 +274,15 @@ def newton_schulz(g: torch.Tensor, method: str = "gram", dtype: torch.dtype = to
 
 
 def ns_dtype(method: str) -> torch.dtype:
-    """Where DeepSpeed 0.19.8 runs the iteration: `gram` in fp16, `standard` in bf16 (both
-    supported by its CPU and CUDA accelerators; fp32 where one is not)."""
-    return torch.float16 if method == "gram" else torch.bfloat16
+    """Where DeepSpeed runs the iteration (`ns_compute_dtype`): `gram` in fp16 and `standard` in
+    bf16 where the accelerator has them, fp32 where it does not (DeepSpeed's CPU accelerator has
+    no fp16 on a CPU without AVX512-FP16 or AMX-FP16, an AMD EPYC among them). Without DeepSpeed's
+    Muon module, the accelerator's choice on a GPU."""
+    try:
+        from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+    except ImportError:
+        return torch.float16 if method == "gram" else torch.bfloat16
+    return ns_compute_dtype(method)
 
 
 def muon_direction(
