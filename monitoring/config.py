@@ -76,7 +76,7 @@ class TrainerLinkConfig:
     timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
     # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
     quarantine: bool = False
-    # Skip a bad update in place (pretrain/skip_step.py): a step whose loss or gradient norm is
+    # Skip a bad update in place (pretrain/stability/skip_step.py): a step whose loss or gradient norm is
     # non-finite or above skip_ratio × its running median (of the last skip_window) never lands
     # (the gradient norm against skip_grad_norm_ratio instead, when that is set).
     # The trainer does it, with or without the service; the service then rolls back only when

@@ -6,7 +6,7 @@ Before every start each host is checked (`check_hosts`: ssh answers within a tim
 project's Python imports there and finds torch and DeepSpeed installed, the run directory is
 writable and has room, the GPUs its slots
 need are visible where there are GPUs, each with the memory the run's memory plan needs per GPU,
-`pretrain/memory.py`). `HostSet.choose` then takes N healthy hosts — those of the
+`pretrain/planning/memory.py`). `HostSet.choose` then takes N healthy hosts — those of the
 last attempt first, then the spares in hostfile order, then hosts lost earlier in the run — or,
 with fewer than N healthy, fewer nodes down to M where the global batch still divides (more
 gradient accumulation keeps it exactly). A host that straggled (`monitor.on_straggler=replace`)
@@ -65,7 +65,7 @@ say(None)
 
 def check_host(host: str, run_dir: Path, slots: int, env: dict | None = None, need: float = 0) -> str | None:
     """Why `host` cannot take part in the next start, or None when it can. `need`: the bytes per GPU
-    of the run's memory plan (`pretrain/memory.py`; 0: not checked)."""
+    of the run's memory plan (`pretrain/planning/memory.py`; 0: not checked)."""
     arguments = [str(run_dir), str(slots), str(MIN_FREE_BYTES), str(int(need))]
     remote = shlex.join([sys.executable, "-c", CHECK_SCRIPT, *arguments])
     command = ["ssh", "-o", f"ConnectTimeout={CONNECT_SECONDS}", "-o", "BatchMode=yes", host]

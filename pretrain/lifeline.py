@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from pretrain import atomic
-from pretrain.distributed import STOP_CAUSE
+from pretrain.parallel.distributed import STOP_CAUSE
 from pretrain.run_dir import OWNER_ENV
 
 POLL_SECONDS = 1.0

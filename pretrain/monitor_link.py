@@ -38,7 +38,7 @@ from monitoring.protocol import (
     monitor_dir,
     split_answer,
 )
-from pretrain.distributed import DistEnv, broadcast, broadcast_json
+from pretrain.parallel.distributed import DistEnv, broadcast, broadcast_json
 
 MAX_WAITING = 1_000_000  # reports kept for a service that is away (~300 bytes each)
 

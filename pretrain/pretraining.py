@@ -25,21 +25,22 @@ from pretrain.data.loader import document_ids
 from pretrain.data.provenance import Provenance, documents_or_reason
 from pretrain.data.shards import fingerprint, split_windows
 from pretrain.data.views import local_sources
-from pretrain.distributed import DistEnv
-from pretrain.engine import BatchPlan, check_zero3_buckets, deepspeed_config, plan_batches
 from pretrain.errors import UserError
-from pretrain.evaluation import attention_probe, continuations, validation_loss
-from pretrain.faults import FaultInjector
-from pretrain.finetune.initial import InitialModel, find_initial
-from pretrain.flops import describe_model, flops_per_token, largest_parameter
-from pretrain.model import Transformer
+from pretrain.evaluation.held_out import attention_probe, continuations, validation_loss
+from pretrain.initial_model import InitialModel, find_initial
+from pretrain.model.transformer import Transformer
 from pretrain.monitor_link import MonitorLink
-from pretrain.replay import FaultCounts
+from pretrain.optim.schedules import schedule_for
+from pretrain.parallel.distributed import DistEnv
+from pretrain.parallel.engine import BatchPlan, check_zero3_buckets, deepspeed_config, plan_batches
+from pretrain.parallel.sequence import SequenceShard
+from pretrain.planning.flops import describe_model, flops_per_token, largest_parameter
+from pretrain.reporting.wandb_sink import check_available
 from pretrain.run_builder import RunParts, RunPlan, run
 from pretrain.run_dir import has_checkpoints, model_identity
-from pretrain.schedules import schedule_for
-from pretrain.sequence_parallel import SequenceShard
-from pretrain.skip_step import SkipGuard
+from pretrain.stability.faults import FaultInjector
+from pretrain.stability.replay import FaultCounts
+from pretrain.stability.skip_step import SkipGuard
 from pretrain.tokenizer import Tokenizer, check_beside, load_run_tokenizer, run_special_tokens, run_tokenizer
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence
@@ -50,7 +51,6 @@ from pretrain.train.replay_hook import ReplayCheck
 from pretrain.train.replica_hook import ReplicaCheck
 from pretrain.train.skip_hook import SkipBadUpdates
 from pretrain.train.straggler_hook import StragglerRule, StragglerWatch
-from pretrain.wandb_sink import check_available
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ from monitoring.protocol import SUMMARY_FILE
 from pretrain import atomic
 from pretrain.checkpoint.checkpointer import Checkpointer, Resume, TrainState, choose_resume
 from pretrain.config import FaultsConfig, FinetuneConfig, RunConfig, config_hash, to_yaml
-from pretrain.distributed import DistEnv, barrier
-from pretrain.engine import BatchPlan, build, set_determinism_and_connect
-from pretrain.flops import current_device_peak_flops
 from pretrain.lifeline import watch_supervisor
-from pretrain.metrics import MetricsWriter
+from pretrain.parallel.distributed import DistEnv, barrier
+from pretrain.parallel.engine import BatchPlan, build, set_determinism_and_connect
+from pretrain.planning.flops import current_device_peak_flops
+from pretrain.reporting.metrics import MetricsWriter
 from pretrain.run_dir import owning_run_dir
 from pretrain.train.hooks import StepHook
 from pretrain.train.loop import Cadence, Task, Trainer

@@ -32,6 +32,7 @@ from pretrain.errors import UserError
 LOCK_FILE = "run.lock"
 RUN_FILE = "run.json"
 PREVIOUS_DIR = "previous"
+FIRED_FILE = "faults_fired.json"  # the injected faults that fired (pretrain/stability/faults.py)
 OWNER_ENV = "PRETRAIN_RUN_OWNER"  # set by the supervisor for its job: "host:pid:start" (pretrain/lifeline.py)
 
 # Changing these between starts of one run is never meaningful: they are not identity, and not news.

@@ -704,28 +704,3 @@ def train_tokenizer(
     tokenizer = Tokenizer.load(out_dir)
     atomic.write_json(out_dir / META_FILE, tokenizer.meta() | {"model_type": model_type})
     return tokenizer
-
-
-def train_tokenizer_on(
-    specs: list[str],
-    out_dir: str | Path,
-    vocab_size: int,
-    model_type: str = "bpe",
-    sample_sentences: int = 2_000_000,
-    text_field: str = "text",
-    overwrite: bool = False,
-    announce=print,
-) -> Tokenizer:
-    """`pretrain tokenizer train`: a tokenizer trained on sources (files, globs, a Hub dataset,
-    builtin:pydoc); an existing one in `out_dir` is replaced only with `overwrite`."""
-    from pretrain.data.sources import resolve_source
-
-    out_dir = Path(out_dir)
-    if (out_dir / MODEL_FILE).exists() and not overwrite:
-        raise UserError(f"{out_dir / MODEL_FILE} exists: choose another --out, or pass --overwrite")
-    source = resolve_source(specs, text_field=text_field)
-    announce(f"training a {model_type} tokenizer of {vocab_size} pieces on {source.summary}")
-    source.download()  # (a source in an object store: here, checked; its empty files known)
-    if source.skipped_line:
-        announce(source.skipped_line)
-    return train_tokenizer(source.documents(), out_dir, vocab_size, model_type, sample_sentences)

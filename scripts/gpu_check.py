@@ -445,7 +445,7 @@ def drill_report(run_dir: Path, drill: Drill, first: Finished, second: Finished)
     """What the two launches did, from the run directory's events, metrics and summary, and the
     checks that say it did what it does on CPU."""
     from monitoring.protocol import Restart, RollbackApplied, RollbackDecided, read_events
-    from pretrain.metrics import read_metrics
+    from pretrain.reporting.metrics import read_metrics
 
     events = read_events(run_dir)
     rollbacks = [e.to_json() for e in events if isinstance(e, RollbackDecided)]

@@ -144,7 +144,7 @@ def _step_times(run_dir: Path, skip: int = 10) -> list[float]:
     the step's all-reduce, before the step reports to the monitor and acts on its answers."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
     board.Reload()
@@ -160,7 +160,7 @@ def overhead(args) -> None:
     step's record to the next: `_step_times`)."""
     import statistics
 
-    from pretrain.distributed import free_port
+    from pretrain.parallel.distributed import free_port
 
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)

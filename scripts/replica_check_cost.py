@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from pretrain.config import EngineConfig, ModelConfig, OptimConfig
-from pretrain.distributed import DistEnv, init_distributed
-from pretrain.engine import BatchPlan, deepspeed_config, initialize
-from pretrain.flops import param_counts
-from pretrain.model import Transformer
-from pretrain.replay import FaultCounts
+from pretrain.model.transformer import Transformer
+from pretrain.parallel.distributed import DistEnv, init_distributed
+from pretrain.parallel.engine import BatchPlan, deepspeed_config, initialize
+from pretrain.planning.flops import param_counts
+from pretrain.stability.replay import FaultCounts
 from pretrain.train.machine_faults import FaultLedger
 from pretrain.train.replica_hook import ReplicaCheck
 

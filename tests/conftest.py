@@ -56,10 +56,10 @@ def share_the_cores(workers: int) -> None:
     torch's default gives each of them every core, so the two workers' training (in process, and
     in the single-process commands they run) would oversubscribe this 2-core machine, OpenMP's
     threads spinning while they wait for a core. A multi-process job's ranks share the worker's
-    share (`pretrain.distributed.cpu_threads_per_rank` gives way to OMP_NUM_THREADS when it is
+    share (`pretrain.parallel.distributed.cpu_threads_per_rank` gives way to OMP_NUM_THREADS when it is
     set): one thread each, as before, for the two ranks of a job, the golden run's included.
     Measured on this machine: the unit tier alone in 31 s against 68 s (docs/performance.md)."""
-    from pretrain.distributed import usable_cores
+    from pretrain.parallel.distributed import usable_cores
 
     threads = max(1, usable_cores() // max(workers, 1))
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -114,7 +114,7 @@ def small_model_config(**overrides) -> ModelConfig:
 def random_weights_model(qkv_scale: float = 1.0, **overrides):
     """A small model with every weight random, norms included (so no mapping error hides behind
     ones); `qkv_scale` sharpens attention far from uniform."""
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(small_model_config(**overrides))

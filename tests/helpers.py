@@ -45,6 +45,6 @@ def assert_one_line_error(result, *fragments: str) -> None:
 
 def metrics_by_step(run_dir) -> dict[int, dict]:
     """metrics.jsonl per step, the last record of each (a resumed run appends)."""
-    from pretrain.metrics import read_metrics
+    from pretrain.reporting.metrics import read_metrics
 
     return {r["step"]: r for r in read_metrics(run_dir)}

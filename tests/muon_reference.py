@@ -1,5 +1,5 @@
 """The reference the Muon tests hold DeepSpeed to: one process, Muon for `muon_groups`' Muon
-groups as DeepSpeed 0.19.8 applies it under ZeRO-1/2 (the rule in pretrain/optimizers.py,
+groups as DeepSpeed 0.19.8 applies it under ZeRO-1/2 (the rule in pretrain/optim/muon.py,
 `muon_direction`: written from the algorithm, and checked against torch.optim.Muon in
 tests/unit/test_optimizers.py), torch.optim.AdamW for the rest."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.optimizers import muon_direction
+from pretrain.optim.muon import muon_direction
 
 
 class ReferenceMuon(torch.optim.Optimizer):

@@ -7,7 +7,7 @@ same parameter count (within 0.05%), data, tokens, batch and schedule; only the 
 switches differ. Each arm gets the same learning-rate search: one full run per learning rate in
 `--lrs`, each a real `pretrain train` process. An arm's best run is the one with the lowest final
 evaluation loss. The compute an arm needs to reach a loss is read off its best run's evaluation
-curve (linear between evaluations) times the training FLOPs per token of `pretrain/flops.py`; the
+curve (linear between evaluations) times the training FLOPs per token of `pretrain/planning/flops.py`; the
 target loss is the higher of the two best final losses, the loss both arms reach.
 
 Runs that finished are not repeated, so an interrupted sweep continues where it stopped. Writes
@@ -26,7 +26,7 @@ from pathlib import Path
 from pretrain.bench.runs import finished, run_once
 from pretrain.config import config_dir, load_config
 from pretrain.errors import UserError
-from pretrain.flops import flops_per_token
+from pretrain.planning.flops import flops_per_token
 
 ARMS = {
     "transformer_pp": "Transformer++ (pre-RMSNorm, RoPE, SwiGLU)",

@@ -123,8 +123,9 @@ def bench_source(url: str, work: Path, windows: int = 2000, seq_len: int = 2048)
     fetched and verified), the windows per second of a whole pass of `windows` shuffled windows
     from the store (the cache filling, the prefetcher ahead) and again with the cache full, the
     cache's hits and misses, and the same windows from a local copy of the dataset."""
-    from pretrain.data.storage import DEFAULT_CACHE_GIB, ShardCache, filesystem
+    from pretrain.data.storage import DEFAULT_CACHE_GIB, ShardCache
     from pretrain.data.views import local_dataset
+    from pretrain.object_store import filesystem
 
     cache = work / "cache"
     started = time.perf_counter()

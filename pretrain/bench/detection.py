@@ -34,7 +34,7 @@ from monitoring.protocol import (
     read_events,
 )
 from pretrain.errors import UserError
-from pretrain.metrics import read_metrics
+from pretrain.reporting.metrics import read_metrics
 
 FACTORS = (1.5, 2.0, 3.0, 5.0, 50.0)
 

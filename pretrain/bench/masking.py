@@ -19,7 +19,7 @@ import torch
 
 from pretrain.bench.train import BenchSettings, load_run_config
 from pretrain.errors import UserError
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 
 
 def packed_document_ids(

@@ -1,11 +1,11 @@
-"""`pretrain bench memory`: the memory plan's activation model (`pretrain/memory.py`) against the
+"""`pretrain bench memory`: the memory plan's activation model (`pretrain/planning/memory.py`) against the
 peak memory of one forward and backward pass, measured, for small models on this machine.
 
 Each shape is built in bf16 (as DeepSpeed trains), every parameter's gradient dropped as soon as it
 is accumulated (DeepSpeed moves it into its buckets at that point), and one pass of a random batch
 measured: on a CPU, the peak of what torch's allocator holds, from its profiler's memory events
 (`Total Allocated`); on a GPU, `torch.cuda.max_memory_allocated` above the weights. The model's
-figure takes the LM head's chunk of the device the pass ran on (`pretrain/loss.py`).
+figure takes the LM head's chunk of the device the pass ran on (`pretrain/model/loss.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.engine import apply_activation_checkpointing
-from pretrain.loss import chunk_rows
-from pretrain.memory import activation_bytes
-from pretrain.model import Transformer
+from pretrain.model.loss import chunk_rows
+from pretrain.model.transformer import Transformer
+from pretrain.parallel.engine import apply_activation_checkpointing
+from pretrain.planning.memory import activation_bytes
 
 # (name, model shape): grouped-query and multi-head attention, an explicit d_ff, one and several
 # LM-head chunks; each at 2 and 4 layers, 2 × 512 tokens, checkpointing off and on

@@ -25,7 +25,7 @@ import torch
 from monitoring.protocol import ENDPOINT_FILE, RollbackDecided, StepMetrics, monitor_dir, read_events
 from pretrain.config import ModelConfig
 from pretrain.errors import UserError
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 from pretrain.monitor_link import MonitorClient, Reporter
 
 

@@ -6,7 +6,7 @@ demo's size: 4 layers, d_model 192, vocab 4096; 300 steps of 8 × 512 tokens, on
 ZeRO-2). Per corpus, AdamW is searched over `--adamw-lrs` (`optim.lr`) first; Muon is then
 searched over `--muon-lrs` (`optim.muon_lr`), its AdamW half at AdamW's best rate. Muon trains
 without clipping (`train.grad_clip=0`: DeepSpeed would clip its orthogonalized update,
-`pretrain/optimizers.py`), AdamW with the config's (1.0). A run's best is its lowest final
+`pretrain/optim/muon.py`), AdamW with the config's (1.0). A run's best is its lowest final
 evaluation loss. Each run is a real `pretrain train` process; runs that finished are not
 repeated, so an interrupted sweep continues where it stopped.
 
@@ -32,7 +32,7 @@ from pretrain.bench.ablation import corpus_name, final_loss, tokens_to_reach
 from pretrain.bench.runs import finished, run_once
 from pretrain.config import config_dir, load_config
 from pretrain.errors import UserError
-from pretrain.flops import flops_per_token, newton_schulz_flops
+from pretrain.planning.flops import flops_per_token, newton_schulz_flops
 
 CONFIG = "ablation/transformer_pp.yaml"
 DEFAULT_ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
@@ -93,7 +93,7 @@ def machine() -> dict:
 
 def step_times(run_dir: Path, skip: int = 3) -> list[float]:
     """The run's seconds per step (metrics.jsonl), its first `skip` steps left out (start-up)."""
-    from pretrain.metrics import read_metrics
+    from pretrain.reporting.metrics import read_metrics
 
     return [
         r["train/step_time"] for r in read_metrics(run_dir) if r["step"] > skip and "train/step_time" in r

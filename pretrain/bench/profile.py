@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from pretrain.bench.train import BenchSettings, check_settings, deepspeed_json, load_run_config, what_ran
-from pretrain.console import without_native_chatter
 from pretrain.errors import UserError
+from pretrain.reporting.console import without_native_chatter
 
 CATEGORIES = ("matmul", "attention", "norm", "elementwise", "optimizer", "communication", "other")
 TOP = 15  # entries of the timeline listed
@@ -351,8 +351,8 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
     import deepspeed
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from pretrain.distributed import DistEnv, init_distributed
-    from pretrain.engine import initialize
+    from pretrain.parallel.distributed import DistEnv, init_distributed
+    from pretrain.parallel.engine import initialize
     from pretrain.pretraining import build_model
 
     env = DistEnv.from_environ()

@@ -52,8 +52,8 @@ from pretrain.bench.ablation import arm_config, corpus_name
 from pretrain.bench.detection import has_faults, run_config
 from pretrain.bench.runs import finished, run_once
 from pretrain.errors import UserError
-from pretrain.metrics import read_metrics
-from pretrain.precursors import PREFIX
+from pretrain.reporting.metrics import read_metrics
+from pretrain.stability.precursors import PREFIX
 
 ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e-4"]}
 DEFAULT_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
@@ -133,11 +133,11 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
 
 def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> list[int]:
     """The steps `monitor.skip_step` (its defaults unless `config`) would have skipped on this
-    recorded series: the trainer's own guard (pretrain/skip_step.py) judging each step's loss and
+    recorded series: the trainer's own guard (pretrain/stability/skip_step.py) judging each step's loss and
     gradient norm, told not to act."""
     import torch
 
-    from pretrain.skip_step import SkipGuard, SkipOutcome
+    from pretrain.stability.skip_step import SkipGuard, SkipOutcome
 
     config = config or TrainerLinkConfig()
     guard = SkipGuard.for_run(

@@ -38,7 +38,7 @@ from pretrain.config import (
     resolve_config,
 )
 from pretrain.errors import UserError
-from pretrain.flops import current_device_peak_flops, flops_per_token, param_counts
+from pretrain.planning.flops import current_device_peak_flops, flops_per_token, param_counts
 
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -96,7 +96,7 @@ def hf_model(cfg: ModelConfig, ours: torch.nn.Module) -> torch.nn.Module:
     """transformers' Llama with the same configuration and the same weights as `ours`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrain.hf import llama_config_dict, to_llama_state_dict
+    from pretrain.model.hf import llama_config_dict, to_llama_state_dict
 
     values = llama_config_dict(cfg)
     values.pop("torch_dtype")
@@ -226,8 +226,8 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     import deepspeed
     import transformers
 
-    from pretrain.distributed import DistEnv, init_distributed
-    from pretrain.engine import initialize
+    from pretrain.parallel.distributed import DistEnv, init_distributed
+    from pretrain.parallel.engine import initialize
     from pretrain.pretraining import build_model
 
     env = DistEnv.from_environ()

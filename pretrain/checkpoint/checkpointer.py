@@ -35,9 +35,8 @@ from pretrain import atomic
 from pretrain.checkpoint import background, integrity, layout, retention, rng, universal
 from pretrain.checkpoint.mirror import Mirror
 from pretrain.config import CheckpointConfig, FaultsConfig
-from pretrain.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.errors import ExitCode, UserError
-from pretrain.faults import save_pause
+from pretrain.parallel.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.tokenizer import copy_tokenizer, stored_name, write_special_tokens
 
 
@@ -241,7 +240,7 @@ class Checkpointer:
             # opening barrier and that one (the directory exists already: see _space_problem).
             barrier()
             return _failure(exc)
-        pause = save_pause(self.faults, state.step)
+        pause = self.faults.save_pause(state.step) if self.faults else 0.0
         if pause:
             if self.env.is_main:
                 print(
@@ -350,7 +349,7 @@ class Checkpointer:
             params=params,
             storages=storages,
             main_files=main_files,
-            pause=save_pause(self.faults, state.step),
+            pause=(self.faults.save_pause(state.step) if self.faults else 0.0),
         )
 
     def wait(self) -> str | None:

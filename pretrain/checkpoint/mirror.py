@@ -32,9 +32,8 @@ import time
 import uuid
 from pathlib import Path
 
-from pretrain import atomic
+from pretrain import atomic, object_store
 from pretrain.checkpoint import layout
-from pretrain.data import storage
 from pretrain.errors import UserError
 
 RETRIES = 4
@@ -100,7 +99,7 @@ class Mirror:
             except FileNotFoundError:
                 return  # deleted locally meanwhile (retention, a rollback): nothing to mirror
             except Exception as exc:
-                line = storage.problem(self.url, exc)
+                line = object_store.problem(self.url, exc)
                 if attempt + 1 == self.retries:
                     self.failed.append(line)
                     _say(f"warning: checkpoint {tag} was not mirrored to {self.url}: {line}; the run goes on")
@@ -111,7 +110,7 @@ class Mirror:
         """Checkpoint `tag`'s files, then its marker, then `latest`; then the mirror keeps what
         the run directory keeps."""
         directory = layout.checkpoints_dir(self.run_dir) / layout.validate_tag(tag)
-        fs, root = storage.filesystem(self.url)
+        fs, root = object_store.filesystem(self.url)
         marker = directory / layout.COMPLETE
         files = json.loads(marker.read_text())["files"]  # (FileNotFoundError: gone meanwhile)
         run_file = self.run_dir / "run.json"
@@ -142,12 +141,12 @@ class Mirror:
         mirror that verifies, downloaded into place; None when the mirror holds none. Bad input
         (no bucket, no credentials, another run's mirror) is one line."""
         say = log or _say
-        fs, root = storage.filesystem(self.url)
+        fs, root = object_store.filesystem(self.url)
         try:
             tags = self.tags(fs, root)
             recorded = json.loads(fs.cat_file(f"{root}/run.json")) if fs.exists(f"{root}/run.json") else None
         except Exception as exc:
-            raise UserError(f"checkpoint.mirror: {storage.problem(self.url, exc)}") from None
+            raise UserError(f"checkpoint.mirror: {object_store.problem(self.url, exc)}") from None
         run_file = self.run_dir / "run.json"
         if recorded is not None and run_file.is_file() and recorded.get("identity") != _identity(run_file):
             raise UserError(
@@ -161,7 +160,9 @@ class Mirror:
                     continue
                 reason = self._download(fs, root, tag)
             except Exception as exc:
-                raise UserError(f"checkpoint.mirror: {storage.problem(f'{self.url}/{tag}', exc)}") from None
+                raise UserError(
+                    f"checkpoint.mirror: {object_store.problem(f'{self.url}/{tag}', exc)}"
+                ) from None
             if reason is None:
                 say(f"restored {tag} from {self.url} (the run directory held no checkpoint)")
                 return tag

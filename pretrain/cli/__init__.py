@@ -22,8 +22,8 @@ import sys
 
 from pretrain.cli import bench, checkpoints, data, inspect, training
 from pretrain.cli.arguments import resolve_config_argument
-from pretrain.console import quiet_libraries, set_verbose
 from pretrain.errors import CommandParser, run_main
+from pretrain.reporting.console import quiet_libraries, set_verbose
 
 
 def build_parser() -> CommandParser:

@@ -34,8 +34,8 @@ def _eval_perplexity(args: argparse.Namespace) -> int:
     micro-batches and bf16 weights of the run's own evaluation. Either way, says what it read."""
     from pretrain.data import WindowStream, read_manifest
     from pretrain.data.shards import fingerprint
-    from pretrain.evaluation import RunEvaluation
-    from pretrain.inference import load_trained, perplexity, window_length
+    from pretrain.evaluation.held_out import RunEvaluation
+    from pretrain.evaluation.inference import load_trained, perplexity, window_length
 
     trained = load_trained(args.checkpoint)
     run = RunEvaluation.of(trained.directory, trained.run_config)
@@ -81,7 +81,7 @@ def _as_run(trained, run, data_dir: str) -> dict:
     from pretrain.data import read_manifest
     from pretrain.data.shards import fingerprint
     from pretrain.errors import UserError
-    from pretrain.evaluation import run_validation_loss
+    from pretrain.evaluation.held_out import run_validation_loss
 
     if run is None:
         raise UserError(
@@ -102,7 +102,7 @@ def _as_run(trained, run, data_dir: str) -> dict:
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
-    from pretrain.harness import evaluate_checkpoint, harness_utils
+    from pretrain.evaluation.harness import evaluate_checkpoint, harness_utils
 
     results, path = evaluate_checkpoint(
         args.checkpoint, args.tasks, args.include_path, args.limit, args.batch_size, args.out
@@ -127,7 +127,7 @@ def count_or_fraction(text: str) -> float | int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pretrain.inference import continue_text
+    from pretrain.evaluation.inference import continue_text
 
     text = continue_text(
         args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
@@ -137,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from pretrain.inference import export_hf
+    from pretrain.evaluation.inference import export_hf
 
     source, out = export_hf(args.checkpoint, args.out, args.dtype)
     architecture = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
@@ -167,7 +167,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_attention(args: argparse.Namespace) -> int:
-    from pretrain.attention import render
+    from pretrain.evaluation.attention_maps import render
 
     result = render(args.checkpoint, args.text, args.out)
     print(

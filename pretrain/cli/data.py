@@ -11,8 +11,8 @@ from pretrain.errors import CommandParser
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    from pretrain.data.storage import refuse_url
-    from pretrain.tokenizer import train_tokenizer_on
+    from pretrain.data.prepare import train_tokenizer_on
+    from pretrain.object_store import refuse_url
 
     refuse_url(args.out, "--out")  # (a local directory: upload it, or prepare a dataset into a bucket)
 
@@ -33,7 +33,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from pretrain.data.prepare import prepare, skipped_report, validation_report
     from pretrain.data.sources import resolve_source
-    from pretrain.data.storage import refuse_url
+    from pretrain.object_store import refuse_url
 
     refuse_url(args.tokenizer, "--tokenizer")
     if args.format == "megatron":  # token ids already (pretrain/data/megatron.py)
@@ -69,7 +69,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     print(windows)
     if warning:
         print(warning, file=sys.stderr)
-    from pretrain.data.storage import is_url, join
+    from pretrain.object_store import is_url, join
 
     where = join(args.out, "manifest.json") if is_url(args.out) else Path(args.out) / "manifest.json"
     print(f"wrote {where} (corpus fingerprint {manifest['fingerprint']})")

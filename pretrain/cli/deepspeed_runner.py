@@ -1,6 +1,6 @@
 """DeepSpeed's launcher (`deepspeed.launcher.runner`, what the `deepspeed` command runs) as
 `pretrain launch` starts it: the same arguments and behaviour, with the console kept to what
-matters (`pretrain.console`: its one-node "no hostfile" note and INFO lines only with --verbose),
+matters (`pretrain.reporting.console`: its one-node "no hostfile" note and INFO lines only with --verbose),
 and, over ssh (pdsh), a stop that lets the ranks save:
 
 - SIGTERM/SIGINT: SIGTERM to this job's launcher on every host (pkill over pdsh, matched by the
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from pretrain.console import deepspeed_log_level, quiet_libraries
+from pretrain.reporting.console import deepspeed_log_level, quiet_libraries
 
 _pdsh: dict = {}  # what a stop needs, from DeepSpeed's pdsh command: hosts, rendezvous port, environment;
 # and "asked", once a stop has been sent

@@ -40,8 +40,8 @@ def _summary(path) -> str:
 
 def cmd_flops(args: argparse.Namespace) -> int:
     from pretrain.config import RunConfig, load_any
-    from pretrain.flops import flops_report, format_report
-    from pretrain.scaling import format_scaling, scaling_report
+    from pretrain.planning.flops import flops_report, format_report
+    from pretrain.planning.scaling import format_scaling, scaling_report
 
     cfg = load_any(args.config, args.overrides)
     model_cfg, seq_len = (
@@ -69,9 +69,9 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pretrain.config import RunConfig, load_any
-    from pretrain.engine import resolve_deepspeed_path
     from pretrain.errors import UserError
-    from pretrain.memory import format_plan, run_plan
+    from pretrain.parallel.engine import resolve_deepspeed_path
+    from pretrain.planning.memory import format_plan, run_plan
 
     if args.gpus is None:
         raise UserError(
@@ -117,7 +117,9 @@ def register(sub) -> None:
     peak = flops.add_mutually_exclusive_group()
     peak.add_argument("--device", help="device name for the peak (H100, H200, A100)")
     peak.add_argument("--peak-flops", type=float, help="peak FLOP/s per device, instead of the table")
-    scaling = flops.add_argument_group("scaling on paper (ZeRO data parallelism, pretrain/scaling.py)")
+    scaling = flops.add_argument_group(
+        "scaling on paper (ZeRO data parallelism, pretrain/planning/scaling.py)"
+    )
     scaling.add_argument("--scale", metavar="GPUS", help="project to these GPU counts, e.g. 8,64,512")
     scaling.add_argument(
         "--single-gpu-mfu", type=float, help="one GPU's MFU (or measure it: --tokens-per-sec)"

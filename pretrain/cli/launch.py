@@ -27,12 +27,12 @@ from monitoring.hosts import Choice, HostSet
 from monitoring.supervisor import Supervisor, run_completed
 from pretrain import atomic
 from pretrain.config import load_config
-from pretrain.console import deepspeed_log_level, pin_accelerator
-from pretrain.distributed import free_port
 from pretrain.errors import ExitCode, UserError
 from pretrain.lifeline import owner_tag
-from pretrain.memory import GIB, refusal, run_plan
+from pretrain.parallel.distributed import free_port
+from pretrain.planning.memory import GIB, refusal, run_plan
 from pretrain.pretraining import preflight
+from pretrain.reporting.console import deepspeed_log_level, pin_accelerator
 from pretrain.run_dir import OWNER_ENV, RunLock, claim
 
 
@@ -131,7 +131,7 @@ def local_gpu_memory_gib() -> float | None:
 
 
 def check_memory_plan(cfg, ds: dict, world_size: int, gpu_memory_gib: float | None) -> float:
-    """The memory plan (`pretrain plan`, pretrain/memory.py) against the GPUs' memory where it is
+    """The memory plan (`pretrain plan`, pretrain/planning/memory.py) against the GPUs' memory where it is
     known: a plan that cannot fit is refused in one line, with its figures and what would fit.
     The plan's bytes per GPU, for the hosts' own check over ssh (`monitoring/hosts.py`)."""
     report = run_plan(cfg, ds, world_size, gpu_memory_gib or NOMINAL_GPU_GIB)

@@ -11,7 +11,7 @@ from pretrain.errors import ExitCode
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pretrain.config import load_config
-    from pretrain.distributed import ignore_late_stop_requests
+    from pretrain.parallel.distributed import ignore_late_stop_requests
     from pretrain.pretraining import pretrain
 
     summary = as_a_rank(lambda: pretrain(load_config(args.config, _with_fresh(args))))
@@ -26,8 +26,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from pretrain.config import load_finetune_config
-    from pretrain.distributed import ignore_late_stop_requests
     from pretrain.finetune import finetune
+    from pretrain.parallel.distributed import ignore_late_stop_requests
 
     as_a_rank(lambda: finetune(load_finetune_config(args.config, _with_fresh(args))))
     ignore_late_stop_requests()
@@ -40,8 +40,8 @@ def as_a_rank(run):
     becomes one line (`RankFailed`) naming what is known: the step, and the other rank's reason
     when it left one (a bad-input rank's status, 2, is then this rank's too)."""
     from pretrain import lifeline
-    from pretrain.distributed import ignore_late_stop_requests, lost_peer
     from pretrain.errors import ExitCode, RankFailed, UserError
+    from pretrain.parallel.distributed import ignore_late_stop_requests, lost_peer
 
     try:
         return run()

@@ -289,7 +289,7 @@ MUON_SCALES = ("original", "match_rms_adamw")
 class OptimConfig:
     """The optimizer (docs/training.md, Optimizers). `muon`: DeepSpeed's Muon for the 2-D weights
     inside the blocks, AdamW (lr, betas, eps) for the embeddings, the output head, norms and the
-    rest; weight decay as AdamW's, on both (`pretrain/optimizers.py`)."""
+    rest; weight decay as AdamW's, on both (`pretrain/optim/muon.py`)."""
 
     name: str = "adamw"  # adamw | muon
     lr: float = 3e-4  # peak learning rate (with muon: the AdamW half's)
@@ -328,7 +328,7 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class FinetuneOptimConfig(OptimConfig):
     """Fine-tuning's optimizer: as pretraining's, with a learning rate that follows the checkpoint
-    when left unset (`pretrain/finetune/initial.py`, `InitialModel.learning_rate`)."""
+    when left unset (`pretrain/initial_model.py`, `InitialModel.learning_rate`)."""
 
     # None: a tenth of the pretraining run's peak rate (that run's own rate for a fine-tuned
     # checkpoint; 1e-4 from a Hugging Face directory, which does not record it)
@@ -509,7 +509,7 @@ class WandbConfig:
 class LoggingConfig:
     every: int = 10  # steps between console/TensorBoard scalar writes
     layer_grad_norms_every: int = 50  # steps between per-layer-group gradient norms; 0 disables
-    # steps between measurements of the instability precursors (pretrain/precursors.py: largest
+    # steps between measurements of the instability precursors (pretrain/stability/precursors.py: largest
     # attention logit per layer, output log Z, update/weight RMS per layer group); 0 disables
     precursors_every: int = 10
     precursor_tokens: int = 256  # of the first sequence of the last micro-batch, for the probe
@@ -560,6 +560,12 @@ class FaultsConfig:
     flip_step: int | None = None
     flip_rank: int = 0
     flip_target: str = "grad"
+
+    def save_pause(self, step: int) -> float:
+        """`slow_save_step`: the seconds every rank pauses, after writing its first file, while it
+        saves the checkpoint of `step` (0: none). Each save of that step pauses: a pause changes
+        nothing that is saved, so unlike the other faults it is not recorded as fired."""
+        return float(self.slow_save_seconds) if self.slow_save_step == step else 0.0
 
     def __post_init__(self) -> None:
         _positive("faults.spike_factor", self.spike_factor)

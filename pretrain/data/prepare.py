@@ -51,8 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pretrain import __version__, atomic
-from pretrain.data import storage
+from pretrain import __version__, atomic, object_store
 from pretrain.data.progress import Progress, count_documents
 from pretrain.data.shards import (
     FORMAT,
@@ -67,11 +66,11 @@ from pretrain.data.shards import (
     split_windows,
     token_dtype,
 )
-from pretrain.data.sources import Source
-from pretrain.data.storage import is_url
+from pretrain.data.sources import Source, resolve_source
 from pretrain.errors import UserError
+from pretrain.object_store import is_url
 from pretrain.run_dir import pid_alive
-from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer
+from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer, train_tokenizer
 
 # `data prepare`'s report: the validation windows at these sequence lengths (`validation_report`).
 REPORT_SEQ_LENS = (512, 1024, 2048, 4096)
@@ -339,11 +338,11 @@ def _prepare_into_store(
     """`prepare` into a URL: the same recipe there is a no-op, another one needs --overwrite; the
     dataset is written into a local staging directory, then its files are uploaded and the manifest
     last, so a dataset half uploaded never looks complete (an older manifest is deleted first)."""
-    fs, root = storage.filesystem(url)
+    fs, root = object_store.filesystem(url)
     try:
         existing = json.loads(fs.cat_file(f"{root}/{MANIFEST}")) if fs.exists(f"{root}/{MANIFEST}") else None
     except Exception as exc:
-        raise UserError(storage.problem(url, exc)) from None
+        raise UserError(object_store.problem(url, exc)) from None
     if isinstance(existing, dict) and existing.get("format") == FORMAT and not overwrite:
         if not _same_recipe(existing, wanted):
             raise UserError(
@@ -372,7 +371,7 @@ def _prepare_into_store(
         except UserError:
             raise
         except Exception as exc:
-            raise UserError(f"{storage.problem(url, exc)} (uploading the dataset)") from None
+            raise UserError(f"{object_store.problem(url, exc)} (uploading the dataset)") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Prepared(manifest, written=True)
@@ -519,7 +518,6 @@ def prepare_corpus(spec: str, out: Path, vocab_size: int = 4096, announce=print)
     """A tokenizer trained on the source and its token shards (95% train, 5% validation) under
     `out`; both steps are skipped when their outputs exist. Returns (tokenizer_dir, data_dir)."""
     from pretrain.data.sources import resolve_source
-    from pretrain.tokenizer import train_tokenizer
 
     source = resolve_source(spec)
     tokenizer_dir, data_dir = out / "tokenizer", out / "data"
@@ -535,3 +533,26 @@ def prepare_corpus(spec: str, out: Path, vocab_size: int = 4096, announce=print)
         f"{manifest['splits']['validation']['tokens']:,} validation tokens"
     )
     return tokenizer_dir, data_dir
+
+
+def train_tokenizer_on(
+    specs: list[str],
+    out_dir: str | Path,
+    vocab_size: int,
+    model_type: str = "bpe",
+    sample_sentences: int = 2_000_000,
+    text_field: str = "text",
+    overwrite: bool = False,
+    announce=print,
+) -> Tokenizer:
+    """`pretrain tokenizer train`: a tokenizer trained on sources (files, globs, a Hub dataset,
+    builtin:pydoc); an existing one in `out_dir` is replaced only with `overwrite`."""
+    out_dir = Path(out_dir)
+    if (out_dir / MODEL_FILE).exists() and not overwrite:
+        raise UserError(f"{out_dir / MODEL_FILE} exists: choose another --out, or pass --overwrite")
+    source = resolve_source(specs, text_field=text_field)
+    announce(f"training a {model_type} tokenizer of {vocab_size} pieces on {source.summary}")
+    source.download()  # (a source in an object store: here, checked; its empty files known)
+    if source.skipped_line:
+        announce(source.skipped_line)
+    return train_tokenizer(source.documents(), out_dir, vocab_size, model_type, sample_sentences)

@@ -9,7 +9,7 @@ Window ids are the mixture's (pretrain/data/mixture.py): the data trace, rollbac
 quarantine name windows by them. Used by `pretrain data inspect`, by rollbacks (their events carry
 the anomalous step's documents) and by the quarantine.
 
-`injected_at` says which loss faults were injected into a step (pretrain/faults.py): a spike there
+`injected_at` says which loss faults were injected into a step (pretrain/stability/faults.py): a spike there
 is the injection's, not its documents', and `pretrain data inspect` says so before naming them.
 """
 
@@ -22,11 +22,11 @@ from pathlib import Path
 from pretrain.data.mixture import MixtureStream
 from pretrain.data.shards import DocumentIndex
 from pretrain.errors import UserError
-from pretrain.faults import FIRED_FILE
+from pretrain.run_dir import FIRED_FILE
 from pretrain.tokenizer import Tokenizer, load_run_tokenizer
 
 TEXT_CHARS = 160  # of a window's text shown
-# The faults injected into a step's loss (pretrain/faults.py), in the order FaultInjector picks the
+# The faults injected into a step's loss (pretrain/stability/faults.py), in the order FaultInjector picks the
 # one a step gets: the setting that asks for it, its factor's setting, what it is called, what it scales.
 LOSS_FAULTS = {
     "nan": ("faults.nan_steps", None, "the NaN loss", None),

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain import object_store
 from pretrain.data import storage
-from pretrain.data.storage import Entry, ShardCache, Source, is_url, join
+from pretrain.data.storage import Entry, ShardCache, Source
 from pretrain.errors import UserError
+from pretrain.object_store import is_url, join
 
 FORMAT = "pretrain-token-shards"
 FORMAT_VERSION = 2
@@ -337,7 +339,7 @@ def verify_dataset(data_dir: str | Path) -> dict:
         else:
             name = manifest["tokenizer"].get("file", "tokenizer.model")
             if (
-                hashlib.sha256(storage.read_bytes(join(files.url, name))).hexdigest()
+                hashlib.sha256(object_store.read_bytes(join(files.url, name))).hexdigest()
                 != manifest["tokenizer"]["sha256"]
             ):
                 problems.append(f"{join(files.url, name)} is not the tokenizer the shards were made with")
@@ -403,13 +405,13 @@ class _Files:
     def open(self, file: str):
         if self.url is None:
             return open(self.dir / file, "rb")
-        fs, path = storage.filesystem(join(self.url, file))
+        fs, path = object_store.filesystem(join(self.url, file))
         try:
             return fs.open(path, "rb", block_size=1 << 24)
         except FileNotFoundError:
             raise
         except Exception as exc:
-            raise UserError(storage.problem(join(self.url, file), exc)) from None
+            raise UserError(object_store.problem(join(self.url, file), exc)) from None
 
 
 def windows_per_shard(tokens, seq_len: int) -> np.ndarray:

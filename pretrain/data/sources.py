@@ -51,7 +51,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.data import storage
+from pretrain import object_store
 from pretrain.data.shards import is_prepared_dataset
 from pretrain.errors import UserError
 
@@ -171,11 +171,11 @@ class Source:
             # Its own name (the suffix says how it is read) in a directory of its own.
             local = root / f"{index:05d}" / remote.url.rsplit("/", 1)[-1]
             local.parent.mkdir()
-            fs, path = storage.filesystem(remote.url)
+            fs, path = object_store.filesystem(remote.url)
             try:
                 fs.get_file(path, str(local))
             except Exception as exc:  # the filesystems raise their own kinds
-                raise UserError(storage.problem(remote.url, exc)) from None
+                raise UserError(object_store.problem(remote.url, exc)) from None
             if local.stat().st_size != remote.size:
                 raise UserError(
                     f"{remote.url} changed while it was read ({local.stat().st_size:,} bytes, listed "
@@ -205,7 +205,7 @@ def resolve_source(specs: list[str] | str, text_field: str = "text") -> Source:
         return Source("builtin", f"{BUILTIN_PYDOC} (Python {sysconfig.get_python_version()})")
     if BUILTIN_PYDOC in specs:
         raise UserError(f"{BUILTIN_PYDOC} cannot be mixed with other sources")
-    if any(storage.is_url(spec) for spec in specs):
+    if any(object_store.is_url(spec) for spec in specs):
         return _remote_source(specs, text_field)
     if len(specs) == 1 and _looks_like_hub_name(specs[0]):
         return Source("hub", f"hub:{specs[0]}", name=specs[0], text_field=text_field)
@@ -231,7 +231,7 @@ def _empty_files(files: list[Path], text_field: str) -> list[Path]:
 def _remote_source(specs: list[str], text_field: str) -> Source:
     """URLs or URL globs of files in an object store: listed now (names, sizes, content tags: the
     recipe), downloaded when first read (`Source.download`)."""
-    if not all(storage.is_url(spec) for spec in specs):
+    if not all(object_store.is_url(spec) for spec in specs):
         raise UserError(
             f"--source mixes URLs and local paths ({', '.join(specs)}): pass URLs only (upload the local "
             "files beside the others) or local paths only"
@@ -248,7 +248,7 @@ def _remote_source(specs: list[str], text_field: str) -> Source:
 
 def _list_objects(spec: str) -> list[RemoteFile]:
     """The objects `spec` names (one, or a glob's matches in sorted order); one line when none."""
-    fs, path = storage.filesystem(spec)
+    fs, path = object_store.filesystem(spec)
     try:
         fs.invalidate_cache()  # (a listing this process made before may be stale: the recipe needs today's)
         if glob.has_magic(path):
@@ -265,7 +265,7 @@ def _list_objects(spec: str) -> list[RemoteFile]:
     except UserError:
         raise
     except Exception as exc:  # the filesystems raise their own kinds
-        raise UserError(storage.problem(spec, exc)) from None
+        raise UserError(object_store.problem(spec, exc)) from None
     found = [
         RemoteFile(fs.unstrip_protocol(info["name"]), int(info["size"]), _content_tag(info)) for info in infos
     ]

@@ -24,13 +24,10 @@ from pretrain.data.storage import (
     VIEWS,
     Source,
     default_cache_dir,
-    exists,
-    is_url,
-    join,
-    read_bytes,
     read_manifest_bytes,
 )
 from pretrain.errors import UserError
+from pretrain.object_store import exists, is_url, join, read_bytes
 
 
 def view_dir(url: str, cache_dir: str | Path | None) -> Path:

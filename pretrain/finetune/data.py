@@ -13,7 +13,7 @@ import torch
 from pretrain.config import FinetuneConfig, FinetuneDataConfig
 from pretrain.errors import UserError
 from pretrain.finetune.baselines import bag_of_words_accuracy
-from pretrain.loss import IGNORE_INDEX
+from pretrain.model.loss import IGNORE_INDEX
 from pretrain.tokenizer import Tokenizer
 
 DATA_SUFFIXES = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}

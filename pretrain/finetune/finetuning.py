@@ -14,21 +14,21 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import resolve_resume
-from pretrain.classifier import SequenceClassifier
 from pretrain.config import FinetuneConfig
-from pretrain.distributed import DistEnv
-from pretrain.engine import BatchPlan, deepspeed_config, plan_batches
 from pretrain.errors import UserError
 from pretrain.finetune.data import Examples, load_examples, padding_id
-from pretrain.finetune.initial import InitialModel, find_initial
 from pretrain.finetune.tasks import SFT, Classification, majority_share
+from pretrain.initial_model import InitialModel, find_initial
+from pretrain.model.classifier import SequenceClassifier
+from pretrain.optim.schedules import schedule_for
+from pretrain.parallel.distributed import DistEnv
+from pretrain.parallel.engine import BatchPlan, deepspeed_config, plan_batches
+from pretrain.reporting.wandb_sink import check_available
 from pretrain.run_builder import RunParts, RunPlan, run
 from pretrain.run_dir import model_identity
-from pretrain.schedules import schedule_for
 from pretrain.tokenizer import sha256_file
 from pretrain.train.hooks import DataTrace
 from pretrain.train.loop import Cadence
-from pretrain.wandb_sink import check_available
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from pretrain import atomic
-from pretrain.classifier import SequenceClassifier
 from pretrain.config import FinetuneConfig, FinetuneDataConfig, ModelConfig, finetune_config_from_dict
 from pretrain.errors import UserError
 from pretrain.finetune.data import (
@@ -24,7 +23,8 @@ from pretrain.finetune.data import (
     read_split,
     required_columns,
 )
-from pretrain.model import Transformer
+from pretrain.model.classifier import SequenceClassifier
+from pretrain.model.transformer import Transformer
 from pretrain.tokenizer import Tokenizer
 
 
@@ -37,7 +37,7 @@ class Predicted(NamedTuple):
 
 def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens: int = 64) -> Predicted:
     """Predictions for every row of `input_path`, written to `out_path`."""
-    from pretrain.inference import read_checkpoint, task_of
+    from pretrain.evaluation.inference import read_checkpoint, task_of
 
     out = Path(out_path)
     if out.suffix.lower() not in (".jsonl", ".csv"):
@@ -116,7 +116,7 @@ def _labels(
 
 
 def _completions(model, prompts, tokenizer: Tokenizer, max_length: int, max_new_tokens: int) -> list[dict]:
-    from pretrain.inference import generate
+    from pretrain.evaluation.inference import generate
 
     records = []
     for prompt in prompts:

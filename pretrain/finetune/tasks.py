@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from pretrain import atomic
-from pretrain.distributed import DistEnv, all_reduce_sum
 from pretrain.finetune.data import Encoded, collate, example_indices
-from pretrain.loss import IGNORE_INDEX
+from pretrain.model.loss import IGNORE_INDEX
+from pretrain.parallel.distributed import DistEnv, all_reduce_sum
 
 EVAL_RESULTS = "eval_results.json"
 

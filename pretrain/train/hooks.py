@@ -52,7 +52,7 @@ from typing import Any, TextIO
 import torch
 
 from pretrain.checkpoint.checkpointer import TrainState
-from pretrain.faults import FaultInjector
+from pretrain.stability.faults import FaultInjector
 
 
 class Answer:
@@ -129,7 +129,7 @@ class StepHook:
 @dataclass
 class InjectedFaults(StepHook):
     """`faults.*`: spikes and NaNs in the loss, killed and hung ranks, a corrupted checkpoint, each
-    fired once, and a slow rank (`pretrain/faults.py` holds what fires when). The first hook, so a
+    fired once, and a slow rank (`pretrain/stability/faults.py` holds what fires when). The first hook, so a
     slow rank's forward pass is stretched inside what the straggler hook times."""
 
     faults: FaultInjector

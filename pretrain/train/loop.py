@@ -34,11 +34,11 @@ from monitoring.protocol import (
 from pretrain import atomic
 from pretrain.checkpoint import tag_for
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
-from pretrain.distributed import DistEnv, StopRequest, all_gather_objects, all_reduce_sum, barrier
-from pretrain.engine import set_lr
-from pretrain.flops import mfu
 from pretrain.lifeline import note_step, why_the_supervisor_stops
-from pretrain.metrics import MetricsWriter, literal_markdown
+from pretrain.parallel.distributed import DistEnv, StopRequest, all_gather_objects, all_reduce_sum, barrier
+from pretrain.parallel.engine import set_lr
+from pretrain.planning.flops import mfu
+from pretrain.reporting.metrics import MetricsWriter, literal_markdown
 from pretrain.train.hooks import CONTINUE, Answer, Rewind, SaveAndStop, StepHook, Stop
 
 STOP_REQUESTED = Answer()  # how `Trainer.steps` ends when the ranks agreed to stop (a signal, stop_at_step)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from monitoring.protocol import REPLACE_FILE, monitor_dir
 from pretrain import atomic
-from pretrain.distributed import DistEnv, all_gather_objects
 from pretrain.errors import ExitCode
-from pretrain.replay import FaultCounts
+from pretrain.parallel.distributed import DistEnv, all_gather_objects
+from pretrain.stability.replay import FaultCounts
 from pretrain.train.hooks import CONTINUE, Answer, SaveAndStop
 
 COUNTS_FILE = "machine_faults.json"  # RUN_DIR/monitor/: machine faults per host over the run

@@ -12,9 +12,9 @@ from typing import Any
 
 from monitoring.protocol import Action, Judgement
 from pretrain.checkpoint.checkpointer import Checkpointer
-from pretrain.distributed import DistEnv
-from pretrain.metrics import MARK_TAGS, MetricsWriter, band_tags
 from pretrain.monitor_link import MonitorLink
+from pretrain.parallel.distributed import DistEnv
+from pretrain.reporting.metrics import MARK_TAGS, MetricsWriter, band_tags
 from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
 from pretrain.train.rollback import Rollbacks, Traceable
 

@@ -1,5 +1,5 @@
 """The step hook that measures the instability precursors every `logging.precursors_every` steps
-(pretrain/precursors.py says what each is and how it is computed against a direct computation).
+(pretrain/stability/precursors.py says what each is and how it is computed against a direct computation).
 
 On a measuring step it copies the fp32 master weights it needs just before the update lands
 (`before_update`) and, after it, reads the update/weight RMS ratios and probes the model with the
@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from pretrain.precursors import PREFIX, UpdateRatios, forward_precursors
-from pretrain.sequence_parallel import own_document_ids, unsplit
+from pretrain.parallel.sequence import own_document_ids, unsplit
+from pretrain.stability.precursors import PREFIX, UpdateRatios, forward_precursors
 from pretrain.train.hooks import CONTINUE, Answer, StepHook
 
 

@@ -6,7 +6,7 @@ skip guard's (`monitor.skip_step`) — left the weights as they were, so it can 
 exactly. On such a step every rank runs the step's micro-batches forward and backward once more,
 without updating (`torch.autograd.grad`: no gradient is accumulated, DeepSpeed's reduction hooks
 do not fire), and the ranks compare, in one small all-gather, each rank's local loss and local
-(pre-reduction) gradient norm with the first pass's (`pretrain/replay.py`). The same values: the
+(pre-reduction) gradient norm with the first pass's (`pretrain/stability/replay.py`). The same values: the
 data, and the step goes the way it goes today (the skip, the monitor's verdict, a rollback,
 quarantine). Different values: a machine computed one of the passes wrong — a `machine_fault`
 event names the ranks and hosts, the console says it in one line, the update stays skipped, and
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from monitoring.protocol import MachineFault, append_event
-from pretrain.distributed import DistEnv, all_gather_objects
-from pretrain.faults import FaultInjector
-from pretrain.metrics import MetricsWriter
-from pretrain.replay import GPU_RTOL, GradientTally, changed_ranks
+from pretrain.parallel.distributed import DistEnv, all_gather_objects
+from pretrain.reporting.metrics import MetricsWriter
+from pretrain.stability.faults import FaultInjector
+from pretrain.stability.replay import GPU_RTOL, GradientTally, changed_ranks
 from pretrain.train.hooks import CONTINUE, Answer, StepHook
 from pretrain.train.machine_faults import FaultLedger
 

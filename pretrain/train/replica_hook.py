@@ -4,7 +4,7 @@ docs/monitoring.md, "Replay and replica checks").
 Every `consistency_every` steps, after every step whose update did not land (a rank's wrong copy
 of a weight makes its loss non-finite, so no update lands and nothing rewrites the copy), and
 before every checkpoint, each rank digests the weights every rank should hold alike
-(`pretrain/replicas.py`) and the digests are compared in one small all-gather. The same on every
+(`pretrain/stability/replicas.py`) and the digests are compared in one small all-gather. The same on every
 rank: consistent, and a checkpoint saved now records it (train_state.json `hooks.replicas`). Not
 the same: each rank compares its copy of the differing parameters with what the optimizer's fp32
 master weights give (DeepSpeed's `safe_get_full_fp32_param`), which names the rank at fault; a
@@ -31,9 +31,9 @@ from monitoring.protocol import ReplicaMismatch, append_event
 from pretrain.checkpoint import step_of, tags_on_disk
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState, read_train_state
 from pretrain.checkpoint.layout import check_complete, checkpoints_dir
-from pretrain.distributed import DistEnv, all_gather_objects
-from pretrain.metrics import MetricsWriter
-from pretrain.replicas import differing, masters_disagree, odd_ranks, own_copies, replica_digests
+from pretrain.parallel.distributed import DistEnv, all_gather_objects
+from pretrain.reporting.metrics import MetricsWriter
+from pretrain.stability.replicas import differing, masters_disagree, odd_ranks, own_copies, replica_digests
 from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
 from pretrain.train.machine_faults import FaultLedger
 from pretrain.train.rollback import Traceable, go_back

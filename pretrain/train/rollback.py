@@ -31,8 +31,8 @@ from monitoring.protocol import (
 )
 from pretrain.checkpoint import abandon_after, step_of, tag_for, trim_abandoned
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
-from pretrain.distributed import DistEnv, barrier
-from pretrain.metrics import MetricsWriter
+from pretrain.parallel.distributed import DistEnv, barrier
+from pretrain.reporting.metrics import MetricsWriter
 
 QUARANTINE_FILE = "quarantine.jsonl"  # the windows set aside, one line per rollback
 

@@ -1,4 +1,4 @@
-"""The step hook that skips a bad update in place (`monitor.skip_step`; pretrain/skip_step.py says
+"""The step hook that skips a bad update in place (`monitor.skip_step`; pretrain/stability/skip_step.py says
 how, inside DeepSpeed's ZeRO optimizer, and why it is bit-exact).
 
 Each step the loop hands it the step's mean loss over every rank before the update lands
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from monitoring.protocol import UpdateSkipped, append_event
-from pretrain.distributed import DistEnv
-from pretrain.skip_step import SkipGuard
+from pretrain.parallel.distributed import DistEnv
+from pretrain.stability.skip_step import SkipGuard
 from pretrain.train.hooks import CONTINUE, Answer, StepHook
 
 LEVEL_TAGS = {"loss": "train/skip_level/loss", "grad_norm": "train/skip_level/grad_norm"}

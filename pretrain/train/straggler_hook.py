@@ -43,10 +43,10 @@ import torch
 
 from monitoring.protocol import MAX_RANKS_REPORTED, REPLACE_FILE, Straggler, append_event, monitor_dir
 from pretrain import atomic
-from pretrain.distributed import DistEnv, all_gather_objects
 from pretrain.errors import ExitCode
-from pretrain.metrics import MetricsWriter
 from pretrain.monitor_link import MonitorLink
+from pretrain.parallel.distributed import DistEnv, all_gather_objects
+from pretrain.reporting.metrics import MetricsWriter
 from pretrain.run_dir import OWNER_ENV
 from pretrain.train.hooks import CONTINUE, Answer, SaveAndStop, StepHook
 

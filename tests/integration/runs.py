@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.distributed import free_port
+from pretrain.parallel.distributed import free_port
 from tests.helpers import FAST, TINY, metrics_by_step
 
 __all__ = [

@@ -2,7 +2,7 @@
 for document masking) against dense attention on CPU. Inductor compiles in worker processes and
 calls the C++ compiler, so these are not unit tests."""
 
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 from tests.conftest import packed_document_ids, small_model_config
 from tests.unit.test_engine import _loss_and_grads
 
@@ -10,7 +10,7 @@ from tests.unit.test_engine import _loss_and_grads
 def test_compiled_blocks_compute_the_same_function():
     import torch
 
-    from pretrain.engine import compile_blocks
+    from pretrain.parallel.engine import compile_blocks
 
     torch.manual_seed(0)
     model = Transformer(small_model_config())
@@ -31,7 +31,7 @@ def test_the_models_flex_attention_equals_dense_attention_on_cpu():
     window across the 128-token blocks, against SDPA with the dense mask of the same documents."""
     import torch
 
-    from pretrain.model import document_mask, flex_attention
+    from pretrain.model.transformer import document_mask, flex_attention
 
     torch.manual_seed(0)
     ids = packed_document_ids(2, [30, 50, 100, 76])  # 256 tokens, 4 documents per row
@@ -49,7 +49,7 @@ def test_a_document_masked_forward_through_flex_attention_equals_the_dense_path(
     "dense" (what the CPU runs); rotary positions restart per document in both."""
     import torch
 
-    from pretrain import model as model_module
+    from pretrain.model import transformer as model_module
     from tests.conftest import random_weights_model
 
     calls, flex_attention = [], model_module.flex_attention

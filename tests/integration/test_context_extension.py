@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from pretrain.inference import export_trained, load_trained
+from pretrain.evaluation.inference import export_trained, load_trained
 from tests.helpers import LONGER_CONTEXT
 from tests.integration.runs import metrics, torchrun, train, train_state
 

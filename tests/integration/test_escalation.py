@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from pretrain.config import load_config
-from pretrain.schedules import schedule_for
+from pretrain.optim.schedules import schedule_for
 from tests.integration.runs import FAST, TINY, events, launcher, torchrun, train, train_state
 from tests.integration.test_monitoring import _start_service, request
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from pretrain.cli import main as cli_main
-from pretrain.distributed import free_port
+from pretrain.parallel.distributed import free_port
 from tests.finetune_data import (
     CLASSIFICATION,
     FILLER,
@@ -32,7 +32,7 @@ def pretrained(golden_run):
 def events(run_dir, tag):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     accumulator = EventAccumulator(str(tensorboard_dir(run_dir)))
     accumulator.Reload()

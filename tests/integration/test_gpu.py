@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import pretrain
-from pretrain.loss import linear_cross_entropy
-from pretrain.model import Transformer, document_mask, flex_attention
+from pretrain.model.loss import linear_cross_entropy
+from pretrain.model.transformer import Transformer, document_mask, flex_attention
 from tests.conftest import packed_document_ids, small_model_config
 from tests.integration.test_commands import run
 
@@ -77,7 +77,7 @@ def test_forced_flash_attention_computes_what_the_math_kernel_computes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_blocks_match_eager_in_loss_and_every_gradient(dtype):
-    from pretrain.engine import compile_blocks
+    from pretrain.parallel.engine import compile_blocks
 
     model = gpu_model(dtype)
     tokens = torch.randint(0, 97, (2, 129), device="cuda")
@@ -152,7 +152,7 @@ def test_collectives_take_host_tensors_in_an_nccl_group(tmp_path):
     `broadcast` carry a host tensor to the GPU and back."""
     import torch.distributed as dist
 
-    from pretrain.distributed import all_reduce_sum, broadcast
+    from pretrain.parallel.distributed import all_reduce_sum, broadcast
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -245,13 +245,13 @@ def test_bench_train_reports_mfu_and_memory_on_gpu(small_preset):
 def test_a_replayed_step_repeats_its_loss_and_gradient_norm_within_the_gpu_tolerance(
     record_property, compiled
 ):
-    """Issue 46's tolerance on a GPU (pretrain/replay.py GPU_RTOL): the same micro-batches forward
+    """Issue 46's tolerance on a GPU (pretrain/stability/replay.py GPU_RTOL): the same micro-batches forward
     and backward 12 times on the same weights, in bf16, the gradient norm taken by the replay's own
     GradientTally. The largest relative difference from the first pass, of the loss and of the
     norm, is recorded (summary.json's pytest figures) and must stay below GPU_RTOL / 10; one
     flipped exponent bit in one gradient element moves the norm far beyond GPU_RTOL."""
-    from pretrain.engine import compile_blocks
-    from pretrain.replay import GPU_RTOL, GradientTally
+    from pretrain.parallel.engine import compile_blocks
+    from pretrain.stability.replay import GPU_RTOL, GradientTally
 
     model = gpu_model(d_model=512, n_heads=8, n_kv_heads=4, n_layers=6, max_seq_len=1024, vocab_size=32000)
     if compiled:

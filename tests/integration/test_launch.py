@@ -10,7 +10,7 @@ import sys
 import torch
 
 from pretrain.config import REPO_CONFIG_DIR
-from pretrain.distributed import free_port
+from pretrain.parallel.distributed import free_port
 from tests.integration.runs import FAST, TINY, events, metrics
 
 
@@ -89,7 +89,7 @@ def test_killed_and_hung_ranks_are_restarted_and_the_run_completes(tmp_path, tra
     assert summary["completed"] and summary["step"] == 10
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0})
     board.Reload()
@@ -189,7 +189,7 @@ def test_nan_rolls_back_and_the_circuit_breaker_stops_a_run_that_keeps_failing(t
     # Nothing after the refused state was saved: the newest checkpoint is the healthy step 4,
     # and no NaN ever reached the weights.
     from pretrain import checkpoint as ck
-    from pretrain.inference import load_trained
+    from pretrain.evaluation.inference import load_trained
 
     assert ck.newest_complete(tmp_path) == "step_00000004"
     assert all(torch.isfinite(p).all() for p in load_trained(tmp_path).model.parameters())

@@ -137,7 +137,7 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     is decided then, applied before the last checkpoint, and no checkpoint holding the spike is
     its target or is loaded."""
     from pretrain.data import WindowStream
-    from pretrain.inference import load_trained
+    from pretrain.evaluation.inference import load_trained
 
     url, _, run_dir = service
     pid = json.loads((run_dir / "monitor" / "endpoint.json").read_text())["pid"]
@@ -188,7 +188,7 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     # TensorBoard's Margin charts (value, level, threshold) get their three tags at the same steps.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
     board.Reload()

@@ -1,4 +1,4 @@
-"""Muon through DeepSpeed (pretrain/optimizers.py) against the reference written from the
+"""Muon through DeepSpeed (pretrain/optim/muon.py) against the reference written from the
 algorithm: one 2-process DeepSpeed job (gloo, CPU) trains the same small model under ZeRO-1 and
 ZeRO-2 (reduce-scatter on, DeepSpeed's default, and 2 micro-batches per step), in fp32 and in
 bf16, one after another in the same processes, 10 steps each, with a learning rate that changes
@@ -89,8 +89,8 @@ def make_engine(variant: str, env, out: Path):
     import torch
 
     from pretrain.config import EngineConfig
-    from pretrain.engine import BatchPlan, check_optimizer, deepspeed_config, initialize
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
+    from pretrain.parallel.engine import BatchPlan, check_optimizer, deepspeed_config, initialize
 
     shipped, bf16, scale = VARIANTS[variant]
     engine_config = EngineConfig(deepspeed_config=f"configs/deepspeed/{shipped}")
@@ -165,7 +165,7 @@ def run_variant(variant: str, env, out: Path) -> dict:
 
 def train_step(engine, optimizer, env, step: int) -> float:
     """One optimizer step (1-based) of GRAD_ACCUM micro-batches; the last micro-batch's loss."""
-    from pretrain.engine import set_lr
+    from pretrain.parallel.engine import set_lr
 
     set_lr(optimizer, lr_at(step))
     for micro in range(GRAD_ACCUM):
@@ -234,8 +234,8 @@ def skip_then_step(engine, optimizer, env) -> dict:
 
     import torch
 
-    from pretrain.engine import set_lr
-    from pretrain.skip_step import SkipGuard, global_mean
+    from pretrain.parallel.engine import set_lr
+    from pretrain.stability.skip_step import SkipGuard, global_mean
 
     guard = SkipGuard(ratio=3.0, window=8, min_count=3)
     guard.arm(engine)
@@ -265,7 +265,7 @@ def skip_then_step(engine, optimizer, env) -> dict:
 def worker() -> None:
     import torch
 
-    from pretrain.distributed import DistEnv, init_distributed
+    from pretrain.parallel.distributed import DistEnv, init_distributed
 
     out = Path(sys.argv[1])
     env = DistEnv.from_environ()
@@ -285,7 +285,7 @@ def start_weights(bf16: bool) -> dict:
     (DeepSpeed makes the masters from the bf16 model)."""
     import torch
 
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(model_config())
@@ -300,8 +300,8 @@ def reference(variant: str) -> dict:
     """The same 10 steps in one process: every rank's micro-batches, each loss over all of them."""
     import torch
 
-    from pretrain.engine import param_groups
-    from pretrain.optimizers import lr_ratios, muon_groups
+    from pretrain.optim.muon import lr_ratios, muon_groups
+    from pretrain.parallel.engine import param_groups
     from tests.muon_reference import reference_optimizers
 
     _, bf16, scale = VARIANTS[variant]

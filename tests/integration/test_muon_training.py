@@ -106,7 +106,7 @@ def test_its_weights_read_back_and_fine_tuning_starts_from_them(tmp_path, muon_r
     from safetensors.torch import load_file
 
     from pretrain.cli import main as cli_main
-    from pretrain.inference import read_checkpoint
+    from pretrain.evaluation.inference import read_checkpoint
     from tests.finetune_data import CLASSIFICATION, TINY_FT
 
     directory, _, masters = read_checkpoint(muon_run)

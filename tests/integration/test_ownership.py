@@ -18,7 +18,7 @@ import pytest
 
 from pretrain import checkpoint as ck
 from pretrain import lifeline
-from pretrain.metrics import tensorboard_dir
+from pretrain.reporting.metrics import tensorboard_dir
 from tests.helpers import assert_one_line_error
 from tests.integration.runs import FAST, TINY, events
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pretrain.config import REPO_CONFIG_DIR
-from pretrain.distributed import free_port
+from pretrain.parallel.distributed import free_port
 from tests.integration.golden import OVERRIDES as GOLDEN
 from tests.integration.runs import FAST, TINY, events, launcher, metrics, torchrun, train, train_state
 
@@ -151,7 +151,7 @@ def test_sigterm_saves_and_exits(tmp_path, train_data):
 def test_tensorboard_tags(golden_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     events_ = EventAccumulator(str(tensorboard_dir(golden_run)))
     events_.Reload()

@@ -123,7 +123,7 @@ def check_against_references(directory: Path, words: list[str], result: subproce
         import torch
         import transformers
 
-        from pretrain.inference import load_trained
+        from pretrain.evaluation.inference import load_trained
 
         theirs = transformers.LlamaForCausalLM.from_pretrained(directory / arg["--out"]).eval()
         ours = load_trained(directory / arg["--checkpoint"]).model

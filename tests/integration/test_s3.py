@@ -239,7 +239,7 @@ def test_a_store_that_stops_answering_mid_run_is_retried_then_stops_the_run(s3_s
     import time
 
     from pretrain.data.storage import Entry, StorageUnavailable
-    from pretrain.distributed import STOP_CAUSE, StopRequest
+    from pretrain.parallel.distributed import STOP_CAUSE, StopRequest
 
     bucket = s3_server.bucket()
     s3_server.fs().pipe_file(f"{bucket}/a.bin", b"x" * 100)

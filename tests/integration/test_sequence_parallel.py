@@ -1,4 +1,4 @@
-"""Sequence parallelism (`parallel.sequence`, pretrain/sequence_parallel.py) against one rank
+"""Sequence parallelism (`parallel.sequence`, pretrain/parallel/sequence.py) against one rank
 (docs/training.md, Long context).
 
 In fp32, one 2-process job (gloo, CPU) of this file's `worker()`: one attention layer split across
@@ -51,8 +51,8 @@ def layer_case(name: str, n_kv_heads: int, masking: bool, group) -> dict:
 
     from pretrain.config import ModelConfig
     from pretrain.data.loader import document_ids
-    from pretrain.model import Attention, document_mask, positions_in_document, rope_tables
-    from pretrain.sequence_parallel import UlyssesAttention
+    from pretrain.model.transformer import Attention, document_mask, positions_in_document, rope_tables
+    from pretrain.parallel.sequence import UlyssesAttention
 
     T, B = 2048, 2
     cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=n_kv_heads, n_layers=1, max_seq_len=T, vocab_size=97)
@@ -102,8 +102,8 @@ def model_case(group, masking: bool) -> dict:
 
     from pretrain.config import ModelConfig
     from pretrain.data.loader import document_ids
-    from pretrain.model import Transformer
-    from pretrain.sequence_parallel import SequenceShard, UlyssesAttention, window_mean_loss
+    from pretrain.model.transformer import Transformer
+    from pretrain.parallel.sequence import SequenceShard, UlyssesAttention, window_mean_loss
 
     T = 8192
     cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=T)
@@ -133,8 +133,8 @@ def model_case(group, masking: bool) -> dict:
 
 
 def worker() -> None:
-    from pretrain.distributed import DistEnv, init_distributed
-    from pretrain.sequence_parallel import sequence_groups
+    from pretrain.parallel.distributed import DistEnv, init_distributed
+    from pretrain.parallel.sequence import sequence_groups
 
     out = Path(sys.argv[1])
     env = DistEnv.from_environ()

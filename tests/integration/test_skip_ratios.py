@@ -1,4 +1,4 @@
-"""The skip guard's two ratios on the real engine (pretrain/skip_step.py): `SkipGuard(ratio,
+"""The skip guard's two ratios on the real engine (pretrain/stability/skip_step.py): `SkipGuard(ratio,
 grad_norm_ratio)` judges the loss against `ratio` × its running level and DeepSpeed's gradient
 norm against `grad_norm_ratio` × its own. A 1-process DeepSpeed job (bf16 ZeRO-2, gloo, CPU) trains
 the small model of tests/integration/test_skip_step.py with the loss's ratio 2 and the gradient
@@ -40,8 +40,8 @@ SKIPPED = {"loss_3x": ["loss_spike"], "grad_norm_8x": ["grad_norm_spike"]}
 def worker() -> None:
     import torch
 
-    from pretrain.distributed import DistEnv, init_distributed
-    from pretrain.skip_step import SkipGuard, SkipOutcome, global_mean
+    from pretrain.parallel.distributed import DistEnv, init_distributed
+    from pretrain.stability.skip_step import SkipGuard, SkipOutcome, global_mean
     from tests.integration.test_skip_step import compare, make_engine, state_tensors
 
     out = Path(next(a for a in sys.argv[1:] if not a.startswith("--local_rank")))

@@ -1,4 +1,4 @@
-"""The skip guard (pretrain/skip_step.py) on the real engine: one 2-process DeepSpeed job (gloo, CPU)
+"""The skip guard (pretrain/stability/skip_step.py) on the real engine: one 2-process DeepSpeed job (gloo, CPU)
 trains a small model under bf16 ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-2 and ZeRO-3 with the optimizer
 offloaded to DeepSpeed's CPU Adam, one after another in the same processes, and forces a skip on
 chosen steps: a loss spike, a gradient-norm spike, a NaN loss, a NaN gradient. Every tensor that
@@ -102,8 +102,8 @@ def make_engine(variant: str, env, out: Path):
     import torch
 
     from pretrain.config import EngineConfig, ModelConfig, OptimConfig
-    from pretrain.engine import BatchPlan, deepspeed_config, initialize, zero_stage
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
+    from pretrain.parallel.engine import BatchPlan, deepspeed_config, initialize, zero_stage
 
     shipped, changes = VARIANTS[variant]
     ds_json = json.loads((ROOT / "configs" / "deepspeed" / shipped).read_text())
@@ -127,7 +127,7 @@ def train_step(engine, guard, index: int, kind: str, rank: int) -> None:
     the loop runs it: the guard gets the global mean loss before the last engine.step()."""
     import torch
 
-    from pretrain.skip_step import global_mean
+    from pretrain.stability.skip_step import global_mean
 
     loss_sum = torch.zeros(())
     for micro in range(GRAD_ACCUM):
@@ -155,7 +155,7 @@ def digest(tensors: dict) -> str:
 def run_variant(variant: str, env, out: Path) -> dict:
     """PLAN with the guard armed, every step compared; then, for reference, PLAN's normal steps
     alone (the same batches) on a fresh engine without a guard."""
-    from pretrain.skip_step import SkipGuard, SkipOutcome
+    from pretrain.stability.skip_step import SkipGuard, SkipOutcome
 
     engine, stage = make_engine(variant, env, out)
     guard = SkipGuard(ratio=3.0, window=8, min_count=3)
@@ -210,7 +210,7 @@ def run_variant(variant: str, env, out: Path) -> dict:
 def worker() -> None:
     import torch
 
-    from pretrain.distributed import DistEnv, init_distributed
+    from pretrain.parallel.distributed import DistEnv, init_distributed
 
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # (DeepSpeed's launcher adds it)
     out = Path(args[0])

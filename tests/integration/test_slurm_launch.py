@@ -6,7 +6,7 @@ node left, the job is not requeued), and scancel leaves nothing running."""
 
 from pretrain import checkpoint as ck
 from pretrain.config import REPO_CONFIG_DIR
-from pretrain.distributed import free_port
+from pretrain.parallel.distributed import free_port
 from tests.integration.runs import FAST, TINY, events
 from tests.integration.slurm_cluster import ABSENT, FINAL_STATES, NODE, PAIR
 from tests.integration.test_ownership import CALM, processes_of, step_events, wait_for

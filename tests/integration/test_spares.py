@@ -13,8 +13,8 @@ import sys
 import time
 
 from pretrain import checkpoint as ck
-from pretrain.distributed import free_port
-from pretrain.metrics import read_metrics
+from pretrain.parallel.distributed import free_port
+from pretrain.reporting.metrics import read_metrics
 from tests.integration.runs import FAST, TINY, events, torchrun, train
 from tests.integration.test_ownership import CALM, wait_for
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 from pretrain import checkpoint as ck
-from pretrain.distributed import free_port
+from pretrain.parallel.distributed import free_port
 from tests.integration.runs import FAST, TINY, events
 from tests.integration.test_ownership import CALM, NOISE, processes_of, step_events, wait_for
 

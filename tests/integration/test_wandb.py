@@ -16,8 +16,8 @@ import pytest
 from monitoring.config import MonitorConfig
 from monitoring.service import serve
 from pretrain.config import WandbConfig, load_config
-from pretrain.metrics import MetricsWriter, tensorboard_dir
-from pretrain.wandb_sink import RUN_ID_FILE
+from pretrain.reporting.metrics import MetricsWriter, tensorboard_dir
+from pretrain.reporting.wandb_sink import RUN_ID_FILE
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
 

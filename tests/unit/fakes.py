@@ -16,9 +16,9 @@ from safetensors.torch import load_model, save_model
 
 from pretrain import pretraining, run_builder
 from pretrain.config import FinetuneConfig, RunConfig
-from pretrain.distributed import DistEnv
-from pretrain.engine import make_optimizer
 from pretrain.finetune import finetuning
+from pretrain.parallel.distributed import DistEnv
+from pretrain.parallel.engine import make_optimizer
 from pretrain.run_builder import RunPlan
 from pretrain.run_dir import claim
 from pretrain.train.loop import Trainer
@@ -136,7 +136,7 @@ def one_process(plan: RunPlan, device: str = "cpu") -> Trainer | dict:
 
 
 def fake_engine(run, engine, optim, make_model, ds_config: dict, device: str = "cpu"):
-    """`pretrain.engine.build` with a FakeEngine: (engine, optimizer)."""
+    """`pretrain.parallel.engine.build` with a FakeEngine: (engine, optimizer)."""
     torch.manual_seed(run.seed)
     model = make_model().to(device)
     optimizer = make_optimizer(model, optim, {}, on_gpu=False)

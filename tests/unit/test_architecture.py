@@ -154,14 +154,13 @@ NEVER = {
         "omegaconf",
         "pretrain.config.loading",
     ),  # what a run is, not how it is read
-    "pretrain.model": ("deepspeed", "pretrain.data", "monitoring"),
-    "pretrain.flops": ("deepspeed",),
-    "pretrain.hf": ("deepspeed",),
+    "pretrain.model": ("deepspeed", "pretrain.data", "pretrain.parallel", "monitoring"),
+    "pretrain.planning.flops": ("deepspeed",),
     "pretrain.tokenizer": ("pretrain.model",),
-    "pretrain.data": ("pretrain.model", "pretrain.engine"),
-    "pretrain.engine": ("pretrain.data",),
-    "pretrain.distributed": ("pretrain.train",),
-    "pretrain.faults": ("pretrain.train",),
+    "pretrain.data": ("pretrain.model", "pretrain.parallel.engine", "pretrain.checkpoint"),
+    "pretrain.parallel": ("pretrain.data",),
+    "pretrain.parallel.distributed": ("pretrain.train",),
+    "pretrain.stability": ("pretrain.train",),
     "pretrain.monitor_link": ("pretrain.train",),
     "pretrain.evaluation": ("pretrain.train",),
     "pretrain.checkpoint": ("pretrain.train",),
@@ -184,6 +183,63 @@ def test_each_module_keeps_to_its_layer(owner):
         return None
 
     assert violations(allowed) == []
+
+
+# The layers, lowest first (docs/architecture.md, "Layers"): a module imports only from its own
+# layer or those below it, so each package can be read and tested knowing only what is beneath it.
+# A module is in the layer of the longest prefix that names it.
+LAYERS = (
+    # foundations: errors, atomic writes, the typed settings, the messages both sides share, URLs
+    ("pretrain", "pretrain.errors", "pretrain.atomic", "pretrain.config", "pretrain.object_store",
+     "monitoring.protocol", "monitoring.config"),
+    # what everything reports through, the process group, the tokenizer
+    ("pretrain.reporting", "pretrain.parallel.distributed", "pretrain.parallel.deepspeed_ops", "pretrain.tokenizer"),
+    # the parts: data, the model, checkpoints on disk, the run directory, optimizers, plans
+    ("pretrain.data", "pretrain.model", "pretrain.checkpoint", "pretrain.run_dir", "pretrain.optim",
+     "pretrain.planning"),
+    # what the loop is built from: the engine and its parallel groups, stability, evaluation
+    ("pretrain.parallel", "pretrain.stability", "pretrain.evaluation", "pretrain.initial_model",
+     "pretrain.lifeline", "pretrain.monitor_link"),
+    ("pretrain.train",),  # the one loop and its step hooks
+    ("pretrain.run_builder", "pretrain.pretraining", "pretrain.finetune"),  # the runs
+    ("monitoring",),  # the service and the supervisor, beside the runs they watch
+    COMMAND_LAYER,
+)  # fmt: skip
+
+
+def layer_of(module: str) -> int:
+    best, layer = "", None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if within(module, (prefix,)) and len(prefix) > len(best):
+                best, layer = prefix, index
+    assert layer is not None, f"{module} is in no layer of LAYERS: add it"
+    return layer
+
+
+def test_imports_never_run_up_the_layers():
+    known = modules()
+
+    def allowed(importer, imported):
+        target = resolved(imported, known)
+        if target is None or layer_of(target) <= layer_of(importer):
+            return None
+        return f"layer {layer_of(importer)} imports layer {layer_of(target)} (LAYERS: imports run downwards)"
+
+    assert violations(allowed) == []
+
+
+MAX_ROOT_MODULES = 14  # besides __init__ and __main__: the rest live in packages by concern
+
+
+def test_the_package_shows_its_architecture():
+    """At most MAX_ROOT_MODULES modules directly in pretrain/: the model, parallelism, optimizers,
+    stability, planning, reporting, evaluation, data, checkpoints, the loop and the commands each
+    have a folder (docs/development.md, Layout), so a newcomer finds a room by its name."""
+    root = sorted(
+        p.name for p in (ROOT / "pretrain").glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert len(root) <= MAX_ROOT_MODULES, root
 
 
 def test_no_function_is_longer_than_a_screen_or_two():
@@ -349,19 +405,19 @@ NOT_DEAD = (
     ("monitoring/service.py", "explain", "send_error's parameter, as http.server calls it"),
     ("monitoring/supervisor.py", "frame", "a signal handler's parameter"),
     ("pretrain/cli/deepspeed_runner.py", "frame", "a signal handler's parameter"),
-    ("pretrain/distributed.py", "frame", "a signal handler's parameter"),
-    ("pretrain/distributed.py", "fill_uninitialized_memory benchmark", "torch settings, set for torch to read"),
+    ("pretrain/parallel/distributed.py", "frame", "a signal handler's parameter"),
+    ("pretrain/parallel/distributed.py", "fill_uninitialized_memory benchmark", "torch settings, set for torch to read"),
     ("pretrain/bench/train.py", "use_cache", "a transformers config setting, set for transformers to read"),
     ("pretrain/tokenizer.py", "encode_special_tokens", "a tokenizers setting, set for tokenizers to read"),
     ("pretrain/tokenizer.py", "mtime_ns", "part of lru_cache's key: a changed file is read again"),
     ("pretrain/checkpoint/background.py", "commit", "DeepSpeed's CheckpointEngine interface, which it calls"),
-    ("pretrain/harness.py",
+    ("pretrain/evaluation/harness.py",
      "max_batch_size get_model_info loglikelihood loglikelihood_rolling generate_until",
      "lm-evaluation-harness's LM interface, which it calls (and the keyword its loader passes)"),
     ("pretrain/data/__init__.py", "__getattr__", "a module's lazy attributes (PEP 562), which Python calls"),
-    ("pretrain/flops.py", "attention_projections attention_scores attention_weighted_sum",
+    ("pretrain/planning/flops.py", "attention_projections attention_scores attention_weighted_sum",
      "FlopsBreakdown's parts: asdict sums them and writes them to the report"),
-    ("pretrain/scaling.py", "tokens_per_gpu_per_step exposed_seconds",
+    ("pretrain/planning/scaling.py", "tokens_per_gpu_per_step exposed_seconds",
      "Projection's fields: asdict writes them to the report"),
     ("pretrain/train/hooks.py", "before_eval before_checkpoint",
      "step hook methods the loop calls by name (Trainer.ask('before_eval', ...))"),
@@ -372,7 +428,7 @@ NOT_DEAD = (
     ("monitoring/protocol.py", "rolled_back_to", "ReplicaMismatch's field: asdict writes it to events.jsonl"),
     ("pretrain/data/mixture.py", "source_counts",
      "read by tests/unit/test_mixture.py only: the windows each source served, which the test checks"),
-    ("pretrain/skip_step.py", "global_mean",
+    ("pretrain/stability/skip_step.py", "global_mean",
      "the module's documented helper for a loop whose all-reduce comes after engine.step(); "
      "tests/integration/test_skip_step.py's loop uses it"),
 )  # fmt: skip

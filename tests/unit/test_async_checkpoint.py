@@ -21,7 +21,6 @@ from pretrain.checkpoint import background
 from pretrain.checkpoint.checkpointer import Checkpointer, CheckpointSaveError, TrainState, weights_digest
 from pretrain.config import CheckpointConfig, FaultsConfig, load_config, to_yaml
 from pretrain.errors import ConfigError
-from pretrain.faults import save_pause
 from pretrain.run_dir import flatten
 from tests.helpers import TINY
 from tests.unit.fakes import ONE_PROCESS, FakeEngine
@@ -216,9 +215,9 @@ def test_an_engine_it_cannot_copy_through_is_saved_in_the_loop(tmp_path, capsys)
 
 
 def test_the_slow_save_fault_pauses_that_steps_save(tmp_path, capsys):
-    assert save_pause(FaultsConfig(slow_save_step=4, slow_save_seconds=0.2), 4) == 0.2
-    assert save_pause(FaultsConfig(slow_save_step=4, slow_save_seconds=0.2), 3) == 0.0
-    assert save_pause(None, 4) == 0.0 and save_pause(FaultsConfig(), 4) == 0.0
+    assert FaultsConfig(slow_save_step=4, slow_save_seconds=0.2).save_pause(4) == 0.2
+    assert FaultsConfig(slow_save_step=4, slow_save_seconds=0.2).save_pause(3) == 0.0
+    assert FaultsConfig().save_pause(4) == 0.0
     with pytest.raises(ConfigError, match="faults.slow_save_seconds"):
         FaultsConfig(slow_save_seconds=-1)
     engine, saver, _ = background_checkpointer(tmp_path, slow_save_step=2, slow_save_seconds=0.2)

@@ -8,7 +8,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
-from pretrain.attention import (
+from pretrain.errors import UserError
+from pretrain.evaluation.attention_maps import (
     DATA_ELEMENT_ID,
     attention_maps,
     grid_figure,
@@ -17,8 +18,7 @@ from pretrain.attention import (
     save_grid_png,
     save_head_view_html,
 )
-from pretrain.errors import UserError
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 from pretrain.tokenizer import Tokenizer
 from tests.conftest import random_weights_model
 
@@ -52,7 +52,7 @@ def test_maps_are_causal_probabilities():
 @pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_maps_match_transformers_llama(tmp_path, n_kv_heads):
     transformers = pytest.importorskip("transformers")
-    from pretrain.hf import save_hf
+    from pretrain.model.hf import save_hf
 
     ours = random_model(n_kv_heads=n_kv_heads, rope_theta=500000.0).eval()
     save_hf(ours, tmp_path)
@@ -195,14 +195,16 @@ def test_head_view_of_a_model(tmp_path):
 def test_render_writes_both_views(tmp_path, tokenizer_dir, monkeypatch):
     """The wiring of `render`, with a random model standing in for a checkpoint (loading real ones is
     tested with the CLI)."""
-    import pretrain.inference
-    from pretrain.attention import render
+    import pretrain.evaluation.inference
+    from pretrain.evaluation.attention_maps import render
 
     tokenizer = Tokenizer.load(tokenizer_dir)
     model = random_model(vocab_size=tokenizer.vocab_size).eval()
-    trained = pretrain.inference.Trained(model, tokenizer, {}, tmp_path / "step_00000010")
+    trained = pretrain.evaluation.inference.Trained(model, tokenizer, {}, tmp_path / "step_00000010")
     loaded = []
-    monkeypatch.setattr(pretrain.inference, "load_trained", lambda path: loaded.append(path) or trained)
+    monkeypatch.setattr(
+        pretrain.evaluation.inference, "load_trained", lambda path: loaded.append(path) or trained
+    )
     text = "def f(x):\n\treturn x"
     result = render("run", text, str(tmp_path / "out" / "attn"))
     n = 1 + len(tokenizer.encode(text))  # after the EOS that starts every document
@@ -226,7 +228,7 @@ def test_render_writes_both_views(tmp_path, tokenizer_dir, monkeypatch):
 
 
 def test_render_refuses_a_missing_checkpoint(tmp_path):
-    from pretrain.attention import render
+    from pretrain.evaluation.attention_maps import render
 
     with pytest.raises(UserError, match="does not exist"):
         render(str(tmp_path / "nowhere"), "text", str(tmp_path / "attn"))

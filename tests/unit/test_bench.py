@@ -165,7 +165,7 @@ def test_the_calibrations_step_times_are_whole_steps_monitor_work_included(tmp_p
     from torch.utils.tensorboard import SummaryWriter
 
     from pretrain.config import REPO_CONFIG_DIR
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     script = REPO_CONFIG_DIR.parent / "scripts" / "monitor_calibration.py"
     spec = importlib.util.spec_from_file_location("monitor_calibration", script)

@@ -204,7 +204,7 @@ def test_the_checkpointer_writes_complete_checkpoints_and_keeps_the_newest(tmp_p
 
 def test_resuming_finds_the_checkpoint_and_knows_when_the_world_size_changed(tmp_path):
     from pretrain.checkpoint.checkpointer import TrainState, choose_resume
-    from pretrain.distributed import DistEnv
+    from pretrain.parallel.distributed import DistEnv
     from tests.unit.fakes import ONE_PROCESS
 
     engine, saver = checkpointer(tmp_path)

@@ -14,7 +14,7 @@ from pretrain.data.provenance import injected_at
 from pretrain.data.shards import split_windows
 from pretrain.data.stream import WindowStream
 from pretrain.errors import UserError
-from pretrain.evaluation import RunEvaluation
+from pretrain.evaluation.held_out import RunEvaluation
 from pretrain.pretraining import preflight
 from tests.conftest import write_synthetic_dataset
 from tests.helpers import FAST, TINY

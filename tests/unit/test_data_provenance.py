@@ -131,7 +131,7 @@ def test_quarantined_windows_are_not_served_again_in_their_epoch_and_every_other
 def test_evaluation_reports_each_corpus_and_tokens_per_corpus(spiked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     run_dir, _, summary, _ = spiked_run
     board = EventAccumulator(str(tensorboard_dir(run_dir)), size_guidance={"scalars": 0})
@@ -158,8 +158,8 @@ def test_each_evaluation_samples_the_prompts_into_the_text_tab(spiked_run):
     """The samples are what `pretrain generate` (greedy) writes with the trained weights."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.inference import generate
-    from pretrain.metrics import literal_markdown, tensorboard_dir
+    from pretrain.evaluation.inference import generate
+    from pretrain.reporting.metrics import literal_markdown, tensorboard_dir
     from pretrain.tokenizer import Tokenizer
 
     run_dir, cfg, _, model = spiked_run

@@ -1,4 +1,4 @@
-"""DeepSpeed's compiled ops (pretrain/deepspeed_ops.py): the CPU shared-memory all-reduce is never
+"""DeepSpeed's compiled ops (pretrain/parallel/deepspeed_ops.py): the CPU shared-memory all-reduce is never
 built, a build that does happen is said once and goes to this installation's own directory."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pretrain import deepspeed_ops
+from pretrain.parallel import deepspeed_ops
 
 
 def test_a_process_group_neither_builds_nor_loads_the_shm_all_reduce():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pretrain import errors
-from pretrain.distributed import DistEnv, StopRequest, all_reduce_sum, barrier, broadcast
 from pretrain.errors import CommandParser, ConfigError, ExitCode, UserError, run_main
+from pretrain.parallel.distributed import DistEnv, StopRequest, all_reduce_sum, barrier, broadcast
 
 
 def test_one_plain_process_is_rank_0_of_1(monkeypatch):
@@ -123,7 +123,7 @@ def test_usage_errors_are_one_line_too(capsys):
 
 
 def test_cpu_ranks_share_the_machines_cores(monkeypatch):
-    from pretrain.distributed import cpu_threads_per_rank
+    from pretrain.parallel.distributed import cpu_threads_per_rank
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):

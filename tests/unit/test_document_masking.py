@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pretrain.data.loader import document_ids
-from pretrain.model import document_mask, positions_in_document
+from pretrain.model.transformer import document_mask, positions_in_document
 from tests.conftest import random_weights_model
 
 EOS = 2

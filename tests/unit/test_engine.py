@@ -4,10 +4,10 @@ import math
 import pytest
 
 from pretrain.config import REPO_CONFIG_DIR, ScheduleConfig, TrainConfig, load_config
-from pretrain.engine import deepspeed_config, param_groups, plan_batches
 from pretrain.errors import ConfigError
-from pretrain.model import Transformer
-from pretrain.schedules import lr_at
+from pretrain.model.transformer import Transformer
+from pretrain.optim.schedules import lr_at
+from pretrain.parallel.engine import deepspeed_config, param_groups, plan_batches
 from tests.conftest import small_model_config
 
 TINY = REPO_CONFIG_DIR / "train" / "tiny.yaml"
@@ -99,7 +99,7 @@ def _loss_and_grads(model, tokens):
 def test_activation_checkpointing_keeps_names_and_numbers():
     import torch
 
-    from pretrain.engine import apply_activation_checkpointing
+    from pretrain.parallel.engine import apply_activation_checkpointing
 
     torch.manual_seed(0)
     model = Transformer(small_model_config())
@@ -125,8 +125,8 @@ def test_deepspeeds_muon_kernels_compile_at_their_first_call_not_at_import(monke
     import torch
     from deepspeed.runtime import compiler
 
-    from pretrain import optimizers
-    from pretrain.optimizers import MUON_MODULE, import_deepspeed_muon_compiling_lazily
+    from pretrain.optim import muon as optimizers
+    from pretrain.optim.muon import MUON_MODULE, import_deepspeed_muon_compiling_lazily
 
     monkeypatch.setattr(optimizers, "_compile_kernels", True)  # (as on a GPU)
 

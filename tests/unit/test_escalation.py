@@ -388,7 +388,7 @@ def test_the_lowered_rate_holds_for_its_steps_then_lifts_and_survives_a_resume(
     assert "learning rate back on its schedule from step 11" in capsys.readouterr().out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0})
     board.Reload()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.config import FaultsConfig
-from pretrain.faults import FaultInjector
+from pretrain.stability.faults import FaultInjector
 
 
 class Killed(Exception):
@@ -42,7 +42,7 @@ def test_a_hang_sleeps_forever_on_its_rank(tmp_path, monkeypatch):
     def sleep(seconds):
         raise Killed  # the supervisor's SIGKILL, in effect
 
-    monkeypatch.setattr("pretrain.faults.time.sleep", sleep)
+    monkeypatch.setattr("pretrain.stability.faults.time.sleep", sleep)
     with pytest.raises(Killed):
         FaultInjector(FaultsConfig(hang_step=2, hang_rank=0), tmp_path, rank=0).before_step(2)
     assert json.loads((tmp_path / "faults_fired.json").read_text()) == ["hang:2"]

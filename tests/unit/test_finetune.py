@@ -7,7 +7,7 @@ import torch
 from pretrain.config import load_config
 from pretrain.finetune.data import Encoded, collate, fit_pair
 from pretrain.finetune.tasks import classification_metrics
-from pretrain.loss import IGNORE_INDEX
+from pretrain.model.loss import IGNORE_INDEX
 from tests.finetune_data import CLASSIFICATION, sentiment_rows, write_csv
 from tests.helpers import FAST, TINY, assert_one_line_error
 from tests.unit.fakes import pretraining_trainer
@@ -43,7 +43,7 @@ def test_sft_batches_mask_the_prompt_and_the_padding():
     m = IGNORE_INDEX
     assert batch["targets"].tolist() == [[m, m, m, 20, 21, 2], [m, 22, 2, m, m, m]]
     # The loss is the mean over completion tokens only: prompt logits do not move it.
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
     from tests.conftest import small_model_config
 
     model = Transformer(small_model_config(vocab_size=32))
@@ -120,8 +120,8 @@ def test_the_bag_of_words_baseline_predicts_as_scikit_learns_naive_bayes():
 )
 def test_the_default_fine_tuning_rate_follows_the_checkpoint(run_config, lr, source):
     from pretrain.config import ModelConfig
-    from pretrain.finetune.initial import InitialModel, trained_peak
-    from pretrain.inference import task_of
+    from pretrain.evaluation.inference import task_of
+    from pretrain.initial_model import InitialModel, trained_peak
 
     model = ModelConfig(preset="tiny", d_model=64, n_heads=4, n_kv_heads=2)
     trained = None if run_config is None else trained_peak(run_config, model.d_model)
@@ -169,8 +169,8 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, pretrained, sentiment, cli
         message="needs at least two",
     )
     # A Hugging Face directory whose tokenizer has more pieces than the model embeds.
-    from pretrain.hf import save_hf
-    from pretrain.model import Transformer
+    from pretrain.model.hf import save_hf
+    from pretrain.model.transformer import Transformer
     from tests.conftest import small_model_config
 
     hf_dir = tmp_path / "hf"
@@ -188,8 +188,8 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path, pretrained, sentiment, cli
 @pytest.fixture(scope="module")
 def hf_init(tmp_path_factory, tokenizer_dir):
     """A Hugging Face Llama directory with our tokenizer: a starting point read without DeepSpeed."""
-    from pretrain.hf import save_hf
-    from pretrain.model import Transformer
+    from pretrain.model.hf import save_hf
+    from pretrain.model.transformer import Transformer
     from tests.conftest import small_model_config
 
     directory = tmp_path_factory.mktemp("hf_init")
@@ -282,8 +282,8 @@ def test_sft_learns_to_complete_and_counts_only_completion_tokens(tmp_path, hf_i
 def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp_path):
     """Two ranks serve 3 micro-batches each; one process resumed from their state serves exactly
     what a single process running from the start serves next."""
-    from pretrain.distributed import DistEnv
     from pretrain.finetune.tasks import SFT
+    from pretrain.parallel.distributed import DistEnv
 
     encoded = Encoded("sft", [[1, 10 + i, 2] for i in range(10)], None, [2] * 10, 0)
 

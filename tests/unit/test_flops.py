@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from pretrain.config import REPO_CONFIG_DIR, available_presets, load_model_config
-from pretrain.flops import flops_per_token, flops_report, matmul_params, mfu, param_counts, peak_flops_for
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
+from pretrain.planning.flops import (
+    flops_per_token,
+    flops_report,
+    matmul_params,
+    mfu,
+    param_counts,
+    peak_flops_for,
+)
 from tests.conftest import small_model_config
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.errors import UserError
-from pretrain.inference import Trained, generate
+from pretrain.evaluation.inference import Trained, generate
 from pretrain.tokenizer import Tokenizer
 from tests.conftest import random_weights_model
 from tests.helpers import assert_one_line_error
@@ -28,7 +28,7 @@ def trained(tokenizer_dir) -> Trained:
 
 def harness_lm(trained, batch_size=3, **data):
     pytest.importorskip("lm_eval")  # the `eval` extra (in `dev`)
-    from pretrain.harness import PretrainLM
+    from pretrain.evaluation.harness import PretrainLM
 
     if data:
         trained = Trained(
@@ -140,7 +140,7 @@ def test_generate_until_is_greedy_decoding_cut_at_the_first_stop_string(trained)
 
 def test_results_never_go_inside_the_checkpoint(tmp_path):
     pytest.importorskip("lm_eval")
-    from pretrain.harness import RESULTS_FILE, results_path
+    from pretrain.evaluation.harness import RESULTS_FILE, results_path
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000020"
     checkpoint.mkdir(parents=True)
@@ -155,7 +155,7 @@ def test_results_never_go_inside_the_checkpoint(tmp_path):
 
 def test_a_task_list_naming_no_task_is_refused():
     pytest.importorskip("lm_eval")
-    from pretrain.harness import parse_tasks
+    from pretrain.evaluation.harness import parse_tasks
 
     assert parse_tasks(" arc_easy, piqa ,") == ["arc_easy", "piqa"]
     with pytest.raises(UserError, match="names no task"):
@@ -179,6 +179,6 @@ def test_eval_takes_exactly_one_of_data_and_tasks(cli, tmp_path):
 
 def test_tasks_without_the_harness_installed_is_one_line_saying_how_to_install(cli, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` meets when it is not installed
-    monkeypatch.delitem(sys.modules, "pretrain.harness", raising=False)
+    monkeypatch.delitem(sys.modules, "pretrain.evaluation.harness", raising=False)
     result = cli("eval", "--checkpoint", tmp_path, "--tasks", "hellaswag")
     assert_one_line_error(result, "lm-evaluation-harness", 'install with pip install -e ".[eval]"')

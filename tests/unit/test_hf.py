@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pretrain.errors import UserError
-from pretrain.hf import load_hf, save_hf
-from pretrain.model import Transformer
+from pretrain.model.hf import load_hf, save_hf
+from pretrain.model.transformer import Transformer
 from tests.conftest import random_weights_model, small_model_config
 
 transformers = pytest.importorskip("transformers")  # in the `dev` extra; CI installs it

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from pretrain.attention import DATA_ELEMENT_ID, attention_maps, piece_labels
 from pretrain.errors import UserError
-from pretrain.hf import save_hf, save_hf_tokenizer
-from pretrain.inference import (
+from pretrain.evaluation.attention_maps import DATA_ELEMENT_ID, attention_maps, piece_labels
+from pretrain.evaluation.inference import (
     EXPORT_RUN_CONFIG,
     Trained,
     export_trained,
@@ -26,6 +25,7 @@ from pretrain.inference import (
     perplexity,
     sample_text,
 )
+from pretrain.model.hf import save_hf, save_hf_tokenizer
 from pretrain.tokenizer import SPECIAL_IDS, Tokenizer
 from tests.conftest import random_weights_model
 

@@ -24,7 +24,7 @@ from pretrain.config import load_config, load_finetune_config
 from pretrain.data import resolve_source
 from pretrain.data.shards import read_manifest
 from pretrain.errors import UserError
-from pretrain.inference import Trained, export_trained, generate, perplexity, sample_text
+from pretrain.evaluation.inference import Trained, export_trained, generate, perplexity, sample_text
 from pretrain.tokenizer import HF_FILE, META_FILE, MODEL_FILE, HFTokenizer, Tokenizer, sha256_file
 from tests.helpers import FAST, TINY, assert_one_line_error
 from tests.unit.fakes import ONE_PROCESS, finetuning_trainer, pretraining_trainer
@@ -368,7 +368,7 @@ def test_the_harness_adapter_scores_the_tokenizers_ids(run):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from pretrain.harness import PretrainLM
+    from pretrain.evaluation.harness import PretrainLM
 
     _, _, _, trained = run
     ref = reference(trained.tokenizer.path)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
-from pretrain.model import Transformer
+from pretrain.model.loss import IGNORE_INDEX, chunk_rows, linear_cross_entropy
+from pretrain.model.transformer import Transformer
 from tests.conftest import small_model_config
 
 

@@ -1,4 +1,4 @@
-"""The memory plan (pretrain/memory.py, `pretrain plan`): model states against DeepSpeed's own
+"""The memory plan (pretrain/planning/memory.py, `pretrain plan`): model states against DeepSpeed's own
 estimators, the activation model against the peak memory torch's profiler measures on a CPU, the
 command's output and its bad input, and `pretrain launch`'s check."""
 
@@ -9,14 +9,14 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from pretrain import memory
 from pretrain.bench.memory import measured_peak
 from pretrain.cli.launch import check_memory_plan
 from pretrain.config import REPO_CONFIG_DIR, ModelConfig, load_config, load_model_config
 from pretrain.errors import UserError
-from pretrain.flops import param_counts
-from pretrain.loss import chunk_rows
-from pretrain.model import Transformer
+from pretrain.model.loss import chunk_rows
+from pretrain.model.transformer import Transformer
+from pretrain.planning import memory
+from pretrain.planning.flops import param_counts
 from tests.helpers import assert_one_line_error
 
 

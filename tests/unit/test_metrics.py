@@ -19,8 +19,8 @@ from monitoring.protocol import (
 )
 from monitoring.service import MonitorState
 from pretrain.config import load_config
-from pretrain.distributed import DistEnv
-from pretrain.metrics import MetricsWriter, tensorboard_dir
+from pretrain.parallel.distributed import DistEnv
+from pretrain.reporting.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
 from pretrain.train.loop import run_history
 from pretrain.train.monitor_hook import Monitored

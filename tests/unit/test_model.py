@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.loss import IGNORE_INDEX
-from pretrain.model import RMSNorm, Transformer, apply_rope, rope_tables
+from pretrain.model.loss import IGNORE_INDEX
+from pretrain.model.transformer import RMSNorm, Transformer, apply_rope, rope_tables
 from tests.conftest import small_model_config
 
 
@@ -200,7 +200,7 @@ def test_too_long_sequence_is_refused():
 
 @pytest.mark.parametrize("positions", ["rope", "sinusoidal", "learned"])
 def test_kv_cache_decoding_matches_the_full_forward(positions):
-    from pretrain.model import KVCache
+    from pretrain.model.transformer import KVCache
 
     model = make_model(positions=positions).eval()
     tokens = torch.randint(0, 97, (2, 20))

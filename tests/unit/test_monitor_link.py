@@ -167,7 +167,7 @@ def test_a_spike_is_rolled_back_to_a_healthy_checkpoint_with_reshuffled_data(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0, "tensors": 0})
     board.Reload()
@@ -221,7 +221,7 @@ def test_a_step_the_monitor_rolls_back_is_not_evaluated(service, tmp_path, train
     assert [e["step"] for e in summary["eval"]] == [0, 8, 10]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     board = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"scalars": 0})
     board.Reload()

@@ -1,4 +1,4 @@
-"""Muon's parts that need no process group (pretrain/optimizers.py, engine.make_optimizer and
+"""Muon's parts that need no process group (pretrain/optim/muon.py, engine.make_optimizer and
 set_lr): the reference against torch.optim.Muon and against DeepSpeed's own kernel, the split of
 the parameters, the learning-rate ratios, the checks before a run. The real 2-process ZeRO-1/2
 jobs against the reference are tests/integration/test_muon.py."""
@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from pretrain.config import OptimConfig
-from pretrain.engine import make_optimizer, param_groups, set_lr
 from pretrain.errors import ConfigError
-from pretrain.model import Transformer
-from pretrain.optimizers import (
+from pretrain.model.transformer import Transformer
+from pretrain.optim.muon import (
     LR_RATIOS,
     deepspeed_muon_differences,
     eager_muon_kernels,
@@ -22,6 +21,7 @@ from pretrain.optimizers import (
     newton_schulz,
     shape_factor,
 )
+from pretrain.parallel.engine import make_optimizer, param_groups, set_lr
 from tests.conftest import small_model_config
 from tests.muon_reference import ReferenceMuon, reference_optimizers
 
@@ -84,7 +84,7 @@ def test_deepspeeds_muon_update_is_the_references_bit_for_bit():
 
 
 def test_block_matrices_take_muon_and_everything_else_adamw():
-    from pretrain.classifier import SequenceClassifier
+    from pretrain.model.classifier import SequenceClassifier
 
     for model in (Transformer(small_model_config()), Transformer(small_model_config(tie_embeddings=True))):
         groups = muon_groups(model, muon(), param_groups(model, 0.1))
@@ -166,7 +166,7 @@ def test_deepspeeds_optimizer_on_whole_matrices_is_the_reference():
     ],
 )
 def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
-    from pretrain.engine import check_optimizer
+    from pretrain.parallel.engine import check_optimizer
 
     with pytest.raises(ConfigError, match="optim.name=muon") as info:
         check_optimizer(muon(), ds)
@@ -179,7 +179,7 @@ def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
 def test_a_shipped_zero3_json_with_muon_is_refused_where_the_json_is_completed():
     """deepspeed_config checks the optimizer when given it (before any process group)."""
     from pretrain.config import REPO_CONFIG_DIR, load_config
-    from pretrain.engine import deepspeed_config, plan_batches
+    from pretrain.parallel.engine import deepspeed_config, plan_batches
 
     cfg = load_config(
         REPO_CONFIG_DIR / "train" / "tiny.yaml", ["engine.deepspeed_config=configs/deepspeed/zero3.json"]
@@ -193,8 +193,8 @@ def test_a_shipped_zero3_json_with_muon_is_refused_where_the_json_is_completed()
 
 
 def test_another_deepspeed_muon_is_refused(monkeypatch):
-    from pretrain import optimizers
-    from pretrain.engine import check_optimizer
+    from pretrain.optim import muon as optimizers
+    from pretrain.parallel.engine import check_optimizer
 
     monkeypatch.setattr(
         optimizers,
@@ -230,7 +230,7 @@ def test_newton_schulz_flops_count_the_iterations():
     sees the reference's iterations do on every block matrix."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pretrain.flops import newton_schulz_flops
+    from pretrain.planning.flops import newton_schulz_flops
 
     for cfg in (small_model_config(), small_model_config(activation="gelu", n_kv_heads=4)):
         matrices = [

@@ -1,4 +1,4 @@
-"""The instability precursors (pretrain/precursors.py) against a direct computation on a small model:
+"""The instability precursors (pretrain/stability/precursors.py) against a direct computation on a small model:
 explicit full attention scores from the q and k the model's own forward hands to its attention
 kernel, the full logits of the model's forward, and parameter snapshots around an AdamW step."""
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
-from pretrain.engine import param_groups
-from pretrain.precursors import UpdateRatios, forward_precursors, group_of, max_attention_logit
+from pretrain.parallel.engine import param_groups
+from pretrain.stability.precursors import UpdateRatios, forward_precursors, group_of, max_attention_logit
 from tests.conftest import packed_document_ids, random_weights_model
 
 SMALL_CHUNKS = 300  # a few queries or tokens per chunk: every chunk boundary is crossed

@@ -147,7 +147,7 @@ def test_a_field_added_to_the_decision_travels_through_every_form_of_it(monkeypa
 
     from monitoring import protocol
     from pretrain import monitor_link
-    from pretrain.distributed import DistEnv
+    from pretrain.parallel.distributed import DistEnv
     from pretrain.train.rollback import Rollbacks
 
     source = Path(protocol.__file__).read_text()

@@ -11,8 +11,8 @@ import pytest
 
 from pretrain import lifeline
 from pretrain.cli.training import as_a_rank
-from pretrain.distributed import lost_peer
 from pretrain.errors import DataError, ExitCode, RankFailed, run_main
+from pretrain.parallel.distributed import lost_peer
 from pretrain.run_dir import OWNER_ENV
 
 GLOO_GONE = (

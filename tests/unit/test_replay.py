@@ -1,4 +1,4 @@
-"""The pure parts of telling a machine fault from bad data (pretrain/replay.py): the comparison of a
+"""The pure parts of telling a machine fault from bad data (pretrain/stability/replay.py): the comparison of a
 step's two passes, the per-host fault counts, and the
 gradient tally (a real module, no process group)."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pretrain.replay import (
+from pretrain.stability.replay import (
     FaultCounts,
     GradientTally,
     changed_ranks,

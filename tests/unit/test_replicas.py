@@ -1,11 +1,11 @@
-"""The pure parts of comparing the replicas (pretrain/replicas.py): the digests of a module's
+"""The pure parts of comparing the replicas (pretrain/stability/replicas.py): the digests of a module's
 weights, the parameters that differ, and the ranks at fault."""
 
 import pytest
 import torch
 
-from pretrain.faults import flip_top_exponent_bit
-from pretrain.replicas import differing, odd_ranks, replica_digests
+from pretrain.stability.faults import flip_top_exponent_bit
+from pretrain.stability.replicas import differing, odd_ranks, replica_digests
 
 
 def test_a_flipped_bit_anywhere_changes_the_digest_and_nothing_else_does():

@@ -10,8 +10,8 @@ import torch
 
 from pretrain.config import ModelConfig, RopeScaling, load_config
 from pretrain.errors import ConfigError, UserError
-from pretrain.hf import load_hf, save_hf
-from pretrain.model import Transformer, rope_frequencies, rope_tables
+from pretrain.model.hf import load_hf, save_hf
+from pretrain.model.transformer import Transformer, rope_frequencies, rope_tables
 from pretrain.pretraining import check_init, init_mismatch
 from tests.conftest import random_weights_model, small_model_config
 from tests.helpers import FAST, LONGER_CONTEXT, TINY, assert_one_line_error
@@ -260,7 +260,7 @@ def test_a_run_starts_from_the_init_weights_and_resumes_without_reading_them(
 ):
     """In this process with a FakeEngine: the first start trains from checkpoint.init's weights at
     step 0; a restart resumes from the run's own checkpoint and never reads checkpoint.init's weights."""
-    from pretrain.finetune.initial import InitialModel
+    from pretrain.initial_model import InitialModel
     from tests.unit.fakes import pretraining_trainer
 
     def config(steps: int, init=hf_init):

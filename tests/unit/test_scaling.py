@@ -1,11 +1,11 @@
-"""Scaling on paper (pretrain/scaling.py and `pretrain flops --scale`)."""
+"""Scaling on paper (pretrain/planning/scaling.py and `pretrain flops --scale`)."""
 
 import json
 
 import pytest
 
 from pretrain.config import REPO_CONFIG_DIR
-from pretrain.scaling import Interconnect, project
+from pretrain.planning.scaling import Interconnect, project
 from tests.helpers import assert_one_line_error
 
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism's parts that need no process group (pretrain/sequence_parallel.py,
+"""Sequence parallelism's parts that need no process group (pretrain/parallel/sequence.py,
 docs/training.md, Long context): each rank's shard of a window, the checks before a job, the
 batch plan and DeepSpeed's settings. The attention across ranks and the jobs against one process
 are in tests/integration/test_sequence_parallel.py."""
@@ -8,11 +8,11 @@ import torch
 
 from pretrain.config import ModelConfig, load_config
 from pretrain.config.schema import ParallelConfig
-from pretrain.engine import check_zero3_buckets, deepspeed_config, plan_batches
 from pretrain.errors import ConfigError, UserError
-from pretrain.model import Transformer, positions_in_document
+from pretrain.model.transformer import Transformer, positions_in_document
+from pretrain.parallel.engine import check_zero3_buckets, deepspeed_config, plan_batches
+from pretrain.parallel.sequence import SequenceShard, UlyssesAttention, own_document_ids, unsplit
 from pretrain.pretraining import preflight
-from pretrain.sequence_parallel import SequenceShard, UlyssesAttention, own_document_ids, unsplit
 from tests.conftest import packed_document_ids, small_model_config
 from tests.helpers import FAST, TINY
 
@@ -152,7 +152,7 @@ def test_pretrain_eval_as_run_reads_each_data_parallel_ranks_share(tmp_path):
     --as-run` recomputes them one after another)."""
     import json
 
-    from pretrain.evaluation import RunEvaluation
+    from pretrain.evaluation.held_out import RunEvaluation
 
     (tmp_path / "train_state.json").write_text(
         json.dumps({"step": 20, "world_size": 4, "data": {"fingerprint": "aaa"}})

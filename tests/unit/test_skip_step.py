@@ -1,4 +1,4 @@
-"""The skip guard's pure parts (pretrain/skip_step.py): the running level, the verdict, the outcome
+"""The skip guard's pure parts (pretrain/stability/skip_step.py): the running level, the verdict, the outcome
 the loop reads, the checkpoint state, and the hook's poisoning of the norm on stand-ins for
 DeepSpeed's ZeRO optimizers (no process group). The real engine: tests/integration/test_skip_step.py."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain.skip_step import (
+from pretrain.stability.skip_step import (
     LOSS_NONFINITE,
     LOSS_SPIKE,
     NORM_NONFINITE,

@@ -27,7 +27,7 @@ from pretrain.bench.stability import (
     judge_series,
     would_skip,
 )
-from pretrain.metrics import read_metrics
+from pretrain.reporting.metrics import read_metrics
 from tests.helpers import assert_one_line_error
 
 DIVERGING = Path(__file__).parent / "data" / "diverging_run.jsonl"

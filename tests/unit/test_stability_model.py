@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.classifier import SequenceClassifier
 from pretrain.config import ModelConfig, load_config
 from pretrain.errors import UserError
-from pretrain.evaluation import validation_loss
-from pretrain.hf import load_hf, save_hf
-from pretrain.loss import IGNORE_INDEX, linear_cross_entropy
-from pretrain.model import Transformer, apply_rope
+from pretrain.evaluation.held_out import validation_loss
+from pretrain.model.classifier import SequenceClassifier
+from pretrain.model.hf import load_hf, save_hf
+from pretrain.model.loss import IGNORE_INDEX, linear_cross_entropy
+from pretrain.model.transformer import Transformer, apply_rope
 from pretrain.pretraining import build_model
 from tests.conftest import random_weights_model, small_model_config
 from tests.helpers import TINY
@@ -213,7 +213,7 @@ def test_qk_norm_normalizes_each_head_before_rotary(n_kv_heads):
         full = model(tokens).logits
         weights = model(tokens, need_weights=True)
         torch.testing.assert_close(weights.logits, full, rtol=1e-5, atol=1e-5)
-        from pretrain.model import KVCache
+        from pretrain.model.transformer import KVCache
 
         cache = KVCache(cfg, 2, 16, torch.float32)
         steps = [model(tokens[:, :10], cache=cache).logits[:, -1]]
@@ -247,8 +247,8 @@ def test_a_qk_norm_pretraining_checkpoint_is_where_fine_tuning_starts(tmp_path, 
     the config comes from the checkpoint's run_config.json and the trained norms are loaded."""
     from safetensors.torch import load_file
 
-    from pretrain import inference
-    from pretrain.finetune.initial import find_initial
+    from pretrain.evaluation import inference
+    from pretrain.initial_model import find_initial
     from tests.helpers import FAST
     from tests.unit.fakes import pretraining_trainer
 
@@ -347,7 +347,7 @@ def test_a_model_without_qk_norm_still_exports_as_llama(tmp_path):
 def test_export_hf_of_a_qk_norm_model_is_a_complete_qwen3_directory(tmp_path, tokenizer_dir):
     """`pretrain export-hf`'s path (export_trained): Qwen3 weights and config with our tokenizer
     files, which AutoTokenizer reads as ours (not as Qwen's tokenizer); our commands read it back."""
-    from pretrain.inference import Trained, export_trained, load_trained
+    from pretrain.evaluation.inference import Trained, export_trained, load_trained
     from pretrain.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(tokenizer_dir)

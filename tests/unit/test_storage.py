@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from pretrain.data import MixtureStream, WindowStream
-from pretrain.data.storage import Entry, ShardCache, is_url
+from pretrain.data.storage import Entry, ShardCache
 from pretrain.data.views import local_dataset
 from pretrain.errors import DataError, UserError
+from pretrain.object_store import is_url
 from tests.conftest import write_synthetic_dataset
 
 SHARDS = [1000, 700, 1300, 900, 1100]  # tokens of uint32: the largest shard is 5,200 bytes

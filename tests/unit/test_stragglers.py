@@ -18,9 +18,9 @@ from monitoring.protocol import REPLACE_FILE, StepMetrics, Straggler, append_eve
 from monitoring.service import MonitorState
 from pretrain.checkpoint import newest_complete
 from pretrain.config import FaultsConfig
-from pretrain.distributed import DistEnv
 from pretrain.errors import ConfigError, ExitCode, UserError
-from pretrain.faults import FaultInjector
+from pretrain.parallel.distributed import DistEnv
+from pretrain.stability.faults import FaultInjector
 from pretrain.train.hooks import CONTINUE, SaveAndStop, StepHook
 from pretrain.train.straggler_hook import (
     FACTOR_TAG,

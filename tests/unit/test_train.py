@@ -77,7 +77,7 @@ def test_the_loop_trains_evaluates_and_checkpoints_on_its_cadence(six_steps):
 def test_tensorboard_holds_every_step_the_evaluations_and_the_probe(six_steps):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     events = EventAccumulator(str(tensorboard_dir(six_steps[0])))
     events.Reload()
@@ -191,7 +191,7 @@ def test_the_newest_checkpoint_is_written_again_after_an_interrupted_save(tmp_pa
 
 
 def test_layer_groups_of_a_classifier_are_those_of_its_backbone():
-    from pretrain.classifier import SequenceClassifier
+    from pretrain.model.classifier import SequenceClassifier
     from tests.conftest import random_weights_model
 
     model = SequenceClassifier(random_weights_model(), 3)
@@ -212,7 +212,7 @@ def test_document_masking_reaches_the_model_in_training_and_evaluation(
     none does (the plain causal path)."""
     from pretrain.data import read_manifest
     from pretrain.data.loader import document_ids
-    from pretrain.model import Transformer
+    from pretrain.model.transformer import Transformer
 
     calls = []
     forward = Transformer.forward
@@ -316,7 +316,7 @@ def test_the_precursors_are_measured_every_n_steps_and_read_with_the_step(tmp_pa
     a logging step; the summaries are the largest of their parts; the other steps carry none."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pretrain.metrics import tensorboard_dir
+    from pretrain.reporting.metrics import tensorboard_dir
 
     cfg = config(tmp_path, train_data, "train.steps=6", "logging.precursors_every=3", "logging.every=4")
     pretraining_trainer(cfg).train()

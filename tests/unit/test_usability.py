@@ -74,7 +74,7 @@ def test_an_unknown_config_name_is_one_line(tmp_path, monkeypatch, cli):
 
 
 def test_the_first_progress_line_has_an_eta_from_its_step_time(tmp_path, capsys):
-    from pretrain.metrics import MetricsWriter
+    from pretrain.reporting.metrics import MetricsWriter
 
     writer = MetricsWriter(tmp_path, 101, enabled=True, tensorboard=False)
     values = {"train/loss": 5.0, "train/tokens_per_sec": 1000.0, "train/step_time": 2.0}
@@ -144,7 +144,7 @@ def test_the_demo_never_reuses_an_earlier_run(tmp_path, capsys):
 def test_the_console_keeps_warnings_and_drops_chatter(monkeypatch, capsys):
     import logging
 
-    from pretrain import console
+    from pretrain.reporting import console
 
     monkeypatch.setenv(console.VERBOSE_ENV, "0")  # restored (unset) after the test
     chatter = console._DeepSpeedChatter()
@@ -172,7 +172,7 @@ def test_the_console_keeps_warnings_and_drops_chatter(monkeypatch, capsys):
 
 
 def test_verbose_anywhere_on_the_command_line(monkeypatch, cli):
-    from pretrain import console
+    from pretrain.reporting import console
 
     monkeypatch.setenv(console.VERBOSE_ENV, "0")  # restored (unset) after the test
     assert cli("config", "show", "tiny", "--verbose").returncode == 0

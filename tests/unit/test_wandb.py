@@ -7,7 +7,7 @@ import pytest
 
 from pretrain.config import WandbConfig
 from pretrain.errors import ConfigError
-from pretrain.metrics import MetricsWriter
+from pretrain.reporting.metrics import MetricsWriter
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 
 
 class ClassifierOutput(NamedTuple):

@@ -33,7 +33,7 @@ from sentencepiece import sentencepiece_model_pb2
 from pretrain import atomic
 from pretrain.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from pretrain.errors import ConfigError, UserError
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 from pretrain.tokenizer import MODEL_FILE, HFTokenizer, Tokenizer
 
 LLAMA_REQUIREMENTS = {  # field: (value Llama has, what to set)

@@ -16,11 +16,11 @@ DeepSpeed ZeRO (the fp32 master weights and AdamW's two moments in the optimizer
   optimizer's part and the fp32 gradients leave the GPU (and under ZeRO-3 with `offload_param`,
   the parameters' 2Ψ/N too). ZeRO partitions over all N ranks, sequence-parallel ones included:
   DeepSpeed's engine gives its ZeRO optimizer the sequence-data-parallel group.
-- **activations**, measured from this model's autograd graph (`pretrain/model.py`, eager, bf16):
+- **activations**, measured from this model's autograd graph (`pretrain/model/transformer.py`, eager, bf16):
   per layer and token 22h + 6·kv + 8f + 4·nh + 8 bytes (h = d_model, kv = n_kv_heads·head_dim,
   f = d_ff: the RMSNorms' fp32 inputs, the fused qkv and SwiGLU projections, the rotated q and k,
   the attention output and its fp32 log-sum-exp; SDPA/flash keeps no T×T scores); the fused LM
-  head (`pretrain/loss.py`) adds 10h per token, its fp32 weight gradient 4Vh, and while a chunk
+  head (`pretrain/model/loss.py`) adds 10h per token, its fp32 weight gradient 4Vh, and while a chunk
   is computed 6 bytes per logit of the chunk and 6Vh. With activation checkpointing each layer
   keeps only its 2h input, and one layer is recomputed at a time (its activations plus 4f + 2h
   per token of gradients). Tokens per GPU: micro-batch × sequence length / S.
@@ -36,14 +36,14 @@ from dataclasses import asdict, dataclass, field
 
 from pretrain.config import ModelConfig, RunConfig, config_dir
 from pretrain.errors import UserError
-from pretrain.flops import PEAK_FLOPS, flops_per_token, largest_parameter, param_counts
-from pretrain.scaling import Interconnect, project
+from pretrain.planning.flops import PEAK_FLOPS, flops_per_token, largest_parameter, param_counts
+from pretrain.planning.scaling import Interconnect, project
 
 GIB = 2**30
 BF16, FP32 = 2, 4  # bytes per element
 RUNTIME_BYTES = 2 * GIB  # CUDA context, NCCL's and cuBLAS's workspaces (to confirm on a GPU)
 FRAGMENTATION = 0.05  # the caching allocator's share on top of what tensors hold
-# Logits per chunk of the fused LM head on a GPU (pretrain/loss.py, chunk_rows; a test keeps them equal).
+# Logits per chunk of the fused LM head on a GPU (pretrain/model/loss.py, chunk_rows; a test keeps them equal).
 GPU_CHUNK_LOGITS = 2**26
 DEFAULT_MFU = 0.40  # the MFU assumed for throughput (stated with every plan; `--mfu`)
 RECOMPUTE_FACTOR = 4 / 3  # activation checkpointing runs each forward twice: 8 instead of 6 FLOPs/param

@@ -353,7 +353,7 @@ def zero_optimizer(target):
 def global_mean(local: torch.Tensor) -> torch.Tensor:
     """The mean of a scalar over the ranks: one all-reduce of one number (for a loop whose own
     all-reduce comes after engine.step())."""
-    from pretrain.distributed import all_reduce_sum
+    from pretrain.parallel.distributed import all_reduce_sum
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return all_reduce_sum(local.detach().float().reshape(1).clone())[0] / world

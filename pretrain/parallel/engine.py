@@ -2,7 +2,7 @@
 the optimizer with its parameter groups, activation checkpointing and torch.compile switches.
 
 The model arrives as a plain `Transformer` and leaves wrapped in a DeepSpeed engine; nothing in
-`pretrain/model.py` knows. Everything that can be checked without processes (batch arithmetic,
+`pretrain/model/transformer.py` knows. Everything that can be checked without processes (batch arithmetic,
 the DeepSpeed JSON) is checked in `plan_batches` / `deepspeed_config`, which the trainer calls
 before any process group starts.
 """
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from pretrain import optimizers
 from pretrain.config import EngineConfig, OptimConfig, RunSection, TrainConfig, config_dir
-from pretrain.deepspeed_ops import announced_builds
-from pretrain.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.errors import ConfigError
-from pretrain.optimizers import LR_RATIOS
-from pretrain.sequence_parallel import split_attention
+from pretrain.optim import muon as optimizers
+from pretrain.optim.muon import LR_RATIOS
+from pretrain.parallel.deepspeed_ops import announced_builds
+from pretrain.parallel.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
+from pretrain.parallel.sequence import split_attention
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def make_optimizer(
     model: nn.Module, optim: OptimConfig, ds: dict[str, Any], on_gpu: bool | None = None
 ) -> torch.optim.Optimizer:
     """`optim.name`'s optimizer. AdamW: `_adamw_class`'s. Muon: DeepSpeed's `MuonWithAuxAdam` on
-    `pretrain.optimizers.muon_groups`, its AdamW half `_adamw_class`'s, each group's learning-rate
+    `pretrain.optim.muon.muon_groups`, its AdamW half `_adamw_class`'s, each group's learning-rate
     ratio kept for `set_lr`. `on_gpu`: where the parameters will train (default: on a GPU when
     there is one)."""
     groups = param_groups(model, optim.weight_decay)
@@ -218,7 +218,7 @@ def make_optimizer(
 
 def check_optimizer(optim: OptimConfig, ds: dict[str, Any]) -> None:
     """The optimizer against the completed DeepSpeed JSON: Muon only where it is proven
-    (`pretrain.optimizers.check`)."""
+    (`pretrain.optim.muon.check`)."""
     optimizers.check(optim, ds, offloads=_offloads_optimizer(ds))
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.console import without_printed_chatter
-from pretrain.deepspeed_ops import announced_builds, without_shm_all_reduce
+from pretrain.parallel.deepspeed_ops import announced_builds, without_shm_all_reduce
+from pretrain.reporting.console import without_printed_chatter
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def init_distributed(env: DistEnv) -> None:
     """The process group (NCCL on GPUs, gloo on CPU), for training and fine-tuning alike.
 
     On CPU, DeepSpeed's shared-memory all-reduce, which training never uses, is neither built nor
-    loaded (`pretrain.deepspeed_ops`). Where DeepSpeed builds it anyway (another layout), it makes
+    loaded (`pretrain.parallel.deepspeed_ops`). Where DeepSpeed builds it anyway (another layout), it makes
     a 66 MB /dev/shm/deepspeed_allreduce_buffer_* per rank and never unlinks it, so every job would
     leave them behind until the machine runs out of memory: once every rank has mapped its peers'
     buffers (they do so while the group starts; the barrier waits for all), each rank unlinks its

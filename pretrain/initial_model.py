@@ -10,9 +10,9 @@ from pathlib import Path
 from pretrain import checkpoint
 from pretrain.config import ModelConfig, ScheduleConfig
 from pretrain.errors import UserError
-from pretrain.inference import task_of
-from pretrain.model import Transformer
-from pretrain.schedules import peak_of
+from pretrain.evaluation.inference import task_of
+from pretrain.model.transformer import Transformer
+from pretrain.optim.schedules import peak_of
 from pretrain.tokenizer import HF_FILE, MODEL_FILE, Tokenizer
 
 # The learning rate fine-tuning takes when optim.lr is unset: a tenth of the checkpoint's pretraining
@@ -51,10 +51,10 @@ class InitialModel:
         another context (`checkpoint.init`: max_seq_len, rope_theta, rope_scaling); else its own."""
         cfg = model_cfg or self.model_cfg
         if self.kind == "hf":
-            from pretrain.hf import read_llama_weights
+            from pretrain.model.hf import read_llama_weights
 
             return Transformer.from_state_dict(cfg, read_llama_weights(self.directory, self.model_cfg))
-        from pretrain.inference import read_checkpoint, task_of
+        from pretrain.evaluation.inference import read_checkpoint, task_of
 
         _, run_config, state = read_checkpoint(self.directory)
         if task_of(run_config) == "classification":  # its backbone, without the old head
@@ -75,7 +75,7 @@ def find_initial(path: str) -> InitialModel:
     """A Hugging Face Llama directory (config.json), or a checkpoint of ours."""
     directory = Path(path)
     if (directory / "config.json").is_file():
-        from pretrain.hf import model_config_from_llama
+        from pretrain.model.hf import model_config_from_llama
 
         if not any((directory / name).is_file() for name in (MODEL_FILE, HF_FILE)):
             raise UserError(

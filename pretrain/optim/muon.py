@@ -74,8 +74,8 @@ ZERO3_MOMENTUM = (
 
 
 def muon_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters Muon trains: the 2-D weights inside the blocks (`pretrain.model.Block`)."""
-    from pretrain.model import Block
+    """ids of the parameters Muon trains: the 2-D weights inside the blocks (`pretrain.model.transformer.Block`)."""
+    from pretrain.model.transformer import Block
 
     return {
         id(p)
@@ -379,5 +379,5 @@ def check(optim: OptimConfig, ds: dict[str, Any], offloads: bool) -> None:
         raise ConfigError(
             f"optim.name=muon: DeepSpeed {deepspeed.__version__}'s Muon is not the one proven here "
             f"(0.19.8): {'; '.join(differences)}; use optim.name=adamw, or prove it with "
-            "tests/integration/test_muon.py and update pretrain/optimizers.py"
+            "tests/integration/test_muon.py and update pretrain/optim/muon.py"
         )

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 
 from pretrain import atomic
 from pretrain.errors import UserError
-from pretrain.model import Transformer
+from pretrain.model.transformer import Transformer
 from pretrain.tokenizer import Tokenizer
 
 MAX_FIGURE_PIXELS = 8192  # per side: big models get a lower dpi rather than a gigapixel PNG
@@ -294,7 +294,7 @@ def save_head_view_html(maps: Maps, labels: list[str], path: str | Path, title: 
 def render(checkpoint: str, text: str, out_prefix: str) -> dict:
     """Attention maps of `text` under a checkpoint or a Hugging Face directory (whatever
     `load_trained` reads), as out_prefix.png and out_prefix.html."""
-    from pretrain.inference import load_trained  # checkpoint machinery: only needed here
+    from pretrain.evaluation.inference import load_trained  # checkpoint machinery: only needed here
 
     if not text:
         raise UserError("the text is empty: give some text to visualize")

@@ -3,7 +3,7 @@
 Scale the loss (and so the gradients), or the gradients alone (the loss reported is the true one),
 or make the loss NaN at given steps; kill or hang a rank as a step begins; corrupt the newest
 checkpoint's fp32 master weights (same size, other bytes) as a step begins; pause the writing of a
-step's checkpoint (`save_pause`, which the checkpointer asks: a slow disk, and a window for a kill
+step's checkpoint (`FaultsConfig.save_pause`, which the checkpointer asks: a slow disk, and a window for a kill
 during a save); make one rank slow from a step on (`slow_rank`: every forward and backward pass
 of it takes `slow_factor` times as long, a rehearsal of a straggler). Each fault but the pause
 and the slow rank fires once: the faults fired ("spike:10", "kill:7", ...)
@@ -24,8 +24,7 @@ import torch
 
 from pretrain import atomic
 from pretrain.config import FaultsConfig
-
-FIRED_FILE = "faults_fired.json"
+from pretrain.run_dir import FIRED_FILE
 
 
 class FaultInjector:
@@ -230,15 +229,6 @@ def _pass_clock() -> float:
         return time.thread_time()
     torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def save_pause(faults: FaultsConfig | None, step: int) -> float:
-    """`faults.slow_save_step`: the seconds every rank pauses, after writing its first file, while
-    it saves the checkpoint of `step` (0: none). Each save of that step pauses: a pause changes
-    nothing that is saved, so unlike the other faults it is not recorded as fired."""
-    if faults is None or faults.slow_save_step != step:
-        return 0.0
-    return float(faults.slow_save_seconds)
 
 
 def flip_top_exponent_bit(values: torch.Tensor) -> None:

@@ -26,9 +26,9 @@ from monitoring.protocol import SUMMARY_FILE
 from pretrain.checkpoint.layout import TRAIN_STATE
 from pretrain.data import BatchLoader, WindowStream
 from pretrain.data.loader import document_ids
-from pretrain.distributed import DistEnv, all_reduce_sum
 from pretrain.errors import UserError
-from pretrain.sequence_parallel import SequenceShard
+from pretrain.parallel.distributed import DistEnv, all_reduce_sum
+from pretrain.parallel.sequence import SequenceShard
 from pretrain.tokenizer import Tokenizer
 
 
@@ -217,7 +217,7 @@ def attention_probe(
 ) -> np.ndarray | None:
     """The (layers × heads) attention grid of `text` as an RGB image on rank 0 (None elsewhere);
     every rank runs the forward."""
-    from pretrain.attention import attention_maps, grid_image, piece_labels
+    from pretrain.evaluation.attention_maps import attention_maps, grid_image, piece_labels
 
     ids = tokenizer.encode_document(text)[:max_seq_len]
     maps = attention_maps(engine.module, ids)
@@ -233,7 +233,7 @@ def continuations(
     """What the model writes after each prompt (a new document; KV cache), greedy at temperature 0,
     else sampled with a generator seeded by the step and the prompt's index. Every rank decodes the
     same tokens (same weights, same seeds), so ZeRO-3's collective parameter gathers stay in step."""
-    from pretrain.inference import continuation
+    from pretrain.evaluation.inference import continuation
 
     model = engine.module
     model.eval()

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pretrain.loss import IGNORE_INDEX
-from pretrain.model import ModelOutput, Transformer, local_attention, positions_in_document
+from pretrain.model.loss import IGNORE_INDEX
+from pretrain.model.transformer import ModelOutput, Transformer, local_attention, positions_in_document
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ the directory holding its event files, so `--logdir RUN_DIR/tensorboard` shows t
     monitor/rollbacks (text)
 
 With logging.wandb.project set, the same scalars and text (but the config, which is the run's W&B
-config) also go to Weights & Biases (pretrain/wandb_sink.py).
+config) also go to Weights & Biases (pretrain/reporting/wandb_sink.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from pretrain.wandb_sink import WandbSink, check_available
+from pretrain.reporting.wandb_sink import WandbSink, check_available
 
 METRICS_FILE = "metrics.jsonl"  # RUN_DIR/metrics.jsonl: one JSON object per logged step
 

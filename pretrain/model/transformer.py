@@ -9,7 +9,7 @@ Against training instabilities (Wortsman et al. 2023; both off by default, and t
 operation of the default path changes): `qk_norm` puts an RMSNorm with a learned weight over
 head_dim on each head's queries and keys before the rotation, as Qwen3 does (OLMo 2 normalizes
 the whole query and key projections, all heads at once), so the attention logits cannot grow
-without bound; the z-loss (`pretrain/loss.py`) keeps the output logits' log-normaliser near 0. The z-loss coefficient is part of the objective, not of the
+without bound; the z-loss (`pretrain/model/loss.py`) keeps the output logits' log-normaliser near 0. The z-loss coefficient is part of the objective, not of the
 architecture, so it is not in `ModelConfig`: it is the attribute `Transformer.z_loss` (a
 constructor argument, 0.0 by default), which pretraining sets from `loss.z_loss` when it builds
 the model. It is added in training mode only, like dropout: in eval mode (held-out evaluation,
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig, RopeScaling
-from pretrain.loss import linear_cross_entropy
+from pretrain.model.loss import linear_cross_entropy
 
 
 class ModelOutput(NamedTuple):
@@ -195,7 +195,7 @@ def flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = True):
     """The attention core of `Attention` (its `core`, which sequence parallelism swaps for DeepSpeed's
-    Ulysses around this one: `pretrain/sequence_parallel.py`). q (B, nh, T, hd); k, v (B, nkv, S,
+    Ulysses around this one: `pretrain/parallel/sequence.py`). q (B, nh, T, hd); k, v (B, nkv, S,
     hd) → (B, nh, T, hd). `mask`: None (causal when `causal`), a dense boolean mask or a block mask
     (`document_mask`)."""
     gqa = k.shape[1] != q.shape[1]
@@ -312,7 +312,7 @@ class FeedForward(nn.Module):
 
 class LMHead(nn.Linear):
     """The output projection. Given targets it returns the loss straight from the hidden states
-    (`pretrain/loss.py`: chunked, no full-vocabulary logits); otherwise the logits. The weight is
+    (`pretrain/model/loss.py`: chunked, no full-vocabulary logits); otherwise the logits. The weight is
     used only inside this module's forward, so ZeRO-3 gathers it here like any layer's. `z_loss`:
     the z-loss coefficient added to the loss (`linear_cross_entropy`)."""
 
@@ -510,7 +510,7 @@ class Transformer(nn.Module):
         document_ids (B, T), equal within a document: attention stays inside each document and
         rotary positions restart at its first token (document masking).
 
-        Sequence parallelism (`pretrain/sequence_parallel.py`) gives each rank a shard of the
+        Sequence parallelism (`pretrain/parallel/sequence.py`) gives each rank a shard of the
         window: `tokens` and `targets` are the shard's, `positions` each token's position in the
         window ((T,); (B, T) under document masking, restarting at each document's first token),
         and `document_ids` the whole window's (B, T·S), which the mask, and the attention core

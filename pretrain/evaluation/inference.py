@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from pretrain import atomic, checkpoint
 from pretrain.config import ModelConfig
-from pretrain.console import silenced_stdout, verbose
 from pretrain.data import WindowStream, read_manifest
 from pretrain.errors import UserError
-from pretrain.model import KVCache, Transformer
+from pretrain.model.transformer import KVCache, Transformer
+from pretrain.reporting.console import silenced_stdout, verbose
 from pretrain.tokenizer import HF_FILE, MODEL_FILE, Tokenizer
 
 EXPORT_RUN_CONFIG = "pretrain_run.json"  # in an export: its checkpoint, and the data settings eval reads
@@ -90,7 +90,7 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32) -> T
     """A Hugging Face Llama directory with its tokenizer (a SentencePiece tokenizer.model, else a
     tokenizer.json). Its run_config is what `export_hf` kept of the checkpoint's (EXPORT_RUN_CONFIG),
     or {} for a model from elsewhere."""
-    from pretrain.hf import load_hf
+    from pretrain.model.hf import load_hf
 
     directory = Path(path)
     if not any((directory / name).is_file() for name in (MODEL_FILE, HF_FILE)):
@@ -212,7 +212,7 @@ def export_trained(trained: Trained, out: str | Path, dtype: str = "float32") ->
     """Write config.json and model.safetensors (`save_hf`), the tokenizer files and
     generation_config.json (`save_hf_tokenizer`), and EXPORT_RUN_CONFIG: the source checkpoint and
     the part of its run config our commands read back, so `eval` on the export equals `eval` on it."""
-    from pretrain import hf
+    from pretrain.model import hf
 
     tok = trained.tokenizer
     hf.check_llama_compatible(trained.model.cfg)  # both checks before anything is written

@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from pretrain import atomic
-from pretrain.console import verbose
 from pretrain.data.loader import document_ids
 from pretrain.errors import UserError
-from pretrain.inference import Trained, load_trained, sample_token
-from pretrain.model import KVCache
+from pretrain.evaluation.inference import Trained, load_trained, sample_token
+from pretrain.model.transformer import KVCache
+from pretrain.reporting.console import verbose
 
 INSTALL_HINT = 'pip install -e ".[eval]"'
 RESULTS_FILE = "eval_results.json"

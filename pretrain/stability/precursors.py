@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pretrain.model import Attention, apply_rope
+from pretrain.model.transformer import Attention, apply_rope
 
 PREFIX = "stability/"
 

@@ -1,0 +1,1 @@
+"""Optimizers and schedules: Muon through DeepSpeed's own (`muon`), learning-rate schedules."""
