@@ -82,7 +82,13 @@ class Resume:
 
 
 def choose_resume(
-    run_dir: str | Path, resume: str, env: DistEnv, log=None, *, mirror: str | None = None
+    run_dir: str | Path,
+    resume: str,
+    env: DistEnv,
+    log=None,
+    *,
+    mirror: str | None = None,
+    expert_parallel: int = 1,
 ) -> Resume | None:
     """Every rank, once the process group is up: the checkpoint to resume from, or None for a fresh
     start. Rank 0 picks it — the one `checkpoint.resume` names (a tag or directory; "auto": the
@@ -106,7 +112,10 @@ def choose_resume(
         return None
     tag = layout.tag_for(step)
     saved = read_train_state(run_dir, tag)
-    return Resume(tag, saved, saved["world_size"] != env.world_size)
+    layout_changed = (
+        saved.get("expert_parallel", 1) != expert_parallel
+    )  # (the experts' split: parallel.expert)
+    return Resume(tag, saved, saved["world_size"] != env.world_size or layout_changed)
 
 
 def never_checkpointed(run_dir: str | Path) -> bool:
@@ -171,6 +180,7 @@ class Checkpointer:
         config_hash: str,
         faults: FaultsConfig | None = None,
         special_tokens: dict | None = None,
+        expert_parallel: int = 1,
     ):
         """`config`: `checkpoint.keep`, `save_retries` and `async_save`; `run_config`: the run's
         whole config, written into each checkpoint as run_config.json; `faults`: the slow save's
@@ -179,6 +189,7 @@ class Checkpointer:
         self.run_dir, self.env, self.keep = Path(run_dir), env, config.keep
         self.run_config, self.tokenizer, self.config_hash = run_config, Path(tokenizer), config_hash
         self.faults, self.special_tokens = faults, special_tokens
+        self.expert_parallel = expert_parallel  # parallel.expert: recorded, a resume at another is universal
         self.root = layout.checkpoints_dir(run_dir)
         self.save_retries = config.save_retries
         self.failures = 0  # failed saves in a row
@@ -266,6 +277,7 @@ class Checkpointer:
         """train_state.json but the weights digests."""
         train_state = {k: v for k, v in asdict(state).items() if k != "hooks" or v}  # (none: as before)
         train_state |= {"data": data} if data is not None else {}
+        train_state |= {"expert_parallel": self.expert_parallel} if self.expert_parallel > 1 else {}
         return train_state | {"world_size": self.env.world_size, "config_hash": self.config_hash}
 
     def _client_state(self) -> dict:

@@ -11,6 +11,8 @@ in the order it was given them, at these points:
                                 number, or a 1-D float32 tensor on the engine's device (one slot
                                 per rank, each rank filling its own, is how a value of every rank
                                 reaches every rank)
+    agreed(step, vote)          right after the step's one all-reduce: its own vote summed over
+                                the ranks, as a device tensor (no host read)
     before_update(step, mean_loss, batch)
                                 after the step's last backward pass, before its update lands:
                                 the step's mean loss over every rank (a device scalar) and this
@@ -100,6 +102,9 @@ class StepHook:
 
     def vote(self) -> float | torch.Tensor:
         return 0.0
+
+    def agreed(self, step: int, vote: torch.Tensor) -> None:
+        pass
 
     def before_update(self, step: int, mean_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         pass

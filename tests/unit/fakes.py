@@ -87,6 +87,9 @@ class FakeEngine:
     def zero_optimization_stage(self) -> int:
         return 0
 
+    def gradient_accumulation_steps(self) -> int:
+        return self.grad_accum
+
     def save_checkpoint(
         self, save_dir: str, tag: str, client_state: dict | None = None, save_latest: bool = True
     ) -> None:
@@ -135,7 +138,9 @@ def one_process(plan: RunPlan, device: str = "cpu") -> Trainer | dict:
     return run_builder.start(plan, ONE_PROCESS, setting, functools.partial(fake_engine, device=device))
 
 
-def fake_engine(run, engine, optim, make_model, ds_config: dict, device: str = "cpu"):
+def fake_engine(
+    run, engine, optim, make_model, ds_config: dict, device: str = "cpu", expert_parallel: int = 1
+):
     """`pretrain.parallel.engine.build` with a FakeEngine: (engine, optimizer)."""
     torch.manual_seed(run.seed)
     model = make_model().to(device)
