@@ -231,7 +231,8 @@ def sequence_balance_loss(route: Routing, batch: int) -> torch.Tensor:
     N, E = route.scores.shape
     K = route.experts.shape[1]
     T = N // batch
-    chosen = F.one_hot(route.experts.view(batch, T * K), E).sum(dim=1).float()  # (B, E)
+    slots = route.experts.view(batch, T * K)
+    chosen = route.scores.new_zeros(batch, E).scatter_add_(1, slots, route.scores.new_ones(slots.shape))
     f = chosen * E / (K * T)
     P = normalized_scores(route).view(batch, T, E).mean(dim=1)
     return (f * P).sum(dim=1).mean()
