@@ -28,6 +28,7 @@ from pretrain.parallel.engine import BatchPlan, deepspeed_config, initialize
 from pretrain.planning.flops import param_counts
 from pretrain.stability.replay import FaultCounts
 from pretrain.train.machine_faults import FaultLedger
+from pretrain.train.move_off import HostMoves
 from pretrain.train.replica_hook import ReplicaCheck
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,14 +60,14 @@ def main() -> None:
     )  # fmt: skip
     engine, _ = initialize(Transformer(model_config), engine_config, OptimConfig(lr=1e-3), ds)
     with tempfile.TemporaryDirectory() as run_dir:
+        moves = HostMoves(env=env, run_dir=Path(run_dir), writer=None)
         check = ReplicaCheck(
             env=env,
             run_dir=Path(run_dir),
             writer=None,
             engine=engine,
-            task=None,
-            checkpointer=None,
-            ledger=FaultLedger(env=env, run_dir=Path(run_dir), counts=FaultCounts(2)),
+            rollbacks=None,  # (a clean model: nothing to roll back)
+            ledger=FaultLedger(env=env, run_dir=Path(run_dir), counts=FaultCounts(2), moves=moves),
             every=100,
         )
         check.open(None)

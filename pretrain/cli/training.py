@@ -16,9 +16,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     summary = as_a_rank(lambda: pretrain(load_config(args.config, _with_fresh(args))))
     ignore_late_stop_requests()
-    if summary.get("stopped_by_monitor"):
+    by = "the monitor" if summary.get("stopped_by_monitor") else summary.get("stopped_by")
+    if by:  # the monitor, or another check that refused to go on (the replica check)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
+            why = summary.get("stopped_by_monitor") or summary.get("stopped_for")
+            print(f"pretrain: stopped by {by}: {why}", file=sys.stderr)
         return ExitCode.STOPPED_BY_MONITOR  # not a crash: the supervisor does not restart it
     # a hook saved and stopped for a reason of its own (a straggler's host to move off: REPLACE_NODE)
     return summary.get("exit_code", ExitCode.DONE)

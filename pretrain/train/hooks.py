@@ -32,9 +32,10 @@ A hook with a `name` keeps `state_dict()` in every checkpoint (train_state.json'
 loop gives it back with `load_state_dict` when it resumes or rewinds to one.
 
 A hook answers `CONTINUE`, `Rewind(state)` (it put the weights and the data back at an earlier
-step: the loop goes on from there) or `Stop(reason)` (the run must not go on: nothing after this
-state is saved). The first answer other than `CONTINUE` ends that boundary; the hooks after the
-one that gave it are not called there. At `after_step` a hook may also answer
+step: the loop goes on from there; with `leaving`, a `SaveAndStop`, the loop stops there instead:
+that state is a checkpoint already) or `Stop(reason, by)` (the run must not go on: nothing after
+this state is saved; `by` names who refused, the monitor or another check). The first answer other
+than `CONTINUE` ends that boundary; the hooks after the one that gave it are not called there. At `after_step` a hook may also answer
 `SaveAndStop(reason, exit_code)`: save a checkpoint at this boundary and stop, as a stop request
 does, and exit with that status; the hooks after it are still called (a `Rewind` or `Stop` from
 one of them comes first). Every rank must give the same answer at the same boundary.
@@ -63,19 +64,24 @@ CONTINUE = Answer()
 
 
 @dataclass(frozen=True)
+class SaveAndStop(Answer):
+    reason: str  # rank 0's line after the save: "REASON: saved step_N and exiting"
+    exit_code: int  # the job's exit status (pretrain.errors.ExitCode)
+
+
+@dataclass(frozen=True)
 class Rewind(Answer):
     state: TrainState  # where the loop goes on from (the step, tokens and lr scale of a checkpoint)
+    leaving: SaveAndStop | None = None  # stop at `state` instead, with this reason and status
+
+
+BY_THE_MONITOR = "the monitor"
 
 
 @dataclass(frozen=True)
 class Stop(Answer):
     reason: str
-
-
-@dataclass(frozen=True)
-class SaveAndStop(Answer):
-    reason: str  # rank 0's line after the save: "REASON: saved step_N and exiting"
-    exit_code: int  # the job's exit status (pretrain.errors.ExitCode)
+    by: str  # who refused to go on: BY_THE_MONITOR (the summary's `stopped_by_monitor`), or another check
 
 
 class StepHook:

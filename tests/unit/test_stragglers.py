@@ -14,7 +14,15 @@ import torch
 
 from monitoring.config import MonitorConfig
 from monitoring.page import render_page
-from monitoring.protocol import REPLACE_FILE, StepMetrics, Straggler, append_event, monitor_dir, read_events
+from monitoring.protocol import (
+    REPLACE_FILE,
+    MoveOff,
+    StepMetrics,
+    Straggler,
+    append_event,
+    monitor_dir,
+    read_events,
+)
 from monitoring.service import MonitorState
 from pretrain.checkpoint import newest_complete
 from pretrain.config import FaultsConfig
@@ -22,6 +30,7 @@ from pretrain.errors import ConfigError, ExitCode, UserError
 from pretrain.parallel.distributed import DistEnv
 from pretrain.stability.faults import FaultInjector
 from pretrain.train.hooks import CONTINUE, SaveAndStop, StepHook
+from pretrain.train.move_off import HostMoves
 from pretrain.train.straggler_hook import (
     FACTOR_TAG,
     MIN_WINDOW_STEPS,
@@ -253,18 +262,19 @@ class Link:
 
 
 def a_watch(tmp_path, replace: bool, rank: int = 0) -> StragglerWatch:
-    watch = StragglerWatch(
-        env=DistEnv(rank, rank, 2),
+    writer, env = Writer(), DistEnv(rank, rank, 2)
+    moves = HostMoves(env=env, run_dir=tmp_path, writer=writer, hosts=["node0", "node7"])  # (as gathered)
+    return StragglerWatch(
+        env=env,
         run_dir=tmp_path,
-        writer=Writer(),
+        writer=writer,
         logged=lambda step: True,  # logging.every=1: a window is MIN_WINDOW_STEPS steps
         rule=StragglerRule(1.5, 3),
         replace=replace,
         engine=SimpleNamespace(device=torch.device("cpu")),
+        moves=moves,
         link=Link() if rank == 0 else None,
     )
-    watch.hosts = ["node0", "node7"]  # (what open() gathers on every rank)
-    return watch
 
 
 @pytest.mark.parametrize("replace", [False, True])
@@ -308,6 +318,7 @@ def test_a_rank_slow_for_three_windows_is_an_event_a_line_a_report_and_with_repl
     assert answers[named_at].reason.startswith("moving off node7 (rank 1 took 3.10x")
     asked = json.loads(request.read_text())
     assert asked["host"] == "node7" and asked["rank"] == 1 and asked["step"] == 1 + 5 * w
+    assert asked["cause"] == "straggler" and MoveOff.read(tmp_path) == MoveOff.from_json(asked)
     assert any("no supervisor runs this job" in line for line in watch.writer.lines)  # plain `pretrain train`
 
 
