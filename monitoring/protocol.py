@@ -27,7 +27,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
 
@@ -265,9 +265,10 @@ class Rollback:
             raise ProtocolError("'lr_factor' and 'lr_factor_steps' come together")
 
     def to_json(self) -> dict[str, Any]:
-        """Its fields, those that are None left out (non-finite values spelled as strings)."""
-        values = {f.name: getattr(self, f.name) for f in fields(Rollback)}
-        return strict_json({k: v for k, v in values.items() if v is not None})
+        """Its fields, the optional ones that are None left out (non-finite values spelled as
+        strings): `from_json` reads it back, the trainer's own decisions included."""
+        values = {f.name: (getattr(self, f.name), f.default is MISSING) for f in fields(Rollback)}
+        return strict_json({k: v for k, (v, required) in values.items() if required or v is not None})
 
     @classmethod
     def from_json(cls, payload: Any) -> Rollback:
@@ -409,7 +410,9 @@ class Outcome:
                 raise ProtocolError(f"{key!r} must be a non-negative integer, got {getattr(self, key)!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """Its fields, `tag` and `reason` left out when None (`decision` is there: null for the
+        trainer's own rollback)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "decision"}
 
     @classmethod
     def from_json(cls, payload: Any) -> Outcome:
