@@ -391,3 +391,23 @@ def test_the_service_shows_each_ranks_time_and_the_stragglers_on_status_page_and
     append_event(tmp_path, Straggler(step=2, rank=1, host="node7", factor=3.0))  # (the trainer's)
     again = MonitorState(tmp_path, MonitorConfig())  # a service started again: from events.jsonl
     assert again.status()["stragglers"] == status["stragglers"]
+
+
+def test_a_host_the_supervisor_cannot_move_off_stays_and_is_only_warned_about(tmp_path):
+    """The supervisor's answer to an earlier request (replace.json's `kept`: no spare, no fewer
+    nodes), read as the job starts: moving a host off is then a warning, once per host, and no
+    request is written (asking again would restart the job forever)."""
+    kept = "no spare, and --min-nodes 2 keeps every node"
+    earlier = MoveOff(host="node7", rank=1, step=30, reason="rank 1 took 3.10x", cause="straggler", kept=kept)
+    monitor_dir(tmp_path).mkdir()
+    (monitor_dir(tmp_path) / REPLACE_FILE).write_text(json.dumps(earlier.to_json()))
+    writer = Writer()
+    moves = HostMoves(env=DistEnv(0, 0, 1), run_dir=tmp_path, writer=writer)
+    moves.open()
+    assert moves.kept == kept and moves.hosts == [socket.gethostname()]
+    (monitor_dir(tmp_path) / REPLACE_FILE).unlink()
+    answers = [moves.ask(0, step, "2 machine faults on it", "machine_faults") for step in (40, 50)]
+    assert answers == [CONTINUE, CONTINUE] and not (monitor_dir(tmp_path) / REPLACE_FILE).exists()
+    assert writer.lines == [
+        f"{socket.gethostname()} stays (2 machine faults on it): the supervisor cannot move it off ({kept})"
+    ]
