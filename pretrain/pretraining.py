@@ -455,22 +455,20 @@ def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts, initial: Initia
 
 
 def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHook]:
-    """The step hooks, in this order: a Rewind or Stop skips the hooks after the one that gave it,
-    and the faults' record of what fired (InjectedFaults.after_step) must never be skipped, or a
-    loss fault would fire again after every rollback of its step; a slow rank's stretched forward
-    pass (the faults') is inside what the straggler hook times."""
+    """The step hooks this run's config switches on, in the order of their `priority` (the loop
+    calls them so; the table and its reasons: pretrain/train/hooks.py)."""
     run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
     faults = FaultInjector(cfg.faults, run_dir, env.rank)
     hooks: list[StepHook] = [InjectedFaults(faults, engine)]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
-    if cfg.logging.precursors_every:  # (before the monitor's: its report carries them)
+    if cfg.logging.precursors_every:
         hooks.append(
             InstabilityPrecursors(
                 engine, cfg.logging.precursors_every, cfg.logging.precursor_tokens, writer, cadence.logged
             )
         )
-    if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
+    if cfg.monitor.skip_step:
         guard = SkipGuard.for_run(
             cfg.monitor.skip_ratio, cfg.monitor.skip_window, grad_norm_ratio=cfg.monitor.skip_grad_norm_ratio
         )
@@ -485,7 +483,7 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
         env, run_dir, engine, parts.task, parts.checkpointer, link, writer, cfg.monitor.quarantine
     )
     moves = HostMoves(env=env, run_dir=run_dir, writer=writer)
-    hooks.append(  # (before the monitor's: its report carries the ranks' times)
+    hooks.append(
         StragglerWatch(
             env=env,
             run_dir=run_dir,
@@ -502,15 +500,13 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
     if monitor is not None:
         writer.band_layout()
         hooks.append(Monitored(monitor, rollbacks, parts.task, writer))
-    return hooks
+    return sorted(hooks, key=lambda hook: hook.priority)
 
 
 def machine_fault_checks(
     cfg: RunConfig, parts: RunParts, faults: FaultInjector, rollbacks: Rollbacks, moves: HostMoves
 ) -> list[StepHook]:
-    """The replica check, then the replay (a wrong copy of the weights replays alike), after the
-    skip guard's hook and before the monitor's (the replay amends its report); one ledger of the
-    machine faults they find."""
+    """The replica check and the replay, with one ledger of the machine faults they find."""
     run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
     ledger = FaultLedger(
         env=env, run_dir=run_dir, counts=FaultCounts(cfg.monitor.machine_faults_to_exclude), moves=moves

@@ -113,7 +113,7 @@ class Trainer:
     grad_accum: int
     writer: MetricsWriter
     checkpointer: Checkpointer
-    hooks: list[StepHook] = field(default_factory=list)  # called in this order at each boundary
+    hooks: list[StepHook] = field(default_factory=list)  # called by their `priority` at each boundary
     flops_per_token: float | None = None  # for MFU, with peak_flops
     peak_flops: float | None = None
     state: TrainState = field(default_factory=TrainState)
@@ -123,6 +123,7 @@ class Trainer:
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
         self.summary |= {"eval": [], "rollbacks": 0, "restarts": 0}
+        self.hooks.sort(key=lambda hook: hook.priority)  # (stable: equal priorities keep their order)
         with contextlib.ExitStack() as stack:
             stop = stack.enter_context(StopRequest(cause=lambda: why_the_supervisor_stops(self.run_dir)))
             if hasattr(self.task, "close"):

@@ -23,6 +23,8 @@ class Monitored(StepHook):
     """Named: its state in a checkpoint (train_state.json `hooks.monitor`) is the rollbacks' (the
     newest one's record and the learning rate's scale)."""
 
+    priority = 100  # (the order of the hooks: pretrain/train/hooks.py)
+
     name = "monitor"
     link: MonitorLink
     rollbacks: Rollbacks  # the run's one way back (the replica check's too)

@@ -48,6 +48,8 @@ class ReplicaCheck(StepHook):
     """Named: each checkpoint keeps the step its replicas were last found consistent at and the
     digest they had (`hooks.replicas`)."""
 
+    priority = 60  # (the order of the hooks: pretrain/train/hooks.py)
+
     name = "replicas"
     env: DistEnv
     run_dir: Path

@@ -183,6 +183,8 @@ class StragglerWatch(StepHook):
     """Every rank measures and judges; rank 0 reports. No `name`: nothing of it is kept in a
     checkpoint, so a restart starts its streaks over (on the hosts it now runs on)."""
 
+    priority = 40  # (the order of the hooks: pretrain/train/hooks.py)
+
     env: DistEnv
     run_dir: Path
     writer: MetricsWriter

@@ -319,6 +319,47 @@ def test_a_rewind_ends_the_boundary_and_the_loop_goes_on_from_its_state(tmp_path
     assert summary["completed"] and summary["step"] == 4
 
 
+def test_hooks_are_called_by_their_declared_priority(tmp_path, train_data):
+    """The run's hooks come in the order of their `priority` (pretrain/train/hooks.py's table: the
+    faults first, the skip guard before the replica check, the replay after both), and a hook given
+    last with a lower priority is still called before the others."""
+    from pretrain.train.hooks import CONTINUE, StepHook
+    from pretrain.train.precursor_hook import InstabilityPrecursors
+
+    order = []
+
+    class Early(StepHook):
+        priority = 5
+
+        def after_step(self, step, metrics, batch_ids, vote):
+            order.append(type(self).__name__)
+            return CONTINUE
+
+    class Late(Early):
+        priority = 1000
+
+    trainer = pretraining_trainer(
+        config(
+            tmp_path, train_data, "train.steps=1", "eval.every=0", "logging.data_trace=true",
+            "monitor.replay=true", "logging.precursors_every=1",
+        )
+    )  # fmt: skip
+    names = [type(hook).__name__ for hook in trainer.hooks]
+    assert names == [
+        "InjectedFaults", "DataTrace", "InstabilityPrecursors", "StragglerWatch", "ReplicaCheck",
+        "ReplayCheck",
+    ]  # fmt: skip
+    # The skip guard needs DeepSpeed's optimizer (tests/integration): its place by its priority.
+    from pretrain.train.replica_hook import ReplicaCheck
+    from pretrain.train.skip_hook import SkipBadUpdates
+
+    assert InstabilityPrecursors.priority < SkipBadUpdates.priority < ReplicaCheck.priority
+    trainer.hooks += [Late(), Early()]
+    trainer.train()
+    assert order == ["Early", "Late"]
+    assert [type(hook).__name__ for hook in trainer.hooks][1:3] == ["Early", "DataTrace"]
+
+
 def test_a_rewind_that_leaves_stops_at_its_checkpoint_with_its_status(tmp_path, train_data):
     """A Rewind with `leaving` (the replica check's, when the host at fault reached its limit):
     the loop stops at the state it went back to, a checkpoint already (nothing newer is saved),
