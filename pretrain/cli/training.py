@@ -134,6 +134,19 @@ def register(sub) -> None:
     add_arguments(monitor)
     monitor.set_defaults(handler=cmd_monitor)
 
+    _register_launch(sub)
+
+    demo = sub.add_parser(
+        "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
+    )
+    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.add_argument(
+        "--steps", type=int, default=None, help="fewer steps than configs/train/demo.yaml, for a quick look"
+    )
+    demo.set_defaults(handler=cmd_demo)
+
+
+def _register_launch(sub) -> None:
     launch = sub.add_parser(
         "launch",
         help="the monitoring service and, under it, the DeepSpeed job (restarted if it crashes or hangs)",
@@ -164,12 +177,3 @@ def register(sub) -> None:
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     launch.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     launch.set_defaults(handler=cmd_launch)
-
-    demo = sub.add_parser(
-        "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
-    )
-    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    demo.add_argument(
-        "--steps", type=int, default=None, help="fewer steps than configs/train/demo.yaml, for a quick look"
-    )
-    demo.set_defaults(handler=cmd_demo)
