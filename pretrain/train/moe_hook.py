@@ -29,6 +29,8 @@ PREFIX = "moe/"
 
 
 class ExpertBalance(StepHook):
+    priority = 25  # before the monitor's: its report carries the loads (pretrain/train/hooks.py)
+
     def __init__(self, engine, writer, logged, world_size: int, grad_accum: int) -> None:
         self.engine, self.writer, self.logged = engine, writer, logged
         self.blocks = {i: block.mlp for i, block in enumerate(engine.module.layers) if block.routed}
