@@ -305,8 +305,8 @@ def initialize(
     if engine.activation_checkpointing:
         apply_activation_checkpointing(model)
     # parallel.sequence: attention across each window's ranks; DeepSpeed's groups as its mpu
-    sequence = ds.get("sequence_parallel_size", 1)
-    mpu = split_attention(model, sequence) if sequence > 1 else None
+    sequence_parallel = ds.get("sequence_parallel_size", 1)
+    mpu = split_attention(model, sequence_parallel) if sequence_parallel > 1 else None
     split_experts(model, expert_parallel)  # (the experts' dispatch; with E > 1, each rank's share)
     if engine.compile:
         compile_blocks(model)
