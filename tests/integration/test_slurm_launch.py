@@ -61,7 +61,8 @@ def test_the_time_limit_warning_saves_requeues_and_the_job_resumes(slurm, tmp_pa
     (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
     saved = stop["saved"]
     assert ck.step_of(saved) >= 3 and [r["rank"] for r in stop["requested_by"]] == [0, 1]  # 2 GPUs → 2 slots
-    assert all(r["why"] == "SIGUSR1 received" for r in stop["requested_by"])
+    # Slurm's copy and the supervisor's reach each rank in either order: the same words for both
+    assert all(r["why"] == "SIGUSR1 received" for r in stop["requested_by"]), stop["requested_by"]
     (stopped,) = [e for e in events(run_dir) if e["type"] == "job_stopped"]
     assert (
         stopped["saved"] == saved
