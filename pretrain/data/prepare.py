@@ -358,6 +358,7 @@ def _prepare_into_store(
         raise UserError(
             f"{url} holds another program's manifest.json; refusing to replace it: choose another --out"
         )
+    check_writable(fs, root, url)  # before the corpus is read: hours, for a large one
     staging = Path(tempfile.mkdtemp(prefix="pretrain-prepare-"))
     try:
         manifest = _write_dataset(source, tokenizer, staging, wanted, workers, progress)
@@ -375,6 +376,20 @@ def _prepare_into_store(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Prepared(manifest, written=True)
+
+
+def check_writable(fs, root: str, url: str) -> None:
+    """Write and delete an empty object under `url`: a bucket that does not exist, missing
+    credentials or no permission to write are one line before any work, not after the corpus has
+    been tokenized, when the upload begins."""
+    probe = f"{root}/.pretrain-write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as exc:
+        raise UserError(
+            f"{object_store.problem(url, exc, access='write')} (--out, checked before tokenizing)"
+        ) from None
 
 
 def _stored_shards_match(fs, root: str, manifest: dict) -> bool:
