@@ -462,7 +462,7 @@ def _write_dataset(
         from pretrain.data.megatron import converted
 
         shown = Progress(source.documents if progress else None, enabled=progress, converting=True)
-        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins, shown)
+        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins)
     else:
         records = source.records()
         first = next(records, None)  # opening the source fails here, before any progress output
@@ -470,7 +470,7 @@ def _write_dataset(
         shown = Progress(count_documents(source) if progress else None, enabled=progress)
         # Pieces decode back to the document only when encoding adds no dummy prefix to each.
         piece_chars = PIECE_CHARS if tokenizer.encodes_in_pieces else None
-        batches = _batches(shown.counted(records), wanted["val_fraction"], stats, piece_chars, origins)
+        batches = _batches(records, wanted["val_fraction"], stats, piece_chars, origins)
         tokenized = _tokenized(batches, tokenizer, workers)
     try:
         for (train, val, n_train, n_val, lengths), batch in tokenized:
@@ -478,7 +478,7 @@ def _write_dataset(
                 index["validation" if is_val else "train"].add(length, origin)
             writers["train"].write(train, n_train)
             writers["validation"].write(val, n_val)
-            shown.wrote(len(train) + len(val))
+            shown.wrote(len(train) + len(val), n_train + n_val)
     finally:
         shown.close()
     splits = {name: writer.finish() for name, writer in writers.items()}
