@@ -277,6 +277,8 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
         wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=mpu)
     if ratios is not None:
         setattr(optimizer, LR_RATIOS, ratios)  # on DeepSpeed's ZeRO optimizer, which set_lr is given
+    if optim.name == "muon" and ds.get("gradient_clipping"):
+        optimizers.clip_adamw_half_only(optimizer)  # (Muon's matrices are never clipped)
     return wrapped, optimizer
 
 
