@@ -7,6 +7,10 @@
 - `fortunes`: a fortune-cookie quotation labelled with its collection: computers, literature,
   politics or science (Debian's `fortunes` package, /usr/share/games/fortunes; skipped where it is
   not installed: `apt-get install fortunes`).
+- `debian`: a Debian package's description (the one-line synopsis: the package index on the
+  machine, `apt-cache dumpavail`, carries no long descriptions) labelled with its section: games,
+  graphics, net, science or sound; 600 of each, drawn with a fixed seed from the distinct
+  descriptions (skipped without apt).
 
 Each task is a shuffled 80/20 split into OUT/TASK/train.csv and validation.csv (`text,label`):
 
@@ -21,12 +25,16 @@ import argparse
 import ast
 import csv
 import random
+import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
 PACKAGES = ("asyncio", "email", "logging", "xml")
 FORTUNES = Path("/usr/share/games/fortunes")
 COLLECTIONS = ("computers", "literature", "politics", "science")
+SECTIONS = ("games", "graphics", "net", "science", "sound")
+PER_SECTION = 600
 
 
 def pydoc_examples() -> list[tuple[str, str]]:
@@ -55,6 +63,34 @@ def fortune_examples() -> list[tuple[str, str]]:
     return examples
 
 
+def package_fields(index: str):
+    """Each record of a Debian package index (RFC 822 style) as a dict of its fields."""
+    for record in index.split("\n\n"):
+        fields = {}
+        for line in record.splitlines():
+            if line[:1] not in (" ", "\t", "") and ":" in line:
+                key, value = line.split(":", 1)
+                fields[key] = value.strip()
+        if fields:
+            yield fields
+
+
+def debian_examples() -> list[tuple[str, str]]:
+    """(description, section) for PER_SECTION distinct descriptions of each of SECTIONS."""
+    index = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, text=True, check=True).stdout
+    found: dict[str, set[str]] = {section: set() for section in SECTIONS}
+    for fields in package_fields(index):
+        section = fields.get("Section", "").split("/")[-1]  # (contrib/games: games)
+        if section in found and fields.get("Description"):
+            found[section].add(" ".join(fields["Description"].split()))
+    rng, examples = random.Random(0), []
+    for section in SECTIONS:
+        descriptions = sorted(found[section])
+        rng.shuffle(descriptions)
+        examples += [(text, section) for text in descriptions[:PER_SECTION]]
+    return examples
+
+
 def write_split(examples: list[tuple[str, str]], out: Path) -> tuple[int, int]:
     examples = sorted(set(examples))  # (a docstring inherited word for word counts once)
     random.Random(0).shuffle(examples)
@@ -70,13 +106,17 @@ def write_split(examples: list[tuple[str, str]], out: Path) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="directory for OUT/pydoc and OUT/fortunes")
+    parser.add_argument("out", help="directory for OUT/pydoc, OUT/fortunes and OUT/debian")
     out = Path(parser.parse_args().out)
     tasks = {"pydoc": pydoc_examples}
     if (FORTUNES / COLLECTIONS[0]).is_file():
         tasks["fortunes"] = fortune_examples
     else:
         print(f"fortunes: skipped ({FORTUNES} has no collections: apt-get install fortunes)")
+    if shutil.which("apt-cache"):
+        tasks["debian"] = debian_examples
+    else:
+        print("debian: skipped (no apt-cache: not a Debian or Ubuntu machine)")
     for name, examples in tasks.items():
         train, validation = write_split(examples(), out / name)
         print(f"{name}: {train:,} training and {validation:,} validation examples in {out / name}")
