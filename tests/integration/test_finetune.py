@@ -80,6 +80,15 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
         == 1
     )
     assert results["accuracy"] >= 0.85 and results["macro_f1"] >= 0.85, results
+    # The head starts from the linear probe (the defaults), and the run ends with the verdict.
+    assert result.stdout.count("the head reads the last token's final hidden state; linear probe: ") == 1
+    assert results["over_bag_of_words"] == pytest.approx(results["accuracy"] - 1.0)
+    verdict = (
+        "ties the bag of words (1.0000)"
+        if results["accuracy"] == 1.0
+        else "short of the bag of words (1.0000)"
+    )
+    assert result.stdout.count(f"accuracy {results['accuracy']:.4f}: ") == 1 and verdict in result.stdout
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 96  # 4 epochs × 192 / (4 × 2)
     accuracy = events(run_dir, "eval/accuracy")

@@ -197,6 +197,9 @@ def test_plan_bad_input_is_one_line(cli):
     assert_one_line_error(cli("plan", "gpt3-1.3b"), "needs --gpus N")
     assert_one_line_error(cli("plan", "gpt3-1.3b", "--gpus", "0"), "--gpus 0")
     assert_one_line_error(cli("plan", "gpt3-1.3b", "--gpus", "8", "--mfu", "1.5"), "--mfu")
+    assert_one_line_error(
+        cli("plan", "gpt3-1.3b", "--gpus", "8", "--host-memory-gib", "0"), "--host-memory-gib 0"
+    )
     assert_one_line_error(cli("plan", "model/gpt3-1.3b", "--gpus", "8"), "not a run config")
     assert_one_line_error(cli("plan", "gpt3-1.3b", "--gpus", "8", "model.wat=1"), "model.wat")
 
