@@ -141,7 +141,7 @@ def test_cpu_ranks_share_the_machines_cores(monkeypatch):
 def test_a_busy_cpu_gets_one_thread_per_rank(monkeypatch):
     """Other work holding the cores (a load average above them): OpenMP threads would wait on each
     other (fine-tuning measured 3.8 s per step with 2 threads, 0.72 s with 1)."""
-    from pretrain.distributed import busy_cpu_line, busy_load, cpu_threads_per_rank
+    from pretrain.parallel.distributed import busy_cpu_line, busy_load, cpu_threads_per_rank
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
     for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
