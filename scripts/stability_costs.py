@@ -33,6 +33,7 @@ from pretrain.parallel.engine import BatchPlan, deepspeed_config, initialize
 from pretrain.planning.flops import param_counts
 from pretrain.stability.replay import FaultCounts, GradientTally
 from pretrain.train.machine_faults import FaultLedger
+from pretrain.train.move_off import HostMoves
 from pretrain.train.replica_hook import ReplicaCheck
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,9 +82,10 @@ def timed_step(engine, tokens: torch.Tensor) -> float:
 def replica_costs(args, env, engine, batches) -> dict:
     """Steps and checks alternated: (median step, median check)."""
     with tempfile.TemporaryDirectory() as run_dir:
-        ledger = FaultLedger(env=env, run_dir=Path(run_dir), counts=FaultCounts(2))
+        moves = HostMoves(env=env, run_dir=Path(run_dir), writer=None)
+        ledger = FaultLedger(env=env, run_dir=Path(run_dir), counts=FaultCounts(2), moves=moves)
         check = ReplicaCheck(
-            env=env, run_dir=Path(run_dir), writer=None, engine=engine, task=None, checkpointer=None,
+            env=env, run_dir=Path(run_dir), writer=None, engine=engine, rollbacks=None,  # (nothing to roll back)
             ledger=ledger, every=100,
         )  # fmt: skip
         check.open(None)

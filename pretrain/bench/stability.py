@@ -480,12 +480,23 @@ def _loss(value) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Three panels: the sweep's loss against the learning rate, a precursor's lead before a
+    spike, and the escalation's runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (sweep_ax, lead_ax, esc_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    _plot_sweep(result, sweep_ax)
+    _plot_precursor_lead(result, lead_ax)
+    _plot_escalation(result, esc_ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_sweep(result: dict, sweep_ax) -> None:
     styles = {"baseline": ("tab:red", "o-"), "qk_norm+z_loss": ("tab:blue", "s--")}
     ceiling = 0.0
     for data in result["sweep"].values():
@@ -508,6 +519,8 @@ def plot(result: dict, path: Path) -> None:
     )
     sweep_ax.legend(fontsize=7)
 
+
+def _plot_precursor_lead(result: dict, lead_ax) -> None:
     spiked = [r for r in result.get("precursor_lead", []) if r["arm"] == "baseline"]
     if spiked:
         pick = max(spiked, key=lambda r: (r["lead_steps"] is not None, -r["lr"]))
@@ -535,6 +548,8 @@ def plot(result: dict, path: Path) -> None:
         )
         lead_ax.legend(fontsize=7)
 
+
+def _plot_escalation(result: dict, esc_ax) -> None:
     esc = result.get("escalation")
     if esc:
         for i, (lr, runs) in enumerate(esc["runs"].items()):
@@ -561,6 +576,3 @@ def plot(result: dict, path: Path) -> None:
             xlabel="step", ylabel="training loss", yscale="log", title="escalation when rollbacks repeat"
         )
         esc_ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -72,6 +72,8 @@ def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
     began: dict[int, int] = {}  # step → reads made before it began
 
     class Mark(StepHook):  # (first: before any other hook's work of the step)
+        priority = -1
+
         def before_step(self, step):
             began[step] = len(host_reads)
 

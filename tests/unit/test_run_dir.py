@@ -169,7 +169,7 @@ def test_a_failing_write_of_the_supervisors_state_is_one_line(tmp_path, monkeypa
     from monitoring.config import MonitorConfig
 
     lines = []
-    sup = supervision.Supervisor(lambda: ["true"], tmp_path, MonitorConfig(), log=lines.append)
+    sup = supervision.Supervisor(lambda start: ["true"], tmp_path, MonitorConfig(), log=lines.append)
     try:
 
         def full_disk(*args, **kwargs):
