@@ -643,7 +643,7 @@ class FinetuneSection:
     pooling: str = "last"
     # classification: fit the head on the frozen model's features first, then train everything
     # (LP-FT, Kumar et al. 2022: a random head's first gradients distort the pretrained features)
-    linear_probe: bool = True
+    linear_probe: bool = False
     # classification: micro-batches of examples of like length (each padded to its longest), the order
     # still shuffled, by groups (docs/finetuning.md)
     group_by_length: bool = True

@@ -133,7 +133,7 @@ def beaten_or_not(results: dict) -> str:
         return f"accuracy {accuracy:.4f}: ties the bag of words ({bag:.4f})"
     return (
         f"accuracy {accuracy:.4f}: falls {-margin:.1f} points short of the bag of words ({bag:.4f}); "
-        "docs/finetuning.md lists what helps (more epochs, a larger checkpoint)"
+        "docs/finetuning.md lists what may help"
     )
 
 

@@ -375,7 +375,7 @@ def test_the_linear_probe_is_scikit_learns_logistic_regression():
     logistic regression without intercept, C = 1 / (2 · l2 · n) for our mean loss + l2 · ‖W‖²."""
     from sklearn.linear_model import LogisticRegression
 
-    from pretrain.finetune.probe import choose_probe, fit_head
+    from pretrain.finetune.probe import PROBE_L2, choose_probe, fit_head
 
     generator = torch.Generator().manual_seed(0)
     centers = torch.randn(3, 16, generator=generator)
@@ -387,7 +387,10 @@ def test_the_linear_probe_is_scikit_learns_logistic_regression():
     expected = torch.tensor(theirs.coef_, dtype=torch.float32)
     assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()  # 2e-5 seen
     probe = choose_probe(features, labels, 3)
-    assert probe.l2 in (1e-4, 1e-3, 1e-2) and probe.held_out_accuracy > 0.8
+    assert probe.l2 in PROBE_L2 and probe.held_out_accuracy > 0.8
+    # Features that say nothing of the label: the strongest L2, a head that starts near zero.
+    noise = choose_probe(torch.randn(240, 16, generator=generator), labels, 3)
+    assert noise.l2 == max(PROBE_L2) and noise.weight.abs().max() < 0.1
 
 
 def test_the_run_says_by_how_much_the_bag_of_words_was_beaten_or_not():
@@ -395,7 +398,17 @@ def test_the_run_says_by_how_much_the_bag_of_words_was_beaten_or_not():
 
     won = {"accuracy": 0.95, "bag_of_words_baseline": 0.9304, "over_bag_of_words": 0.95 - 0.9304}
     assert beaten_or_not(won) == "accuracy 0.9500: beats the bag of words (0.9304) by 2.0 points"
+    tied = {"accuracy": 0.9304, "bag_of_words_baseline": 0.9304, "over_bag_of_words": -1e-9}
+    assert beaten_or_not(tied) == "accuracy 0.9304: ties the bag of words (0.9304)"
     lost = {"accuracy": 0.788, "bag_of_words_baseline": 0.935, "over_bag_of_words": 0.788 - 0.935}
     assert beaten_or_not(lost).startswith(
         "accuracy 0.7880: falls 14.7 points short of the bag of words (0.9350)"
     )
+
+
+def test_an_unknown_pooling_is_refused_by_name():
+    from pretrain.config.schema import FinetuneSection
+    from pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="finetune.pooling='max': choose one of mean, last"):
+        FinetuneSection(pooling="max")
