@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from monitoring.config import MonitorConfig, SupervisorConfig
+from monitoring.config import SupervisorConfig
 from monitoring.hosts import Choice, HostSet, check_hosts
 from monitoring.protocol import (
     HOSTS_FILE,
@@ -79,6 +79,7 @@ from monitoring.protocol import (
 from monitoring.restart_policy import Budget, Decision, JobEnd, decide
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
+from pretrain.config import MonitorConfig
 from pretrain.errors import ExitCode
 from pretrain.lifeline import (
     clear_rank_records,

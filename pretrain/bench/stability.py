@@ -34,7 +34,7 @@ import math
 import sys
 from pathlib import Path
 
-from monitoring.config import FINDINGS, ServiceConfig, TrainerLinkConfig
+from monitoring.config import FINDINGS, ServiceConfig
 from monitoring.policy import Policy
 from monitoring.protocol import (
     PRECURSORS,
@@ -54,6 +54,7 @@ from pretrain.bench.runs import finished, run_once
 from pretrain.errors import UserError
 from pretrain.reporting.metrics import read_metrics
 from pretrain.stability.precursors import PREFIX
+from pretrain.stability.settings import SkipSettings
 
 ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e-4"]}
 DEFAULT_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
@@ -131,7 +132,7 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
     return judged
 
 
-def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> list[int]:
+def would_skip(rows: list[dict], config: SkipSettings | None = None) -> list[int]:
     """The steps `monitor.skip_step` (its defaults unless `config`) would have skipped on this
     recorded series: the trainer's own guard (pretrain/stability/skip_step.py) judging each step's loss and
     gradient norm, told not to act."""
@@ -139,7 +140,7 @@ def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> lis
 
     from pretrain.stability.skip_step import SkipGuard, SkipOutcome
 
-    config = config or TrainerLinkConfig()
+    config = config or SkipSettings()
     guard = SkipGuard.for_run(
         config.skip_ratio, config.skip_window, act=False, grad_norm_ratio=config.skip_grad_norm_ratio
     )

@@ -266,8 +266,8 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
     if engine.activation_checkpointing:
         apply_activation_checkpointing(model)
     # parallel.sequence: attention across each window's ranks; DeepSpeed's groups as its mpu
-    sequence = ds.get("sequence_parallel_size", 1)
-    mpu = split_attention(model, sequence) if sequence > 1 else None
+    sequence_parallel = ds.get("sequence_parallel_size", 1)
+    mpu = split_attention(model, sequence_parallel) if sequence_parallel > 1 else None
     if engine.compile:
         compile_blocks(model)
     with announced_builds(say_once_per_node(DistEnv.from_environ())):  # fused / CPU Adam: a JIT build

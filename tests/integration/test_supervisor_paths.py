@@ -13,9 +13,9 @@ import time
 
 import psutil
 
-from monitoring.config import MonitorConfig
 from monitoring.protocol import SUPERVISOR_FILE, monitor_dir
 from monitoring.supervisor import Supervisor
+from pretrain.config import MonitorConfig
 
 QUICK = dict(warmup=4, window=16, hang_min_seconds=1.0, startup_seconds=3.0, stop_grace_seconds=1.0)
 

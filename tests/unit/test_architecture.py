@@ -199,7 +199,7 @@ def test_each_module_keeps_to_its_layer(owner):
 LAYERS = (
     # foundations: errors, atomic writes, the typed settings, the messages both sides share, URLs
     ("pretrain", "pretrain.errors", "pretrain.atomic", "pretrain.config", "pretrain.object_store",
-     "monitoring.protocol", "monitoring.config"),
+     "monitoring.protocol", "monitoring.config", "pretrain.stability.settings", "pretrain.train.settings"),
     # what everything reports through, the process group, the tokenizer
     ("pretrain.reporting", "pretrain.parallel.distributed", "pretrain.parallel.deepspeed_ops", "pretrain.tokenizer"),
     # the parts: data, the model, checkpoints on disk, the run directory, optimizers, plans

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import pretrain
-from monitoring.config import MonitorConfig
 from monitoring.protocol import read_events
 from monitoring.service import serve
-from pretrain.config import load_config
+from pretrain.config import MonitorConfig, load_config
 from pretrain.train.hooks import StepHook
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer

@@ -6,7 +6,6 @@ import json
 import time
 from types import SimpleNamespace
 
-from monitoring.config import MonitorConfig
 from monitoring.protocol import (
     Judgement,
     Restart,
@@ -18,7 +17,7 @@ from monitoring.protocol import (
     append_event,
 )
 from monitoring.service import MonitorState
-from pretrain.config import load_config
+from pretrain.config import MonitorConfig, load_config
 from pretrain.reporting.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
 from pretrain.train.loop import run_history

@@ -328,8 +328,8 @@ def test_the_trainers_own_rollback_is_the_same_record_and_the_service_numbers_on
     service started on that history goes on from its own decisions, none of them pending, and
     the outcome the trainer tells it, with no number, is a valid message."""
     from monitoring import protocol as p
-    from monitoring.config import MonitorConfig
     from monitoring.policy import Policy
+    from pretrain.config import MonitorConfig
 
     ours = a_rollback(
         decision=None, seed=None, step=13, finding="replica_mismatch", reason="the replicas differ"

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from monitoring.config import MonitorConfig
 from monitoring.page import render_page
 from monitoring.protocol import (
     REPLACE_FILE,
@@ -25,7 +24,7 @@ from monitoring.protocol import (
 )
 from monitoring.service import MonitorState
 from pretrain.checkpoint import newest_complete
-from pretrain.config import FaultsConfig
+from pretrain.config import FaultsConfig, MonitorConfig
 from pretrain.errors import ConfigError, ExitCode, UserError
 from pretrain.parallel.distributed import DistEnv
 from pretrain.stability.faults import FaultInjector

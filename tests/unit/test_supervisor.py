@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from monitoring import supervisor as sv
-from monitoring.config import MonitorConfig
 from monitoring.protocol import SUMMARY_FILE, MoveOff, read_events
 from monitoring.supervisor import HangWatch, Supervisor
 from pretrain import lifeline
+from pretrain.config import MonitorConfig
 from tests.helpers import FAST, TINY, assert_one_line_error
 
 
@@ -135,9 +136,11 @@ def test_a_dead_rank_seen_when_the_hang_watch_fires_is_the_reason_not_a_hang(tmp
     job = FakeJob(exits_after=3, status=247)
     reason, log = first_restart(tmp_path, monkeypatch, job, killed_rank_1)
     assert reason == KILLED and not job.stopped and job.polls == 3, log
-    assert log[1] == (
-        "launch: hang: no step for 10 s (limit 1 s), but rank 1 has left the job; "
-        "waiting for its launcher to exit"
+    # (10 s or more: the supervisor's first look may come later on a busy machine)
+    assert re.fullmatch(
+        r"launch: hang: no step for 1\d s \(limit 1 s\), but rank 1 has left the job; "
+        r"waiting for its launcher to exit",
+        log[1],
     ), log
 
 
@@ -159,7 +162,7 @@ def test_a_hang_with_every_rank_alive_or_cleanly_exited_is_a_hang(tmp_path, monk
 
     job = FakeJob(exits_after=None, status=1, stopped_with=143)
     reason, log = first_restart(tmp_path, monkeypatch, job, ranks)
-    assert reason.startswith("hang: no step for 10 s (limit 1 s)") and job.stopped, log
+    assert re.match(r"hang: no step for 1\d s \(limit 1 s\)", reason) and job.stopped, log
 
 
 @pytest.mark.parametrize(
