@@ -18,6 +18,8 @@ EXTRA = {"s3fs": "pip install 'pretrain[s3]' (or s3fs)"}
 # S3: an answer within these, or the request fails (and is retried, below). FSSPEC_S3's
 # config_kwargs (fsspec's own configuration, from the environment) take precedence.
 S3_CONFIG = {"connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2, "mode": "standard"}}
+# The S3 permissions `problem` names for an access denied.
+ACTIONS = {"read": "s3:GetObject, s3:ListBucket", "write": "s3:PutObject, s3:DeleteObject"}
 
 
 def is_url(location: str | Path | None) -> bool:
@@ -63,8 +65,8 @@ def filesystem(url: str):
     return fs, path
 
 
-def problem(url: str, exc: BaseException) -> str:
-    """What went wrong reading `url`, in one line that says what to do."""
+def problem(url: str, exc: BaseException, access: str = "read") -> str:
+    """What went wrong reading (or, `access="write"`, writing) `url`, in one line that says what to do."""
     name, text = type(exc).__name__, " ".join(str(exc).split())
     bucket = url.split("://", 1)[1].split("/", 1)[0] if "://" in url else url
     if name in ("NoCredentialsError", "PartialCredentialsError") or "credentials" in text.lower():
@@ -75,8 +77,8 @@ def problem(url: str, exc: BaseException) -> str:
     if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
         # (a HEAD request's 403 carries no code: a key the store does not know reads the same)
         return (
-            f"{url}: access denied ({text[:80]}): give these credentials read access to it (s3:GetObject, "
-            "s3:ListBucket), or check they are the ones meant (AWS_ACCESS_KEY_ID, AWS_PROFILE)"
+            f"{url}: access denied ({text[:80]}): give these credentials {access} access to it "
+            f"({ACTIONS[access]}), or check they are the ones meant (AWS_ACCESS_KEY_ID, AWS_PROFILE)"
         )
     if "bucket does not exist" in text.lower() or "NoSuchBucket" in text:
         return (

@@ -194,6 +194,7 @@ ADDED_KEYS = {
     "faults.flip_step": None,
     "faults.flip_rank": 0,
     "faults.flip_target": "grad",
+    "finetune.pooling": "last",  # (classification read the last token's hidden state)
 }
 
 

@@ -7,6 +7,11 @@
 - `fortunes`: a fortune-cookie quotation labelled with its collection: computers, literature,
   politics or science (Debian's `fortunes` package, /usr/share/games/fortunes; skipped where it is
   not installed: `apt-get install fortunes`).
+- `debian`: a Debian package's description (its synopsis and long description, from apt's
+  package index and its Translation-en files: `apt-get update -o Acquire::Languages=en` fetches
+  them where the image leaves them out) labelled with its section: games, graphics, net, science
+  or sound; 600 of each, drawn with a fixed seed from the distinct descriptions (skipped without
+  apt or its Translation-en files).
 
 Each task is a shuffled 80/20 split into OUT/TASK/train.csv and validation.csv (`text,label`):
 
@@ -21,12 +26,16 @@ import argparse
 import ast
 import csv
 import random
+import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
 PACKAGES = ("asyncio", "email", "logging", "xml")
 FORTUNES = Path("/usr/share/games/fortunes")
 COLLECTIONS = ("computers", "literature", "politics", "science")
+SECTIONS = ("games", "graphics", "net", "science", "sound")
+PER_SECTION = 600
 
 
 def pydoc_examples() -> list[tuple[str, str]]:
@@ -55,6 +64,58 @@ def fortune_examples() -> list[tuple[str, str]]:
     return examples
 
 
+def package_fields(index: str):
+    """Each record of a Debian package index (RFC 822 style) as a dict of its fields, a field's
+    continuation lines joined to it."""
+    for record in index.split("\n\n"):
+        fields, key = {}, None
+        for line in record.splitlines():
+            if line[:1] in (" ", "\t") and key:
+                fields[key] += "\n" + line
+            elif ":" in line:
+                key, value = line.split(":", 1)
+                fields[key] = value.strip()
+        if fields:
+            yield fields
+
+
+def long_descriptions() -> dict[str, str]:
+    """Description-md5 → the package's whole English description (its synopsis, then its long
+    description, one line), from apt's Translation-en indexes."""
+    targets = ["apt-get", "indextargets", "-o", "Acquire::Languages=en", "--format", "$(FILENAME)"]
+    files = run([*targets, "Created-By: Translations"]).split()
+    found = {}
+    for path in files:
+        for fields in package_fields(run(["/usr/lib/apt/apt-helper", "cat-file", path])):
+            if "Description-md5" in fields and "Description-en" in fields:
+                lines = [line.strip() for line in fields["Description-en"].splitlines()]
+                found[fields["Description-md5"]] = " ".join(line for line in lines if line not in (".", ""))
+    return found
+
+
+def run(command: list[str]) -> str:
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def debian_examples() -> list[tuple[str, str]]:
+    """(description, section) for PER_SECTION distinct descriptions of each of SECTIONS."""
+    descriptions = long_descriptions()
+    if not descriptions:
+        raise LookupError("no Translation-en index: run `apt-get update -o Acquire::Languages=en` first")
+    found: dict[str, set[str]] = {section: set() for section in SECTIONS}
+    for fields in package_fields(run(["apt-cache", "dumpavail"])):
+        section = fields.get("Section", "").split("/")[-1]  # (contrib/games: games)
+        text = descriptions.get(fields.get("Description-md5", ""))
+        if section in found and text:
+            found[section].add(text)
+    rng, examples = random.Random(0), []
+    for section in SECTIONS:
+        texts = sorted(found[section])
+        rng.shuffle(texts)
+        examples += [(text, section) for text in texts[:PER_SECTION]]
+    return examples
+
+
 def write_split(examples: list[tuple[str, str]], out: Path) -> tuple[int, int]:
     examples = sorted(set(examples))  # (a docstring inherited word for word counts once)
     random.Random(0).shuffle(examples)
@@ -70,15 +131,24 @@ def write_split(examples: list[tuple[str, str]], out: Path) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="directory for OUT/pydoc and OUT/fortunes")
+    parser.add_argument("out", help="directory for OUT/pydoc, OUT/fortunes and OUT/debian")
     out = Path(parser.parse_args().out)
     tasks = {"pydoc": pydoc_examples}
     if (FORTUNES / COLLECTIONS[0]).is_file():
         tasks["fortunes"] = fortune_examples
     else:
         print(f"fortunes: skipped ({FORTUNES} has no collections: apt-get install fortunes)")
+    if shutil.which("apt-cache"):
+        tasks["debian"] = debian_examples
+    else:
+        print("debian: skipped (no apt-cache: not a Debian or Ubuntu machine)")
     for name, examples in tasks.items():
-        train, validation = write_split(examples(), out / name)
+        try:
+            found = examples()
+        except LookupError as exc:
+            print(f"{name}: skipped ({exc})")
+            continue
+        train, validation = write_split(found, out / name)
         print(f"{name}: {train:,} training and {validation:,} validation examples in {out / name}")
 
 

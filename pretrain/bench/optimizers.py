@@ -5,7 +5,7 @@ The model, data, tokens, batch and schedule are `configs/ablation/transformer_pp
 demo's size: 4 layers, d_model 192, vocab 4096; 300 steps of 8 × 512 tokens, one process, bf16
 ZeRO-2). Per corpus, AdamW is searched over `--adamw-lrs` (`optim.lr`) first; Muon is then
 searched over `--muon-lrs` (`optim.muon_lr`), its AdamW half at AdamW's best rate. Muon trains
-without clipping (`train.grad_clip=0`: DeepSpeed would clip its orthogonalized update,
+without clipping (`train.grad_clip=0`, as measured; the default clips the AdamW half only,
 `pretrain/optim/muon.py`), AdamW with the config's (1.0). A run's best is its lowest final
 evaluation loss. Each run is a real `pretrain train` process; runs that finished are not
 repeated, so an interrupted sweep continues where it stopped.

@@ -65,9 +65,9 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     skipped = skipped_report(manifest, source)
     if skipped:
         print(skipped)
-    windows, warning = validation_report(manifest)
+    windows, warnings = validation_report(manifest)
     print(windows)
-    if warning:
+    for warning in warnings:
         print(warning, file=sys.stderr)
     from pretrain.object_store import is_url, join
 

@@ -87,7 +87,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON (line {exc.lineno}): fix it") from None
-    report = run_plan(cfg, ds, args.gpus, args.gpu_memory_gib, mfu=args.mfu, gpus_per_node=args.gpus_per_node)
+    report = run_plan(
+        cfg,
+        ds,
+        args.gpus,
+        args.gpu_memory_gib,
+        mfu=args.mfu,
+        gpus_per_node=args.gpus_per_node,
+        host_memory_gib=args.host_memory_gib,
+    )
     print(json.dumps(report) if args.json else format_plan(report))
     return 0
 
@@ -146,6 +154,11 @@ def register(sub) -> None:
     add_config_argument(plan, "a run config, by name or file", overrides=True)
     plan.add_argument("--gpus", type=int, help="GPUs in the job, all nodes (required)")
     plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80: H100)")
+    plan.add_argument(
+        "--host-memory-gib",
+        type=float,
+        help="host memory per node: settings that need more are left out (default: not checked)",
+    )
     plan.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for throughput (default 0.40)")
     plan.add_argument("--gpus-per-node", type=int, default=8, help="for the interconnect (default 8)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")

@@ -771,6 +771,7 @@ RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))
 
 
 FINETUNE_TASKS = ("classification", "sft")
+POOLINGS = ("mean", "last")
 
 
 @dataclass(kw_only=True)
@@ -781,6 +782,15 @@ class FinetuneSection:
     task: str = "classification"  # classification (a head on the last token) | sft (prompt → completion)
     epochs: float = 3.0  # passes over the training split; train.steps, when set, wins
     max_length: int | None = None  # tokens per example (longer ones are truncated); default: the model's max
+    # classification: what the head reads, the mean of the final hidden states of the example's
+    # tokens or the last one's (GPT-1); docs/finetuning.md has the measurements behind the default
+    pooling: str = "last"
+    # classification: fit the head on the frozen model's features first, then train everything
+    # (LP-FT, Kumar et al. 2022: a random head's first gradients distort the pretrained features)
+    linear_probe: bool = False
+    # classification: micro-batches of examples of like length (each padded to its longest), the order
+    # still shuffled, by groups (docs/finetuning.md)
+    group_by_length: bool = True
 
     def __post_init__(self) -> None:
         if self.task not in FINETUNE_TASKS:
@@ -788,6 +798,8 @@ class FinetuneSection:
         _positive("finetune.epochs", self.epochs)
         if self.max_length is not None and self.max_length < 2:
             raise ConfigError(f"finetune.max_length={self.max_length} must be at least 2")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"finetune.pooling={self.pooling!r}: choose one of {', '.join(POOLINGS)}")
 
 
 @dataclass(kw_only=True)

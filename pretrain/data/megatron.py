@@ -324,7 +324,7 @@ class Converted(NamedTuple):
 
 
 def converted(
-    source: MegatronSource, tokenizer, val_fraction: float, stats: dict, origins: dict[str, int], progress
+    source: MegatronSource, tokenizer, val_fraction: float, stats: dict, origins: dict[str, int]
 ) -> Iterator[tuple[tuple, Converted]]:
     """(train tokens, validation tokens, #train docs, #validation docs, tokens of each text) and the
     batch's splits and origins, as `prepare`'s tokenizing step yields them, straight from the ids."""
@@ -336,13 +336,13 @@ def converted(
     for dataset in source.datasets:
         try:
             yield from _converted_dataset(
-                dataset, origins.setdefault(dataset.origin, len(origins)), out, stats, progress
+                dataset, origins.setdefault(dataset.origin, len(origins)), out, stats
             )
         finally:
             dataset.close()
 
 
-def _converted_dataset(dataset: IndexedDataset, where: int, out: _Output, stats: dict, progress) -> Iterator:
+def _converted_dataset(dataset: IndexedDataset, where: int, out: _Output, stats: dict) -> Iterator:
     first = 0
     while first < dataset.documents:
         starts = dataset.document_starts(first, min(first + BATCH_DOCS, dataset.documents))
@@ -354,9 +354,6 @@ def _converted_dataset(dataset: IndexedDataset, where: int, out: _Output, stats:
         else:
             yield out.documents(dataset, where, first, starts, stats)
         first += count
-        progress.documents += count  # (Progress counts records as it reads them; here a batch at once)
-        if progress.bar is not None:
-            progress.bar.update(count)
 
 
 @dataclass

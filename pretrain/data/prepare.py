@@ -74,6 +74,10 @@ from pretrain.tokenizer import META_FILE, MODEL_FILE, Tokenizer, train_tokenizer
 
 # `data prepare`'s report: the validation windows at these sequence lengths (`validation_report`).
 REPORT_SEQ_LENS = (512, 1024, 2048, 4096)
+# A validation split to compare runs on holds at least these (`comparison_warning`): a rule of thumb,
+# docs/data.md; a fraction above MAX_SUGGESTED_FRACTION would take too much from training.
+COMPARE_DOCUMENTS, COMPARE_WINDOWS = 30, 100
+MAX_SUGGESTED_FRACTION = 0.2
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MiB per uint16 shard
 BATCH_CHARS = 1 << 20  # characters of text per task handed to a worker
 BATCH_DOCS = 2048
@@ -211,25 +215,63 @@ def _tokenized(batches: Iterator[Batch], tokenizer: Tokenizer, workers: int) -> 
 # --------------------------------------------------------------------------- prepare
 
 
-def validation_report(manifest: dict) -> tuple[str, str | None]:
-    """A line of the validation windows at each of REPORT_SEQ_LENS, and a warning when the split
-    has fewer windows at the default data.seq_len than one micro-batch at the default
-    train.micro_batch_size (8 at 2048): a run at the defaults could not evaluate, even on one rank
-    (each rank evaluates whole micro-batches of its share), and is refused before it starts."""
+def validation_report(manifest: dict) -> tuple[str, list[str]]:
+    """A line of the validation windows at each of REPORT_SEQ_LENS, and warnings: the split has
+    fewer windows at the default data.seq_len than one micro-batch at the default
+    train.micro_batch_size (8 at 2048), so a run at the defaults could not evaluate, even on one
+    rank (each rank evaluates whole micro-batches of its share), and is refused before it starts;
+    or it is too small to compare runs on (`comparison_warning`)."""
     from pretrain.config import DataConfig, TrainConfig  # (here: the tokenizing workers import this module)
 
     counts = {seq_len: split_windows(manifest, "validation", seq_len) for seq_len in REPORT_SEQ_LENS}
     line = "validation windows by data.seq_len: " + ", ".join(f"{n}: {c:,}" for n, c in counts.items())
     seq_len, micro = DataConfig.seq_len, TrainConfig.micro_batch_size
     windows = split_windows(manifest, "validation", seq_len)
+    warnings = [] if (compare := comparison_warning(manifest, seq_len)) is None else [compare]
     if windows >= micro:
-        return line, None
-    return line, (
+        return line, warnings
+    return line, [
         f"warning: the validation split gives {windows} window(s) at data.seq_len={seq_len}, fewer than one "
         f"evaluation micro-batch at the default train.micro_batch_size={micro} per rank: a run at those "
         f"settings is refused; prepare with a larger --val-fraction (this one: {manifest.get('val_fraction')}), "
-        "or train with a shorter data.seq_len, a smaller train.micro_batch_size or eval.every=0"
+        "or train with a shorter data.seq_len, a smaller train.micro_batch_size or eval.every=0",
+        *warnings,
+    ]
+
+
+def comparison_warning(manifest: dict, seq_len: int) -> str | None:
+    """A warning when the validation split holds fewer than COMPARE_DOCUMENTS documents or
+    COMPARE_WINDOWS windows at `seq_len` (the held-out loss of two runs, compared on a few
+    documents, says more about those documents than about the corpus: an optimizer comparison
+    was once judged on 2), with the --val-fraction that holds out both, rounded up to two
+    significant figures; above MAX_SUGGESTED_FRACTION, a separate held-out corpus instead."""
+    split = manifest["splits"]["validation"]
+    documents, windows = split["documents"], split_windows(manifest, "validation", seq_len)
+    if documents >= COMPARE_DOCUMENTS and windows >= COMPARE_WINDOWS:
+        return None
+    total_documents = sum(s["documents"] for s in manifest["splits"].values())
+    total_tokens = sum(s["tokens"] for s in manifest["splits"].values())
+    needed = max(
+        COMPARE_DOCUMENTS / max(total_documents, 1), COMPARE_WINDOWS * (seq_len + 1) / max(total_tokens, 1)
     )
+    line = (
+        f"warning: the validation split holds {documents:,} document(s) and {windows:,} window(s) at "
+        f"data.seq_len={seq_len}, too few to compare runs on (at least {COMPARE_DOCUMENTS} documents and "
+        f"{COMPARE_WINDOWS} windows: a difference in held-out loss then says more about these documents "
+        "than about the corpus)"
+    )
+    if needed <= MAX_SUGGESTED_FRACTION:
+        return f"{line}; prepare again with --val-fraction {round_up(needed):g}"
+    return (
+        f"{line}; this corpus ({total_documents:,} documents, {total_tokens:,} tokens) is too small to hold "
+        "that out: compare runs with `pretrain eval --data DIR` on a separate held-out corpus"
+    )
+
+
+def round_up(value: float, figures: int = 2) -> float:
+    """`value` rounded up to `figures` significant figures (0.1456 → 0.15)."""
+    scale = 10 ** (figures - 1 - math.floor(math.log10(value)))
+    return math.ceil(value * scale - 1e-9) / scale
 
 
 def recipe(source: Source, tokenizer: Tokenizer, val_fraction: float, shard_tokens: int) -> dict:
@@ -358,6 +400,7 @@ def _prepare_into_store(
         raise UserError(
             f"{url} holds another program's manifest.json; refusing to replace it: choose another --out"
         )
+    check_writable(fs, root, url)  # before the corpus is read: hours, for a large one
     staging = Path(tempfile.mkdtemp(prefix="pretrain-prepare-"))
     try:
         manifest = _write_dataset(source, tokenizer, staging, wanted, workers, progress)
@@ -375,6 +418,20 @@ def _prepare_into_store(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Prepared(manifest, written=True)
+
+
+def check_writable(fs, root: str, url: str) -> None:
+    """Write and delete an empty object under `url`: a bucket that does not exist, missing
+    credentials or no permission to write are one line before any work, not after the corpus has
+    been tokenized, when the upload begins."""
+    probe = f"{root}/.pretrain-write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as exc:
+        raise UserError(
+            f"{object_store.problem(url, exc, access='write')} (--out, checked before tokenizing)"
+        ) from None
 
 
 def _stored_shards_match(fs, root: str, manifest: dict) -> bool:
@@ -447,7 +504,7 @@ def _write_dataset(
         from pretrain.data.megatron import converted
 
         shown = Progress(source.documents if progress else None, enabled=progress, converting=True)
-        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins, shown)
+        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins)
     else:
         records = source.records()
         first = next(records, None)  # opening the source fails here, before any progress output
@@ -455,7 +512,7 @@ def _write_dataset(
         shown = Progress(count_documents(source) if progress else None, enabled=progress)
         # Pieces decode back to the document only when encoding adds no dummy prefix to each.
         piece_chars = PIECE_CHARS if tokenizer.encodes_in_pieces else None
-        batches = _batches(shown.counted(records), wanted["val_fraction"], stats, piece_chars, origins)
+        batches = _batches(records, wanted["val_fraction"], stats, piece_chars, origins)
         tokenized = _tokenized(batches, tokenizer, workers)
     try:
         for (train, val, n_train, n_val, lengths), batch in tokenized:
@@ -463,7 +520,7 @@ def _write_dataset(
                 index["validation" if is_val else "train"].add(length, origin)
             writers["train"].write(train, n_train)
             writers["validation"].write(val, n_val)
-            shown.wrote(len(train) + len(val))
+            shown.wrote(len(train) + len(val), n_train + n_val)
     finally:
         shown.close()
     splits = {name: writer.finish() for name, writer in writers.items()}

@@ -528,7 +528,19 @@ def _stream_files_quietly(files: list[Path], text_field: str) -> Iterator[tuple[
             yield index, _text_of(record, field_name, index, record_of)
     # A record the reader cannot parse, or a compressed file damaged past the part checked.
     except (ValueError, TypeError, *decompression_errors()) as exc:
+        if isinstance(exc, decompression_errors()):
+            _refuse_damaged(files)
         raise UserError(f"could not read {where}: {_first_line(exc)}") from None
+
+
+def _refuse_damaged(files: list[Path]) -> None:
+    """The compressed file among `files` that does not decompress, refused by name and with what
+    to do, as one damaged within the part checked up front is (`_blocks`): the reader's error names
+    neither. Each is read to its end, which costs a pass only once reading has already failed."""
+    for path in files:
+        if path.suffix in COMPRESSIONS:
+            for _ in _blocks(path):
+                pass
 
 
 def _text_of(record: dict, field_name: str, index: int, record_of: str) -> str:

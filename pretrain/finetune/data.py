@@ -3,7 +3,6 @@ tokenizer, right-padded micro-batches, and the order examples are served in."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,19 +170,58 @@ def collate(encoded: Encoded, indices: list[int], pad_id: int, device) -> dict[s
     return {"tokens": tokens.to(device), "targets": targets.to(device)}
 
 
-@functools.lru_cache(maxsize=4)
-def epoch_order(n: int, epoch: int, seed: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+GROUPED_BATCHES = 64  # micro-batches per length-sorted chunk of an epoch (`ExampleOrder`)
 
 
-def example_indices(n: int, position: int, count: int, seed: int) -> list[int]:
-    """`count` examples from `position` of the run's stream: one shuffled epoch after another, so
-    the examples at a position are the same at any restart and any world size."""
-    out = []
-    for p in range(position, position + count):
-        epoch, offset = divmod(p, n)
-        out.append(int(epoch_order(n, epoch, seed)[offset]))
-    return out
+class ExampleOrder:
+    """The order examples are served in: one shuffled epoch after another, so the examples at a
+    position of the stream are the same at any restart and any world size.
+
+    With `lengths` (finetune.group_by_length), each epoch's shuffled order is cut into chunks of
+    GROUPED_BATCHES micro-batches, each sorted by length and cut into micro-batches, and those are
+    shuffled (Hugging Face's group_by_length): a micro-batch, padded to its longest example,
+    holds examples of like length (of a shuffled one, a third of the tokens were real on the docs'
+    tasks). The cuts fall where micro-batches start in the stream (their positions are multiples
+    of the micro-batch size, on every rank), so the order depends on it too."""
+
+    def __init__(self, n: int, seed: int, lengths: list[int] | None = None, micro_batch_size: int = 1):
+        self.n, self.seed, self.micro = n, seed, micro_batch_size
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def indices(self, position: int, count: int) -> list[int]:
+        """`count` examples from `position` of the stream."""
+        out = []
+        for p in range(position, position + count):
+            epoch, offset = divmod(p, self.n)
+            out.append(int(self.epoch(epoch)[offset]))
+        return out
+
+    def epoch(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epochs:
+            self._epochs = {epoch: self._order(epoch)}  # (the stream reads epochs in order)
+        return self._epochs[epoch]
+
+    def _order(self, epoch: int) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        if self.lengths is None:
+            return order
+        chunk = GROUPED_BATCHES * self.micro
+        by_length = np.concatenate(
+            [
+                c[np.argsort(self.lengths[c], kind="stable")]
+                for c in np.split(order, range(chunk, self.n, chunk))
+            ]
+        )
+        # micro-batches as the stream cuts them: the epoch starts `lead` examples before a cut
+        lead = (-epoch * self.n) % self.micro
+        cuts = list(range(lead, self.n, self.micro))
+        pieces = np.split(by_length, [c for c in cuts if 0 < c < self.n])
+        first, middle = (pieces[:1], pieces[1:]) if lead else ([], pieces)
+        last = middle[-1:] if middle and len(middle[-1]) < self.micro else []
+        middle = middle[: len(middle) - len(last)]
+        shuffled = np.random.default_rng([self.seed, epoch, 1]).permutation(len(middle))
+        return np.concatenate([*first, *(middle[i] for i in shuffled), *last])
 
 
 @dataclass

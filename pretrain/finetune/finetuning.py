@@ -17,6 +17,7 @@ from pretrain.checkpoint import resolve_resume
 from pretrain.config import FinetuneConfig
 from pretrain.errors import UserError
 from pretrain.finetune.data import Examples, load_examples, padding_id
+from pretrain.finetune.probe import Probe, probe_head
 from pretrain.finetune.tasks import SFT, Classification, majority_share
 from pretrain.initial_model import InitialModel, find_initial
 from pretrain.model.classifier import SequenceClassifier
@@ -42,11 +43,32 @@ class FinetuneInputs:
     steps: int
     lr: float  # optim.lr, or the checkpoint's default (InitialModel.learning_rate)
     lr_source: str  # where `lr` comes from, for the first line
+    pooling: str  # classification: finetune.pooling
+    probe: Probe | None = None  # the linear probe's head, once `first_model` has fitted it
 
     def model(self) -> torch.nn.Module:
+        """The model with the checkpoint's weights (and, for classification, a random head)."""
         model = self.initial.load_model()
         labels = self.examples.labels
-        return model if labels is None else SequenceClassifier(model, len(labels))
+        return model if labels is None else SequenceClassifier(model, len(labels), pooling=self.pooling)
+
+
+def first_model(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan) -> torch.nn.Module:
+    """The model a run starts with: classification's head fitted on the frozen model's features
+    first, with finetune.linear_probe (`pretrain/finetune/probe.py`), on the device it trains on."""
+    model = inputs.model()
+    if inputs.examples.labels is None or not cfg.finetune.linear_probe:
+        return model
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    model.to(device)
+    pad = padding_id(inputs.initial.tokenizer)
+    env = DistEnv.from_environ()
+    inputs.probe = probe_head(model, inputs.examples.train, pad, plan.micro_batch_size, env, device)
+    return model
 
 
 def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> FinetuneInputs:
@@ -63,7 +85,13 @@ def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> FinetuneInputs:
     )
     lr, lr_source = (cfg.optim.lr, "optim.lr") if cfg.optim.lr is not None else initial.learning_rate()
     return FinetuneInputs(
-        initial=initial, examples=examples, max_length=max_length, steps=steps, lr=lr, lr_source=lr_source
+        initial=initial,
+        examples=examples,
+        max_length=max_length,
+        steps=steps,
+        lr=lr,
+        lr_source=lr_source,
+        pooling=cfg.finetune.pooling,
     )
 
 
@@ -88,6 +116,7 @@ def identity(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
             "finetune.task": cfg.finetune.task,
             "finetune.labels": inputs.examples.labels,
             "finetune.max_length": inputs.max_length,
+            **({"finetune.pooling": inputs.pooling} if inputs.examples.labels else {}),
         }
     )
 
@@ -119,7 +148,8 @@ def run_plan(cfg: FinetuneConfig, env: DistEnv) -> RunPlan:
             "labels": examples.labels,
             "init_source": initial.source,
         },
-        make_model=inputs.model,
+        make_model=functools.partial(first_model, trained, inputs, plan),
+        make_resumed_model=inputs.model,  # (the checkpoint's weights replace it: no probe)
         make_task=functools.partial(make_task, trained, inputs, plan),
         make_hooks=lambda parts: (  # (no faults, no monitor; with experts, their balance)
             ([DataTrace(Path(cfg.run.dir), parts.env.rank)] if cfg.logging.data_trace else [])
@@ -147,7 +177,12 @@ def make_task(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, env:
     )
     if examples.labels is None:
         return SFT(**common)
-    return Classification(**common, num_labels=len(examples.labels), bag_of_words=examples.bag_of_words)
+    return Classification(
+        **common,
+        num_labels=len(examples.labels),
+        bag_of_words=examples.bag_of_words,
+        group_by_length=cfg.finetune.group_by_length,
+    )
 
 
 def summary(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
@@ -188,4 +223,25 @@ def first_lines(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, pa
             f"{majority_share(val_data.labels, len(labels)):.4f}, a bag of words "
             f"{inputs.examples.bag_of_words:.4f} (accuracy)"
         )
+    if labels:
+        lines.append(head_line(inputs, resumed=parts.resume is not None))
     return lines
+
+
+def head_line(inputs: FinetuneInputs, resumed: bool) -> str:
+    """What the classification head reads and how it starts: fitted on the frozen features (the
+    linear probe), random, or the checkpoint's."""
+    pooled = (
+        "the mean of the final hidden states"
+        if inputs.pooling == "mean"
+        else "the last token's final hidden state"
+    )
+    probe = inputs.probe
+    if probe is None:
+        start = "the checkpoint's" if resumed else "random (finetune.linear_probe=false)"
+        return f"the head reads {pooled}; it starts {start}"
+    return (
+        f"the head reads {pooled}; linear probe: fitted on the frozen model's features of the "
+        f"{len(inputs.examples.train.ids):,} training examples in {probe.seconds:.1f} s (L2 {probe.l2:g}, "
+        f"{probe.held_out_accuracy:.4f} on a held-out fifth), then everything trains"
+    )

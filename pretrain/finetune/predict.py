@@ -59,7 +59,11 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
     texts = rows.select([i for i in range(len(rows)) if i not in empty])
     with torch.no_grad():
         if task == "classification":
-            model = SequenceClassifier.from_state_dict(model_cfg, len(run_config["labels"]), state).eval()
+            # (a checkpoint written before finetune.pooling existed read the last token)
+            pooling = (run_config.get("finetune") or {}).get("pooling", "last")
+            model = SequenceClassifier.from_state_dict(
+                model_cfg, len(run_config["labels"]), state, pooling=pooling
+            ).eval()
             records = _labels(model, texts, cfg, tokenizer, max_length, run_config["labels"])
             nothing = {"prediction": None, "probabilities": None}
         else:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pretrain import atomic
-from pretrain.finetune.data import Encoded, collate, example_indices
+from pretrain.finetune.data import Encoded, ExampleOrder, collate
 from pretrain.model.loss import IGNORE_INDEX
 from pretrain.parallel.distributed import DistEnv, all_reduce_sum
 
@@ -38,9 +38,12 @@ class FinetuneTask:
         env: DistEnv,
         device,
         run_dir: str | Path,
+        group_by_length: bool = False,
     ):
         self.train, self.validation = train, validation
         self.micro_batch_size, self.pad_id, self.seed = micro_batch_size, pad_id, seed
+        lengths = [len(ids) for ids in train.ids] if group_by_length else None
+        self.order = ExampleOrder(len(train.ids), seed, lengths, micro_batch_size)
         self.env, self.device, self.run_dir = env, device, Path(run_dir)
         self.examples = 0  # consumed by all ranks so far
         self.last: list[int] = []
@@ -48,7 +51,7 @@ class FinetuneTask:
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         start = self.examples + self.env.rank * self.micro_batch_size
-        self.last = example_indices(len(self.train.ids), start, self.micro_batch_size, self.seed)
+        self.last = self.order.indices(start, self.micro_batch_size)
         self.examples += self.env.world_size * self.micro_batch_size
         return collate(self.train, self.last, self.pad_id, self.device)
 
@@ -107,7 +110,31 @@ class Classification(FinetuneTask):
         metrics = classification_metrics((predictions - 1).tolist(), self.validation.labels, self.num_labels)
         if self.bag_of_words is not None:
             metrics["bag_of_words_baseline"] = self.bag_of_words
+            metrics["over_bag_of_words"] = metrics["accuracy"] - self.bag_of_words
         return metrics
+
+    def finish(self, summary: dict) -> str | None:
+        """The closing line, then by how much the bag of words was beaten, or not."""
+        line = super().finish(summary)
+        final = summary["eval"][-1] if line is not None and summary["eval"] else {}
+        return line if "over_bag_of_words" not in final else f"{line}\n{beaten_or_not(final)}"
+
+
+def beaten_or_not(results: dict) -> str:
+    """ "accuracy 0.9494: beats the bag of words (0.9304) by 1.9 points", or falls short by."""
+    margin, accuracy, bag = (
+        100 * results["over_bag_of_words"],
+        results["accuracy"],
+        results["bag_of_words_baseline"],
+    )
+    if round(margin, 1) > 0:
+        return f"accuracy {accuracy:.4f}: beats the bag of words ({bag:.4f}) by {margin:.1f} points"
+    if round(margin, 1) == 0:
+        return f"accuracy {accuracy:.4f}: ties the bag of words ({bag:.4f})"
+    return (
+        f"accuracy {accuracy:.4f}: falls {-margin:.1f} points short of the bag of words ({bag:.4f}); "
+        "docs/finetuning.md lists what may help"
+    )
 
 
 class SFT(FinetuneTask):

@@ -25,9 +25,13 @@ gradient averaged over micro-batches and ranks:
     W ← W·(1 − lr·wd) − lr·O                         decoupled weight decay, in `MuonWithAuxAdam.step`
 
 The orthogonalized O replaces the gradient in the ZeRO partition, so DeepSpeed's global gradient
-norm (and `gradient_clipping`) covers O together with the AdamW half's gradients: a clip at 1.0
-would divide every step by √(Σ min(rows, cols))-ish; `train.grad_clip` must be 0 with Muon
-(`check`). The momentum of a step DeepSpeed discards (a non-finite norm, the skip guard's step) is
+norm covers O together with the AdamW half's gradients, and `gradient_clipping` would clip every
+group by it. O's norm is set by the shapes (√min(rows, cols)·√max(1, rows/cols) per matrix), not
+by the gradient: a clip on a norm that holds it scales every Muon step by a constant (a change of
+learning rate) and the AdamW half by a factor that says nothing about its own gradients. So
+`train.grad_clip` clips the AdamW half only, by its own norm (`clip_adamw_half_only`): Muon's
+matrices need none, their update being normalized per matrix already (a spike in their gradient
+cannot make a larger step). `train/grad_norm` stays DeepSpeed's, over every group. The momentum of a step DeepSpeed discards (a non-finite norm, the skip guard's step) is
 never committed. The momentum buffer is one flat tensor per parameter group on each rank, the
 full size of every matrix the partition touches (a matrix split between ranks is whole on both),
 in the gradients' dtype: fp32 under ZeRO-1, bf16 under bf16 ZeRO-2 (DeepSpeed's choice).
@@ -302,6 +306,51 @@ def muon_direction(
     return orthogonal.to(grad.dtype)
 
 
+# ------------------------------------------------------------------------ clipping the AdamW half
+
+# What `clip_adamw_half_only` wraps on DeepSpeed 0.19.8's ZeRO-1/2 optimizer: `scaled_global_norm`
+# computes each group's norm with `get_grad_norm_direct`, in group order, and `step` then calls
+# `unscale_and_clip_grads` on each group's flat fp32 gradient (`single_partition_of_fp32_groups`).
+CLIPPING_METHODS = ("scaled_global_norm", "get_grad_norm_direct", "unscale_and_clip_grads")
+
+
+def clip_adamw_half_only(zero) -> None:
+    """`train.grad_clip` on DeepSpeed's ZeRO optimizer `zero` (Muon's, `clip` > 0): the AdamW
+    groups are clipped by their own norm, the Muon groups not at all (module docstring). DeepSpeed
+    still computes and reports its norm over every group."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    muon = {i for i, group in enumerate(zero.optimizer.param_groups) if group.get("use_muon")}
+    norms: list[torch.Tensor] = []  # this step's norm of each group, in group order
+    adamw: list[torch.Tensor] = []
+    global_norm, group_norm, clip = (getattr(zero, name) for name in CLIPPING_METHODS)
+
+    def recorded_group_norm(gradients, params, norm_type=2):
+        norms.append(group_norm(gradients, params, norm_type))
+        return norms[-1]
+
+    def scaled_global_norm(norm_type=2):
+        norms.clear()
+        total = global_norm(norm_type)
+        adamw[:] = [combine_grad_norm_groups([n for i, n in enumerate(norms) if i not in muon], norm_type)]
+        return total
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        flat = grad_groups_flat[0]
+        group = next(i for i, p in enumerate(zero.single_partition_of_fp32_groups) if p.grad is flat)
+        if group not in muon:
+            return clip(grad_groups_flat, adamw[0])
+        bound, zero.clip_grad = zero.clip_grad, 0.0  # (the loss scale still applies; 1 in bf16)
+        try:
+            return clip(grad_groups_flat, total_norm)
+        finally:
+            zero.clip_grad = bound
+
+    zero.get_grad_norm_direct = recorded_group_norm
+    zero.scaled_global_norm = scaled_global_norm
+    zero.unscale_and_clip_grads = unscale_and_clip_grads
+
+
 # ----------------------------------------------------------------------- the checks before a run
 
 
@@ -330,7 +379,12 @@ def deepspeed_muon_differences() -> tuple[str, ...]:
         if name not in params or params[name].default != default:
             found.append(f"muon_update's {name} default is no longer {default!r}")
     zero = getattr(stage_1_and_2, "DeepSpeedZeroOptimizer", None)
-    for method in ("get_flat_partition", "_muon_staging_momentum", "_commit_muon_momentum"):
+    for method in (
+        "get_flat_partition",
+        "_muon_staging_momentum",
+        "_commit_muon_momentum",
+        *CLIPPING_METHODS,
+    ):
         if not hasattr(zero, method):
             found.append(f"ZeRO-1/2 has no {method}")
     generator = torch.Generator().manual_seed(0)
@@ -350,7 +404,7 @@ def deepspeed_muon_differences() -> tuple[str, ...]:
 
 def check(optim: OptimConfig, ds: dict[str, Any], offloads: bool) -> None:
     """Before any process group: Muon only where it is proven (bf16 ZeRO-1/2 of the DeepSpeed the
-    tests ran, no offload, no clipping). One line naming the setting and what to use."""
+    tests ran, no offload). One line naming the setting and what to use."""
     if optim.name != "muon":
         return
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
@@ -365,12 +419,6 @@ def check(optim: OptimConfig, ds: dict[str, Any], offloads: bool) -> None:
         raise ConfigError(
             "optim.name=muon with the optimizer offloaded to the CPU: not proven here; "
             "remove offload_optimizer from the DeepSpeed JSON, or use optim.name=adamw"
-        )
-    if ds.get("gradient_clipping", 0.0):
-        raise ConfigError(
-            f"optim.name=muon with train.grad_clip={ds['gradient_clipping']}: DeepSpeed clips Muon's "
-            "orthogonalized update together with the AdamW gradients, which scales every Muon step "
-            "down by its norm; set train.grad_clip=0"
         )
     differences = deepspeed_muon_differences()
     if differences:

@@ -133,12 +133,35 @@ def cpu_threads_per_rank() -> int | None:
     """On CPU, this machine's cores shared among the ranks it runs (LOCAL_SIZE from DeepSpeed's
     launcher, LOCAL_WORLD_SIZE from torchrun): torch would give every rank every core, and N ranks
     of N threads each oversubscribe the machine (measured: the 2-process golden run takes 18 s with
-    2 threads per rank on 2 cores, 15 s with 1, bit for bit the same numbers). None when
-    OMP_NUM_THREADS is set: the user's or the launcher's choice stands."""
+    2 threads per rank on 2 cores, 15 s with 1, bit for bit the same numbers). On a CPU other work
+    already holds (`busy_load`), one thread per rank: OpenMP's threads wait for each other at every
+    parallel region, so one descheduled thread stalls them all (fine-tuning on a busy 2-core CPU:
+    3.8 s per step with 2 threads, 0.72 s with 1). None when OMP_NUM_THREADS is set: the user's or
+    the launcher's choice stands."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
+    if busy_load() is not None:
+        return 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     return max(1, usable_cores() // max(local, 1))
+
+
+def busy_load() -> float | None:
+    """The 1-minute load average when it is above this process's cores (other work holds them),
+    else None."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return load if load > usable_cores() else None
+
+
+def busy_cpu_line() -> str | None:
+    """What a run says on a busy CPU, where it takes one thread per process (`cpu_threads_per_rank`)."""
+    load = busy_load()
+    if load is None:
+        return None
+    return (
+        f"the CPU is busy (load {load:.1f} on {usable_cores()} cores): 1 thread per process, as OpenMP "
+        "threads wait for each other on cores other work holds; OMP_NUM_THREADS=N chooses"
+    )
 
 
 def usable_cores() -> int:
@@ -163,6 +186,8 @@ def init_distributed(env: DistEnv) -> None:
     threads = None if on_gpu else cpu_threads_per_rank()
     if threads is not None:
         torch.set_num_threads(threads)
+        if (line := busy_cpu_line()) is not None:
+            say_once_per_node(env)(line)
     # (DeepSpeed print()s a note as it opens the group on CPU)
     with (
         without_printed_chatter(),

@@ -320,6 +320,8 @@ def initialize(
     wrapped.has_moe_layers = False
     if ratios is not None:
         setattr(optimizer, LR_RATIOS, ratios)  # on DeepSpeed's ZeRO optimizer, which set_lr is given
+    if optim.name == "muon" and ds.get("gradient_clipping"):
+        optimizers.clip_adamw_half_only(optimizer)  # (Muon's matrices are never clipped)
     return wrapped, optimizer
 
 

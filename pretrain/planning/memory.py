@@ -31,6 +31,11 @@ DeepSpeed ZeRO (the fp32 master weights and AdamW's two moments in the optimizer
   is computed 6 bytes per logit of the chunk and 6Vh. With activation checkpointing each layer
   keeps only its 2h input, and one layer is recomputed at a time (its activations plus 4f + 2h
   per token of gradients). Tokens per GPU: micro-batch × sequence length / S.
+- **host memory per node** (`host_bytes`), as DeepSpeed's estimators count it for a model built
+  without `zero.Init` (`zero_init=False`: every process builds ours whole, in fp32, before DeepSpeed
+  partitions it): 1.5 × the larger of that start-up (4Ψ per process of the node) and the states
+  offloaded to the node (16Ψ/N per GPU for the optimizer's fp32 master, moments and gradients,
+  2Ψ/N for offloaded bf16 parameters); 1.5 is DeepSpeed's `additional_buffer_factor`.
 - **buffers**: DeepSpeed's communication buckets (`reduce_bucket_size`, twice with
   `overlap_comm`; `allgather_bucket_size` under ZeRO-1/2, `stage3_prefetch_bucket_size` under
   ZeRO-3), in bf16; and a fixed reserve for the CUDA context, NCCL and cuBLAS (`RUNTIME_BYTES`).
@@ -60,6 +65,8 @@ CPU_ADAM_PARAMS_PER_SEC = 1e9  # DeepSpeed's CPU Adam per GPU's process (to conf
 # The packaged DeepSpeed configs the plan chooses among (configs/deepspeed/).
 PACKAGED_ZERO = ("zero1.json", "zero2.json", "zero3.json", "zero3_offload.json")
 DEEPSPEED_DEFAULT_BUCKET = 5e8  # DeepSpeed's default bucket sizes, in elements
+HOST_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' additional_buffer_factor, on host memory
+OFFLOADED_OPTIMIZER_BYTES = 16  # per parameter on the host: fp32 master, two moments, fp32 gradient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,10 +139,16 @@ class Hardware:
     peak_flops: float  # dense bf16 FLOP/s per GPU
     mfu: float = DEFAULT_MFU
     interconnect: Interconnect = field(default_factory=Interconnect)
+    host_memory: float | None = None  # bytes per node (--host-memory-gib); None: not checked
 
     def __post_init__(self) -> None:
         for flag, value, fine in (
             ("--gpus", self.gpus, self.gpus >= 1),
+            (
+                "--host-memory-gib",
+                (self.host_memory or 0) / GIB,
+                self.host_memory is None or self.host_memory > 0,
+            ),
             ("--gpu-memory-gib", self.gpu_memory / GIB, self.gpu_memory > 0),
             ("--mfu", self.mfu, 0 < self.mfu <= 1),
             ("--gpus-per-node", self.interconnect.gpus_per_node, self.interconnect.gpus_per_node >= 1),
@@ -157,10 +170,16 @@ class Plan:
     total: float
     gpu_memory: float
     tokens_per_sec: float  # all GPUs together, expected
+    host: float = 0.0  # bytes of host memory per node (`host_bytes`)
+    host_memory: float | None = None  # what a node has (--host-memory-gib), when given
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.gpu_memory
+        return self.total <= self.gpu_memory and self.fits_host
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_memory is None or self.host <= self.host_memory
 
 
 def largest_layer(cfg: ModelConfig) -> int:
@@ -197,6 +216,23 @@ def model_states(
     else:  # the bf16 gradients (whole under ZeRO-0/1, a partition under ZeRO-2), the fp32 partition
         gradients = (BF16 * held if zero.stage <= 1 else BF16 * share) + FP32 * share
     return parameters, gradients, 3 * FP32 * share
+
+
+def host_bytes(params: int, gpus: int, gpus_per_node: int, zero: ZeroSettings) -> float:
+    """Host memory per node (module docstring): DeepSpeed's `estimate_zero3_model_states_mem_needs`
+    with zero_init=False, and its ZeRO-2 estimator on one node (over several it counts every GPU
+    of the job as the node's)."""
+    processes = min(gpus, gpus_per_node)
+    share = params / gpus
+    offloaded = (
+        processes
+        * share
+        * (
+            (OFFLOADED_OPTIMIZER_BYTES if zero.offload_optimizer else 0)
+            + (BF16 if zero.offload_params else 0)
+        )
+    )
+    return HOST_BUFFER_FACTOR * max(FP32 * params * processes, offloaded)
 
 
 def layer_activation_bytes(cfg: ModelConfig, routed: bool = False) -> int:
@@ -282,6 +318,8 @@ def plan(
         total=total,
         gpu_memory=hardware.gpu_memory,
         tokens_per_sec=throughput(cfg, seq_len, setting, hardware),
+        host=host_bytes(counts.total, hardware.gpus, hardware.interconnect.gpus_per_node, setting.zero),
+        host_memory=hardware.host_memory,
     )
 
 
@@ -473,6 +511,8 @@ def memory_plan(
             "runtime_gib": RUNTIME_BYTES / GIB,
             "fragmentation": FRAGMENTATION,
             "optimizer": optimizer,
+            "host_memory_gib": None if hardware.host_memory is None else hardware.host_memory / GIB,
+            "host_buffer_factor": HOST_BUFFER_FACTOR,
             "interconnect": asdict(hardware.interconnect),
             "activations": "eager bf16, measured on CPU; to confirm on a GPU",
         },
@@ -494,6 +534,7 @@ def plan_json(p: Plan) -> dict:
             "total": p.total,
         },
         "gpu_memory": p.gpu_memory,
+        "host_bytes_per_node": p.host,
         "fits": p.fits,
         "tokens_per_sec": p.tokens_per_sec,
     }
@@ -531,9 +572,11 @@ def run_plan(
     *,
     mfu: float = DEFAULT_MFU,
     gpus_per_node: int = 8,
+    host_memory_gib: float | None = None,
 ) -> dict:
     """The memory plan of a run config at `gpus` GPUs of `gpu_memory_gib` GiB (`ds`: its DeepSpeed
-    JSON): what `pretrain plan` prints and `pretrain launch` checks."""
+    JSON), nodes of `host_memory_gib` GiB when given: what `pretrain plan` prints and `pretrain
+    launch` checks."""
     S = sequence_parallel(cfg)
     hardware = Hardware(
         gpus=gpus,
@@ -541,25 +584,57 @@ def run_plan(
         peak_flops=cfg.engine.peak_flops or PEAK_FLOPS["H100"],
         mfu=mfu,
         interconnect=Interconnect(gpus_per_node=gpus_per_node),
+        host_memory=None if host_memory_gib is None else host_memory_gib * GIB,
     )
     if gpus % S:
         raise UserError(f"--gpus {gpus} is not a multiple of parallel.sequence={S}: use a multiple of {S}")
     E = getattr(getattr(cfg, "parallel", None), "expert", 1)
     if gpus % E:
         raise UserError(f"--gpus {gpus} is not a multiple of parallel.expert={E}: use a multiple of {E}")
-    train = cfg.train
+    batch = global_batch(cfg.train, gpus // S, cfg.data.seq_len)
     job = JobShape(
         deepspeed_config=cfg.engine.deepspeed_config,
         ds=ds,
         activation_checkpointing=cfg.engine.activation_checkpointing,
-        micro_batch_size=train.micro_batch_size,
-        grad_accum=train.grad_accum,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum=batch["grad_accum"],
         sequence_parallel=S,
-        global_windows=train.global_batch_size or train.micro_batch_size * train.grad_accum * gpus // S,
+        global_windows=batch["windows"],
         compiled=cfg.engine.compile,
         expert_parallel=E,
     )
-    return memory_plan(cfg.model, cfg.data.seq_len, job, hardware, cfg.optim.name)
+    return memory_plan(cfg.model, cfg.data.seq_len, job, hardware, cfg.optim.name) | {"batch": batch}
+
+
+def global_batch(train, ranks: int, seq_len: int) -> dict:
+    """The global batch the plan keeps on `ranks` data-parallel ranks, and what it says of it. With
+    train.global_batch_size, that batch, by the accumulation it takes here (a run with another
+    train.grad_accum is refused); without, micro-batch × grad_accum × ranks, which grows with the GPUs
+    (llama3-8b's 512 windows on 8 GPUs were 4,096, 33.5M tokens, on 64, without a word)."""
+    micro, accum = train.micro_batch_size, train.grad_accum
+    windows = train.global_batch_size or micro * accum * ranks
+    size = f"{windows:,} windows ({windows * seq_len / 1e6:.1f}M tokens)"
+    if train.global_batch_size is None:
+        note = (
+            f"warning: the global batch, {size} = train.micro_batch_size {micro} × train.grad_accum {accum} × "
+            f"{ranks} ranks, grows with the GPU count: set train.global_batch_size to keep one batch"
+        )
+    elif windows % (micro * ranks):
+        note = (
+            f"warning: train.global_batch_size={windows} is not a multiple of train.micro_batch_size {micro} × "
+            f"{ranks} ranks: no train.grad_accum keeps it, and a run is refused; choose a GPU count that divides it"
+        )
+    else:
+        accum = windows // (micro * ranks)
+        note = (
+            f"global batch {size}, train.global_batch_size: micro-batch {micro} × train.grad_accum {accum} × "
+            f"{ranks} ranks"
+        )
+        if accum != train.grad_accum:
+            note += (
+                f"; pass train.grad_accum={accum} (the config's {train.grad_accum} is for another GPU count)"
+            )
+    return {"windows": windows, "tokens": windows * seq_len, "grad_accum": accum, "note": note}
 
 
 def format_plan(report: dict, top: int = 10) -> str:
@@ -571,6 +646,7 @@ def format_plan(report: dict, top: int = 10) -> str:
     lines = [
         f"model {report['model']}: {size} params, seq_len {report['seq_len']}, "
         f"{report['global_batch_windows']} windows per step on {a['gpus']} GPU(s) of {a['gpu_memory_gib']:.0f} GiB",
+        *([report["batch"]["note"]] if "batch" in report else []),
         f"this config ({own['zero']}, activation checkpointing "
         f"{'on' if own['setting']['activation_checkpointing'] else 'off'}, micro-batch "
         f"{own['setting']['micro_batch_size']}, S={own['setting']['sequence_parallel']}"
@@ -585,8 +661,9 @@ def format_plan(report: dict, top: int = 10) -> str:
         ("buffers and runtime", "buffers"),
     ):
         lines.append(f"  {name:<20} {b[key] / GIB:8.1f} GiB")
-    verdict = "fits" if own["fits"] else "does NOT fit"
+    verdict = "fits" if b["total"] <= own["gpu_memory"] else "does NOT fit"
     lines.append(f"  {'total':<20} {b['total'] / GIB:8.1f} GiB of {a['gpu_memory_gib']:.0f}: {verdict}")
+    lines.append(host_line(own, a))
     lines.append(
         f"settings that fit, by expected tokens/s (MFU {100 * a['mfu']:.0f}% of "
         f"{a['peak_flops'] / 1e12:.0f} TFLOP/s, x{1 / a['recompute_factor']:.2f} with checkpointing):"
@@ -594,8 +671,27 @@ def format_plan(report: dict, top: int = 10) -> str:
     for p in report["feasible"][:top]:
         lines.append(
             f"  {p['tokens_per_sec']:>12,.0f} tok/s {p['bytes']['total'] / GIB:6.1f} GiB  "
-            + " ".join(p["setting"]["overrides"])
+            f"host {p['host_bytes_per_node'] / GIB:,.0f} GiB/node  " + " ".join(p["setting"]["overrides"])
         )
     if not report["feasible"]:
-        lines.append("  none: use more GPUs (or GPUs with more memory)")
+        lines.append(
+            "  none: use more GPUs (or GPUs with more memory"
+            + (", nodes with more host memory)" if a["host_memory_gib"] is not None else ")")
+        )
     return "\n".join(lines)
+
+
+def host_line(own: dict, assumptions: dict) -> str:
+    """The config's host memory per node, against --host-memory-gib when given."""
+    line = (
+        f"  {'host, per node':<20} {own['host_bytes_per_node'] / GIB:8.1f} GiB (x{assumptions['host_buffer_factor']:g} "
+        f"of the larger of the model built whole in fp32 by each process and the states offloaded)"
+    )
+    given = assumptions["host_memory_gib"]
+    if given is None:
+        return line + ": --host-memory-gib to check it"
+    return (
+        line
+        + f" of {given:.0f}: "
+        + ("fits" if own["host_bytes_per_node"] <= given * GIB else "does NOT fit")
+    )

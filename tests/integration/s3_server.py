@@ -70,10 +70,11 @@ class S3Server:
             _forget_filesystems()
 
     @contextlib.contextmanager
-    def denied(self) -> Iterator[dict[str, str]]:
-        """Credentials the server knows and refuses: a new IAM user with no policy, while the server
-        checks every request against IAM (moto's /moto-api/reset-auth; unchecked again after). Gives
-        the environment changes that use them, for `environment(**changes)`."""
+    def denied(self, allow: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
+        """Credentials the server knows and refuses: a new IAM user with no policy (or one that
+        allows only the actions `allow`, such as "s3:GetObject"), while the server checks every
+        request against IAM (moto's /moto-api/reset-auth; unchecked again after). Gives the
+        environment changes that use them, for `environment(**changes)`."""
         import boto3
 
         iam = boto3.client(
@@ -85,6 +86,10 @@ class S3Server:
         )
         name = f"denied-{os.getpid()}-{next(self._names)}"
         iam.create_user(UserName=name)
+        if allow:
+            statement = {"Effect": "Allow", "Action": list(allow), "Resource": "*"}
+            document = json.dumps({"Version": "2012-10-17", "Statement": [statement]})
+            iam.put_user_policy(UserName=name, PolicyName="allowed", PolicyDocument=document)
         key = iam.create_access_key(UserName=name)["AccessKey"]
         previous = self._checked("0")
         try:

@@ -21,6 +21,7 @@ import pytest
 
 from pretrain.cli import main
 from pretrain.data import WindowStream, read_manifest
+from pretrain.data.shards import FORMAT
 from pretrain.data.storage import ShardCache
 from pretrain.data.views import local_dataset
 from pretrain.errors import DataError, UserError
@@ -232,6 +233,30 @@ def test_bad_inputs_are_one_line_naming_the_url(s3_server, tmp_path, capsys):
         ),
     ):
         local_dataset(f"{bucket}/x", tmp_path)
+
+
+def test_prepare_checks_its_out_url_before_tokenizing(
+    s3_server, train_data, tokenizer_dir, capsys, monkeypatch
+):
+    """A bucket that does not exist, or credentials that may not write there, are one line before
+    the corpus is read (it was tokenized whole first, then refused when the upload began)."""
+
+    def tokenize(*args, **kwargs):
+        raise AssertionError("the corpus was tokenized before --out was checked")
+
+    monkeypatch.setattr("pretrain.data.prepare._write_dataset", tokenize)
+    bucket = s3_server.bucket()
+    prepare = ["data", "prepare", "--source", str(train_data.parent / "topics.jsonl")]
+    prepare += ["--tokenizer", str(tokenizer_dir), "--no-progress", "--out"]
+    with s3_server.environment():
+        code, err = run(*prepare, "s3://no-such-bucket/x", capsys=capsys)
+        assert code == 2 and err.count("\n") == 0, err
+        assert "s3://no-such-bucket/x: the bucket no-such-bucket does not exist" in err
+    # A user who may read the dataset there (another recipe's, to be replaced) but not write.
+    s3_server.fs().pipe_file(f"{bucket}/x/manifest.json", json.dumps({"format": FORMAT}).encode())
+    with s3_server.denied(allow=("s3:GetObject", "s3:ListBucket")) as user, s3_server.environment(**user):
+        code, err = run(*prepare, f"{bucket}/x", "--overwrite", capsys=capsys)
+        assert code == 2 and f"{bucket}/x: access denied" in err and "write access to it (s3:PutObject" in err
 
 
 def test_a_store_that_stops_answering_mid_run_is_retried_then_stops_the_run(s3_server, tmp_path, capsys):

@@ -412,6 +412,8 @@ NOT_DEAD = (
      "http.server's request handler reads or calls them by name"),
     ("monitoring/service.py", "explain", "send_error's parameter, as http.server calls it"),
     ("monitoring/supervisor.py", "frame", "a signal handler's parameter"),
+    ("pretrain/optim/muon.py", "get_grad_norm_direct",
+     "DeepSpeed's ZeRO optimizer calls it by name; clip_adamw_half_only wraps it on the instance"),
     ("pretrain/cli/deepspeed_runner.py", "frame", "a signal handler's parameter"),
     ("pretrain/parallel/distributed.py", "frame", "a signal handler's parameter"),
     ("pretrain/parallel/distributed.py", "fill_uninitialized_memory benchmark", "torch settings, set for torch to read"),

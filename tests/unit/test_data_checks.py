@@ -105,16 +105,52 @@ def test_prepare_reports_validation_windows_and_warns_below_one_default_micro_ba
         f"4096: {counts[3]}" in result.stdout
     )
     assert counts[2] < 8
-    (warning,) = result.stderr.strip().splitlines()
+    warning, comparing = result.stderr.strip().splitlines()
+    assert comparing.startswith("warning: the validation split holds 4 document(s)")
     assert warning.startswith(
         f"warning: the validation split gives {counts[2]} window(s) at data.seq_len=2048"
     )
     assert "--val-fraction (this one: 0.1)" in warning and "eval.every=0" in warning
     # The rule's edge: 8 windows of 2,049 tokens at 2048 (8 · 2048 + 1 tokens) is one micro-batch at the defaults.
     write_synthetic_dataset(tmp_path / "edge", (10,), val_shard_tokens=(8 * 2048 + 1,))
-    assert validation_report(read_manifest(tmp_path / "edge"))[1] is None
+    assert not any("micro-batch" in w for w in validation_report(read_manifest(tmp_path / "edge"))[1])
     write_synthetic_dataset(tmp_path / "short", (10,), val_shard_tokens=(8 * 2048,))
-    assert "gives 7 window(s)" in validation_report(read_manifest(tmp_path / "short"))[1]
+    assert "gives 7 window(s)" in validation_report(read_manifest(tmp_path / "short"))[1][0]
+
+
+def split_manifest(documents: tuple[int, int], tokens: tuple[int, int]) -> dict:
+    """A manifest's splits: (train, validation) documents and tokens, one shard each."""
+    return {
+        "splits": {
+            name: {"documents": d, "tokens": t, "shards": [{"tokens": t}]}
+            for name, d, t in zip(("train", "validation"), documents, tokens, strict=True)
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("documents", "tokens", "expected"),
+    [
+        # 206 documents at the default --val-fraction 0.01: an optimizer comparison was judged on 2
+        ((204, 2), (5_000_000, 60_000), "holds 2 document(s) and 29 window(s) at data.seq_len=2048"),
+        ((204, 2), (5_000_000, 60_000), "prepare again with --val-fraction 0.15"),  # 30 of 206
+        # enough documents, too few windows: 100 windows of 2,049 tokens out of 10M tokens
+        ((9_900, 100), (9_950_000, 50_000), "--val-fraction 0.021"),
+        (
+            (60, 10),
+            (100_000, 20_000),
+            "too small to hold that out: compare runs with `pretrain eval --data DIR`",
+        ),
+        ((3_000, 30), (99_000_000, 1_000_000), None),  # 30 documents, 488 windows: enough
+    ],
+)
+def test_a_validation_split_too_small_to_compare_runs_is_warned_with_what_to_pass(
+    documents, tokens, expected
+):
+    from pretrain.data.prepare import comparison_warning
+
+    warning = comparison_warning(split_manifest(documents, tokens), 2048)
+    assert warning == expected if expected is None else expected in warning, warning
 
 
 def test_injected_faults_come_from_the_fired_record_or_else_the_recorded_config(tmp_path):

@@ -279,13 +279,14 @@ def test_sft_learns_to_complete_and_counts_only_completion_tokens(tmp_path, hf_i
     assert json.loads((tmp_path / "run" / "eval_results.json").read_text())["loss"] == losses[-1]
 
 
-def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp_path):
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp_path, group_by_length):
     """Two ranks serve 3 micro-batches each; one process resumed from their state serves exactly
-    what a single process running from the start serves next."""
+    what a single process running from the start serves next (in length-grouped order too)."""
     from pretrain.finetune.tasks import SFT
     from pretrain.parallel.distributed import DistEnv
 
-    encoded = Encoded("sft", [[1, 10 + i, 2] for i in range(10)], None, [2] * 10, 0)
+    encoded = Encoded("sft", [[1, *[10 + i] * (1 + i % 4), 2] for i in range(10)], None, [2] * 10, 0)
 
     def task(rank, world):
         return SFT(
@@ -297,6 +298,7 @@ def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp
             env=DistEnv(rank, rank, world),
             device="cpu",
             run_dir=tmp_path,
+            group_by_length=group_by_length,
         )
 
     ranks = [task(0, 2), task(1, 2)]
@@ -319,3 +321,94 @@ def test_the_example_order_resumes_at_the_same_example_at_another_world_size(tmp
     single = task(0, 1)
     assert [i for _ in range(6) for i in (single.next_batch(), single.last_batch_ids())[1]] == seen
     assert sorted(seen[:10]) == list(range(10))  # the first epoch: every example once
+
+
+def test_length_grouped_batches_hold_like_lengths_and_serve_each_example_once_an_epoch():
+    """finetune.group_by_length: every epoch is a permutation; the micro-batches, cut where the
+    stream cuts them (positions multiple of the micro-batch, an epoch of 101 examples starting
+    off a cut), are barely padded; a shuffled stream of the same lengths is mostly padding."""
+    import numpy as np
+
+    from pretrain.finetune.data import ExampleOrder
+
+    lengths = np.random.default_rng(0).integers(3, 500, 101).tolist()
+
+    def real_share(order: ExampleOrder, micro: int) -> float:
+        stream = order.indices(0, 4 * 101 - (4 * 101) % micro)
+        batches = [[lengths[i] for i in stream[s : s + micro]] for s in range(0, len(stream), micro)]
+        return sum(map(sum, batches)) / sum(max(b) * len(b) for b in batches)
+
+    for micro in (4, 8):
+        grouped = ExampleOrder(101, 5, lengths, micro)
+        for epoch in range(4):
+            assert sorted(grouped.epoch(epoch).tolist()) == list(range(101))
+        assert real_share(grouped, micro) > 0.85 > 0.7 > real_share(ExampleOrder(101, 5, None, micro), micro)
+    assert (
+        ExampleOrder(101, 5, lengths, 4).epoch(1).tolist()
+        != ExampleOrder(101, 6, lengths, 4).epoch(1).tolist()
+    )
+
+
+def test_mean_pooling_reads_the_real_tokens_only():
+    """The head reads the mean of the final hidden states over each example's tokens: padding,
+    whatever its ids, changes nothing; `last` reads the last real token's."""
+    from pretrain.model.classifier import SequenceClassifier
+    from pretrain.model.transformer import Transformer
+    from tests.conftest import small_model_config
+
+    torch.manual_seed(0)
+    model = SequenceClassifier(Transformer(small_model_config(vocab_size=32)), 3, pooling="mean").eval()
+    alone = torch.tensor([[1, 5, 6, 7, 2]])
+    padded = torch.tensor([[1, 5, 6, 7, 2, 9, 9], [1, 8, 2, 3, 3, 3, 3]])
+    with torch.no_grad():
+        one = model(alone, torch.tensor([5])).logits
+        two = model(padded, torch.tensor([5, 3])).logits
+        hidden, _ = model.backbone.hidden_states(alone)
+        assert torch.allclose(one, model.score(hidden.mean(dim=1)), atol=1e-6)
+        assert torch.allclose(one[0], two[0], atol=1e-5)
+        model.pooling = "last"
+        assert torch.allclose(model(alone, torch.tensor([5])).logits, model.score(hidden[:, -1]), atol=1e-6)
+
+
+def test_the_linear_probe_is_scikit_learns_logistic_regression():
+    """The head's first fit against a reference nobody here wrote: scikit-learn's multinomial
+    logistic regression without intercept, C = 1 / (2 · l2 · n) for our mean loss + l2 · ‖W‖²."""
+    from sklearn.linear_model import LogisticRegression
+
+    from pretrain.finetune.probe import PROBE_L2, choose_probe, fit_head
+
+    generator = torch.Generator().manual_seed(0)
+    centers = torch.randn(3, 16, generator=generator)
+    labels = torch.randint(0, 3, (240,), generator=generator)
+    features = centers[labels] + 1.5 * torch.randn(240, 16, generator=generator)
+    ours = fit_head(features, labels, 3, 1e-2)
+    theirs = LogisticRegression(C=1 / (2 * 1e-2 * 240), fit_intercept=False, tol=1e-8, max_iter=1000)
+    theirs.fit(features.double().numpy(), labels.numpy())
+    expected = torch.tensor(theirs.coef_, dtype=torch.float32)
+    assert torch.allclose(ours, expected, atol=1e-4), (ours - expected).abs().max()  # 2e-5 seen
+    probe = choose_probe(features, labels, 3)
+    assert probe.l2 in PROBE_L2 and probe.held_out_accuracy > 0.8
+    # Features that say nothing of the label: the strongest L2, a head that starts near zero.
+    noise = choose_probe(torch.randn(240, 16, generator=generator), labels, 3)
+    assert noise.l2 == max(PROBE_L2) and noise.weight.abs().max() < 0.1
+
+
+def test_the_run_says_by_how_much_the_bag_of_words_was_beaten_or_not():
+    from pretrain.finetune.tasks import beaten_or_not
+
+    won = {"accuracy": 0.95, "bag_of_words_baseline": 0.9304, "over_bag_of_words": 0.95 - 0.9304}
+    assert beaten_or_not(won) == "accuracy 0.9500: beats the bag of words (0.9304) by 2.0 points"
+    tied = {"accuracy": 0.9304, "bag_of_words_baseline": 0.9304, "over_bag_of_words": -1e-9}
+    assert beaten_or_not(tied) == "accuracy 0.9304: ties the bag of words (0.9304)"
+    lost = {"accuracy": 0.788, "bag_of_words_baseline": 0.935, "over_bag_of_words": 0.788 - 0.935}
+    assert beaten_or_not(lost).startswith(
+        "accuracy 0.7880: falls 14.7 points short of the bag of words (0.9350)"
+    )
+
+
+def test_an_unknown_pooling_is_refused_by_name():
+    from pretrain.config.schema import FinetuneSection
+    from pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="finetune.pooling='max': choose one of mean, last"):
+        FinetuneSection(pooling="max")

@@ -46,6 +46,59 @@ def test_model_states_agree_with_deepspeeds_estimators(preset, nodes, per_node):
         assert ours(zero(3, offload_optimizer, offload_params)) == pytest.approx(theirs, rel=1e-3)
 
 
+@pytest.mark.parametrize("preset", ["gpt3-1.3b", "llama3-70b"])
+@pytest.mark.parametrize("nodes, per_node", [(1, 1), (1, 8), (8, 8)])
+def test_host_memory_is_deepspeeds_estimate_for_a_model_built_whole(preset, nodes, per_node):
+    """Every process builds the model whole in fp32 (DeepSpeed's zero_init=False), then the offloaded
+    states; ZeRO-2's estimator agrees on one node (over several it counts the job's GPUs as one node's)."""
+    cfg = load_model_config(REPO_CONFIG_DIR / "model" / f"{preset}.yaml")
+    params, largest, gpus = param_counts(cfg).total, memory.largest_layer(cfg), nodes * per_node
+
+    def ours(z):
+        return memory.host_bytes(params, gpus, per_node, z)
+
+    for offload_optimizer, offload_params in ((False, False), (True, False), (True, True)):
+        theirs, _, _ = estimate_zero3_model_states_mem_needs(
+            params, largest, per_node, nodes, offload_optimizer, offload_params, zero_init=False
+        )
+        assert ours(zero(3, offload_optimizer, offload_params)) == pytest.approx(theirs, rel=1e-6)
+    if nodes == 1:
+        for offload in (False, True):
+            theirs, _ = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=offload)
+            assert ours(zero(2, offload_optimizer=offload)) == pytest.approx(theirs, rel=1e-6)
+
+
+def test_the_plan_keeps_the_global_batch_and_says_when_it_grows(cli):
+    """llama3-8b's 512 windows on 8 GPUs became 4,096 (33.5M tokens) on 64 without a word."""
+    cfg = load_config(REPO_CONFIG_DIR / "train" / "llama3-8b.yaml")
+    ds = json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero3.json").read_text())
+    for gpus, accum in ((8, 64), (64, 8)):
+        report = memory.run_plan(cfg, ds, gpus, 80.0)
+        assert report["global_batch_windows"] == 512 and report["plan"]["setting"]["grad_accum"] == accum
+    assert "pass train.grad_accum=8 (the config's 64" in report["batch"]["note"]
+    unset = load_config(REPO_CONFIG_DIR / "train" / "llama3-8b.yaml", ["train.global_batch_size=null"])
+    report = memory.run_plan(unset, ds, 64, 80.0)
+    assert report["global_batch_windows"] == 4096
+    assert report["batch"]["note"].startswith("warning: the global batch, 4,096 windows (33.6M tokens)")
+    text = cli("plan", "llama3-8b", "--gpus", "96")
+    assert "warning: train.global_batch_size=512 is not a multiple" in text.stdout, text.stdout
+
+
+def test_host_memory_per_node_is_given_and_checked(cli):
+    """70B offloaded on 8 GPUs: 1.8 TB of offloaded states (DeepSpeed's zero_init=True figure) but
+    3.1 TiB with each of 8 processes building the model whole in fp32 first."""
+    offload = ["engine.deepspeed_config=configs/deepspeed/zero3_offload.json"]
+    cfg = load_config(REPO_CONFIG_DIR / "train" / "llama3-70b.yaml", offload)
+    ds = json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero3_offload.json").read_text())
+    report = memory.run_plan(cfg, ds, 8, 80.0, host_memory_gib=2048)
+    assert report["plan"]["host_bytes_per_node"] == pytest.approx(1.5 * 4 * report["params"] * 8)
+    assert not report["plan"]["fits"] and not report["feasible"]
+    assert memory.run_plan(cfg, ds, 8, 80.0, host_memory_gib=4096)["plan"]["fits"]
+    text = cli("plan", "llama3-70b", *offload, "--gpus", "8", "--host-memory-gib", "2048")
+    assert "host, per node" in text.stdout and "of 2048: does NOT fit" in text.stdout, text.stdout
+    assert "nodes with more host memory" in text.stdout
+
+
 @pytest.mark.parametrize("preset", ["tiny", "gpt3-125m", "llama3-8b"])
 def test_largest_layer_is_the_largest_module_of_the_model(preset):
     """DeepSpeed's `largest_layer_params`: the most parameters one module holds itself."""
@@ -144,6 +197,9 @@ def test_plan_bad_input_is_one_line(cli):
     assert_one_line_error(cli("plan", "gpt3-1.3b"), "needs --gpus N")
     assert_one_line_error(cli("plan", "gpt3-1.3b", "--gpus", "0"), "--gpus 0")
     assert_one_line_error(cli("plan", "gpt3-1.3b", "--gpus", "8", "--mfu", "1.5"), "--mfu")
+    assert_one_line_error(
+        cli("plan", "gpt3-1.3b", "--gpus", "8", "--host-memory-gib", "0"), "--host-memory-gib 0"
+    )
     assert_one_line_error(cli("plan", "model/gpt3-1.3b", "--gpus", "8"), "not a run config")
     assert_one_line_error(cli("plan", "gpt3-1.3b", "--gpus", "8", "model.wat=1"), "model.wat")
 

@@ -162,7 +162,6 @@ def test_deepspeeds_optimizer_on_whole_matrices_is_the_reference():
             },
             "offloaded",
         ),
-        ({"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}, "train.grad_clip=1.0"),
     ],
 )
 def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
@@ -173,6 +172,7 @@ def test_muon_where_it_is_not_proven_is_refused(ds, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value)
     check_optimizer(OptimConfig(), ds)  # AdamW: anything DeepSpeed takes
     check_optimizer(muon(), {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.0})
+    check_optimizer(muon(), {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0})  # the AdamW half
     check_optimizer(muon(), {**ZERO2, "checkpoint": {"load_universal": True}})  # another world size
 
 
@@ -297,13 +297,21 @@ def test_the_loop_with_muon_rolls_back_and_lowers_the_rate_of_both_halves(tmp_pa
 def test_muon_where_it_is_not_proven_is_refused_before_the_run_directory_is_touched(
     tmp_path, train_data, cli
 ):
-    """A Muon setting that cannot train (gradient clipping here) is one line and exit status 2 from
-    the run's checks, before any process group or run directory exists."""
+    """A Muon setting that cannot train (ZeRO-3 here) is one line and exit status 2 from the run's
+    checks, before any process group or run directory exists; optim.name=muon alone, with the
+    config's train.grad_clip, passes them (it clips the AdamW half: pretrain/optim/muon.py)."""
+    from pretrain.config import load_config
+    from pretrain.pretraining import preflight
     from tests.helpers import FAST, TINY, assert_one_line_error
 
     run_dir = tmp_path / "run"
     common = ["--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST]
     for command in ("train", "launch"):
-        result = cli(command, *common, "optim.name=muon", "train.grad_clip=1.0")
-        assert_one_line_error(result, "grad_clip")
+        result = cli(
+            command, *common, "optim.name=muon", "engine.deepspeed_config=configs/deepspeed/zero3.json"
+        )
+        assert_one_line_error(result, "ZeRO stage 3")
     assert not run_dir.exists()
+    cfg = load_config(TINY, [f"run.dir={run_dir}", f"data.dir={train_data}", *FAST, "optim.name=muon"])
+    assert cfg.train.grad_clip == 1.0
+    preflight(cfg, 1)

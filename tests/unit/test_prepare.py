@@ -561,10 +561,15 @@ def test_a_damaged_compressed_file_is_refused_by_name(tmp_path, tokenizer_dir):
     (tmp_path / "cut.jsonl.gz").write_bytes(whole[:200])  # cut inside the part checked up front
     (tmp_path / "late.jsonl.gz").write_bytes(whole[: len(whole) // 2])  # cut after it
     (tmp_path / "plain.txt.xz").write_bytes(b"not xz at all")
+    flipped = bytearray(whole)
+    flipped[len(whole) // 2] ^= 0xFF  # a corrupt byte after the part checked: CRC or data error
+    (tmp_path / "flipped.jsonl.gz").write_bytes(bytes(flipped))
+    todo = "replace it with a whole copy, or remove it from the source"
     for name, fragment in (
         ("cut.jsonl.gz", r"cut.jsonl.gz does not decompress as gzip \(Compressed file ended"),
         ("plain.txt.xz", r"plain.txt.xz does not decompress as xz"),
-        ("late.jsonl.gz", r"could not read .*late.jsonl.gz: Compressed file ended"),
+        ("late.jsonl.gz", rf"late.jsonl.gz does not decompress as gzip \(Compressed file ended.*\): {todo}$"),
+        ("flipped.jsonl.gz", rf"flipped.jsonl.gz does not decompress as gzip \(.*\): {todo}$"),
     ):
         with pytest.raises(UserError, match=fragment):
             prepare_dataset(

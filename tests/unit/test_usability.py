@@ -99,8 +99,8 @@ def test_prepare_progress_without_a_terminal_is_a_line_per_tenth(tmp_path, monke
     assert progress.count_documents(source) == 40  # blank lines are not documents
     stream = io.StringIO()
     shown = progress.Progress(progress.count_documents(source), stream=stream)
-    for _ in shown.counted(source.records()):
-        shown.wrote(3)
+    for _ in source.records():
+        shown.wrote(3, 1)
     shown.close()
     lines = stream.getvalue().splitlines()
     assert lines[0] == "tokenizing 40 documents"
@@ -108,6 +108,26 @@ def test_prepare_progress_without_a_terminal_is_a_line_per_tenth(tmp_path, monke
     assert [line.split()[1] for line in tenths] == [f"{p}%" for p in range(10, 100, 10)]
     assert "of 40 documents" in tenths[0] and "left)" in tenths[0]
     assert lines[-1].startswith("tokenized 40 documents into 120 tokens in ")
+
+
+def test_prepare_progress_counts_documents_written_not_read_ahead(
+    tmp_path, tokenizer_dir, monkeypatch, capsys
+):
+    """The workers read 2 batches each ahead of the writer: counted as read, the first line came
+    when the whole corpus of 40 (4 per batch) was read, and said nothing until the end."""
+    from pretrain.data import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "BATCH_DOCS", 4)
+    tokenize = prepare_module._tokenized
+
+    def read_ahead(batches, tokenizer, workers):
+        yield from tokenize(list(batches), tokenizer, workers)  # every batch read first
+
+    monkeypatch.setattr(prepare_module, "_tokenized", read_ahead)
+    source = _corpus(tmp_path, 40)
+    prepare_module.prepare(source, tokenizer_dir, tmp_path / "out", val_fraction=0.1)
+    tenths = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing: ")]
+    assert [line.split()[1] for line in tenths] == [f"{p}%" for p in range(10, 100, 10)], tenths
 
 
 def test_prepare_progress_in_a_terminal_is_a_bar_with_a_total(tmp_path):
@@ -120,8 +140,8 @@ def test_prepare_progress_in_a_terminal_is_a_bar_with_a_total(tmp_path):
     source = _corpus(tmp_path, 20)
     stream = Terminal()
     shown = progress.Progress(progress.count_documents(source), stream=stream)
-    for _ in shown.counted(source.records()):
-        shown.wrote(3)
+    for _ in source.records():
+        shown.wrote(3, 1)
     shown.close()
     last = stream.getvalue().split("\r")[-1]
     assert "100%" in last and "20/20" in last and "60 tokens" in last, last
