@@ -1,9 +1,9 @@
 """The monitor's and the supervisor's settings and their vocabulary: what the detectors find
 (`FINDINGS`) and what a finding may do (`RESPONSES`). `ServiceConfig` is the service's (its policy,
-its detectors, where it listens), `TrainerLinkConfig` the trainer's (its requests to the service,
-quarantine, skipping a bad update), `SupervisorConfig` the supervisor's (restarts, hangs);
-`MonitorConfig`, the run config's `monitor:` section, is all three, flat. Owned by `monitoring/`,
-read into the run config by `pretrain/config/`. Importable without torch, and without `pretrain`.
+its detectors, where it listens), `SupervisorConfig` the supervisor's (restarts, hangs). The run
+config's `monitor:` section, `MonitorConfig` (`pretrain/config/schema.py`), composes them with the
+trainer's own, declared by the parts that read them (`pretrain/stability/settings.py`,
+`pretrain/train/settings.py`). Importable without torch, and without `pretrain`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ FINDINGS = (
 )
 RESPONSES = ("ignore", "warn", "rollback", "stop")  # what a finding may do, least to most drastic
 REPEAT_STAGES = ("quarantine", "lower_lr", "stop")  # monitor.on_repeat: what a repeated rollback adds
-STRAGGLER_RESPONSES = ("warn", "replace")  # monitor.on_straggler
 
 
 class SettingError(ValueError):
@@ -68,66 +67,6 @@ class SupervisorConfig:
 
 
 @dataclass(kw_only=True)
-class TrainerLinkConfig:
-    """The trainer's side of the monitor: its requests to the service, what a rollback does to the
-    data, and skipping a bad update in place. Read from the run config's `monitor:` section (see
-    `MonitorConfig`); neither the service nor its policy reads these."""
-
-    timeout: float = 2.0  # seconds per request; the trainer goes on (and warns) when it gets no answer
-    # on a rollback, the anomalous step's windows are not served again in their epoch (RUN_DIR/quarantine.jsonl)
-    quarantine: bool = False
-    # Skip a bad update in place (pretrain/stability/skip_step.py): a step whose loss or gradient norm is
-    # non-finite or above skip_ratio × its running median (of the last skip_window) never lands
-    # (the gradient norm against skip_grad_norm_ratio instead, when that is set).
-    # The trainer does it, with or without the service; the service then rolls back only when
-    # more than monitor.skip_max_consecutive steps in a row were skipped, or for what a skip cannot fix.
-    skip_step: bool = False
-    skip_ratio: float = 3.0
-    skip_grad_norm_ratio: float | None = None  # the gradient norm's own ratio; None: skip_ratio
-    skip_window: int = 64
-    # A rank whose compute time per step is above straggler_factor × the median rank's for
-    # straggler_windows logging intervals in a row is a straggler: an event and a warning (warn), or
-    # also a checkpoint and a restart with a spare node in its host's place (replace).
-    straggler_factor: float = 1.5
-    straggler_windows: int = 3
-    on_straggler: str = "warn"
-    # Was it the data or the machine (docs/monitoring.md, "Replay and replica checks")? replay: a
-    # step whose update did not land is run again on every rank, and a rank whose loss or gradient
-    # norm changes is a machine fault (off by default: the gradient tally costs 1-7% of a step on
-    # CPU). A host with machine_faults_to_exclude of them is moved off at a restart.
-    replay: bool = False
-    machine_faults_to_exclude: int = 2
-    # The replicas compared (docs/monitoring.md, "Replay and replica checks"): every
-    # consistency_every steps, before every checkpoint and after every rejected step, the weights
-    # every rank holds alike are digested and compared; a rank whose copy differs is a machine
-    # fault (replica_mismatch, a rollback to the newest consistent checkpoint). 0: never.
-    consistency_every: int = 100
-
-    def check_trainer_link(self) -> None:
-        check_positive("monitor.timeout", self.timeout)
-        if not (math.isfinite(self.skip_ratio) and self.skip_ratio > 1):
-            raise SettingError(f"monitor.skip_ratio={self.skip_ratio} must be a finite number > 1")
-        ratio = self.skip_grad_norm_ratio
-        if ratio is not None and not (math.isfinite(ratio) and ratio > 1):
-            raise SettingError(
-                f"monitor.skip_grad_norm_ratio={ratio} must be a finite number > 1 (or null: skip_ratio)"
-            )
-        if self.skip_window < 2:
-            raise SettingError(f"monitor.skip_window={self.skip_window} must be >= 2")
-        if not (math.isfinite(self.straggler_factor) and self.straggler_factor > 1):
-            raise SettingError(
-                f"monitor.straggler_factor={self.straggler_factor} must be a finite number > 1"
-            )
-        check_positive("monitor.straggler_windows", self.straggler_windows)
-        check_choice("monitor.on_straggler", self.on_straggler, STRAGGLER_RESPONSES)
-        check_positive("monitor.machine_faults_to_exclude", self.machine_faults_to_exclude)
-        if self.consistency_every < 0:
-            raise SettingError(
-                f"monitor.consistency_every={self.consistency_every} must be >= 0 (0: no replica check)"
-            )
-
-
-@dataclass(kw_only=True)
 class ServiceConfig:
     """The monitoring service's settings (`pretrain monitor`: its policy and detectors, where it
     listens). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
@@ -168,7 +107,7 @@ class ServiceConfig:
     repeat_window: int = 100
     repeat_lr_factor: float = 0.5
     repeat_lr_steps: int = 100
-    # with monitor.skip_step (TrainerLinkConfig): a rollback only when more than this many steps in
+    # with monitor.skip_step (pretrain/stability/settings.py): a rollback only when more than this many steps in
     # a row had their update skipped
     skip_max_consecutive: int = 3
 
@@ -212,17 +151,3 @@ def check_escalation(config: ServiceConfig) -> None:
     check_positive("monitor.repeat_lr_steps", config.repeat_lr_steps)
     if not (math.isfinite(config.repeat_lr_factor) and 0 < config.repeat_lr_factor <= 1):
         raise SettingError(f"monitor.repeat_lr_factor={config.repeat_lr_factor} must be in (0, 1]")
-
-
-@dataclass(kw_only=True)
-class MonitorConfig(SupervisorConfig, TrainerLinkConfig, ServiceConfig):
-    """The run config's `monitor:` section: the service's settings, the trainer's, then the
-    supervisor's, as one flat section (its keys, `monitor.window`, `monitor.timeout`,
-    `monitor.max_restarts`, ..., are a contract). Each owner is typed to take only its part: the
-    policy and the service a `ServiceConfig`, the hang watch a `SupervisorConfig`; the trainer
-    reads its `TrainerLinkConfig` part; the supervisor, which also starts the service, the whole."""
-
-    def __post_init__(self) -> None:
-        self.check_service()
-        self.check_trainer_link()
-        self.check_supervisor()

@@ -9,8 +9,9 @@ need are visible where there are GPUs, each with the memory the run's memory pla
 `pretrain/planning/memory.py`). `HostSet.choose` then takes N healthy hosts — those of the
 last attempt first, then the spares in hostfile order, then hosts lost earlier in the run — or,
 with fewer than N healthy, fewer nodes down to M where the global batch still divides (more
-gradient accumulation keeps it exactly). A host that straggled (`monitor.on_straggler=replace`)
-is left out for the rest of the run; any other host is checked again at each start.
+gradient accumulation keeps it exactly). A host the trainer asked to move off (a straggler,
+machine faults: `monitoring.protocol.MoveOff`) is left out for the rest of the run; any other
+host is checked again at each start.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class HostSet:
     in_use: list[str] = field(default_factory=list)  # the hosts of the current (or last) start
     excluded: dict[str, str] = field(default_factory=dict)  # left out of the last start: host → why
     lost: list[str] = field(default_factory=list)  # lost during the run (least preferred)
-    banned: dict[str, str] = field(default_factory=dict)  # left out for the rest of the run (stragglers)
+    banned: dict[str, str] = field(default_factory=dict)  # left out for the rest of the run (moved off)
     gpu_memory_needed: float = 0.0  # bytes per GPU of the run's memory plan, checked on every host
 
     def __post_init__(self) -> None:

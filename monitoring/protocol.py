@@ -17,7 +17,8 @@ can be replaced or inspected with curl. Unknown fields are refused, so a typo ne
     RUN_DIR/monitor/token           the bearer token for requests that change state (mode 0600)
     RUN_DIR/monitor/supervisor.json the supervisor's view of the job (`pretrain launch`)
     RUN_DIR/monitor/hosts.json      its host set over ssh: in use, spares, excluded, lost
-    RUN_DIR/monitor/replace.json    a node the trainer asks to be moved off (a straggler's)
+    RUN_DIR/monitor/replace.json    a host the trainer asks to be moved off (`MoveOff`: a straggler,
+                                    machine faults), and the supervisor's answer when it cannot
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
 
@@ -48,9 +49,7 @@ SUPERVISOR_FILE = "supervisor.json"
 # {host: reason}, "lost": [host, ...]}), rewritten at each start (launch/slurm.sbatch reads it to
 # leave a lost node out of a requeued job).
 HOSTS_FILE = "hosts.json"
-# RUN_DIR/monitor/replace.json: written by the trainer's rank 0 before it exits with
-# ExitCode.REPLACE_NODE ({"host", "rank", "step", "reason"}): the supervisor restarts without it.
-REPLACE_FILE = "replace.json"
+REPLACE_FILE = "replace.json"  # RUN_DIR/monitor/: a `MoveOff`
 EVENTS_FILE = "events.jsonl"
 # RUN_DIR/train_summary.json, written by rank 0 when the loop ends: `"completed": true` once the
 # last step is trained and its checkpoint saved (the supervisor reads it: a finished run whose
@@ -228,15 +227,17 @@ def parse_outcome(payload: Any) -> tuple[Outcome, str | None, int | None]:
 
 @dataclass(frozen=True, kw_only=True)
 class Rollback:
-    """A rollback decision, and the one record of it: the service's policy makes it, the answer to
-    a report carries it (`Action`), rank 0 broadcasts it to every rank, the `rollback` event and
-    the checkpoints saved after it is applied (train_state.json `hooks.monitor`) keep it. Each of
-    those is derived from these fields, so a new field is declared here and nowhere else."""
+    """A rollback decision, and the one record of it, whoever decides it: the service's policy (the
+    answer to a report carries it, `Action`, and rank 0 broadcasts it to every rank) or the
+    trainer's replica check (`decision` None, `finding` "replica_mismatch"). `pretrain/train/
+    rollback.py` applies every one; the `rollback` event and the checkpoints saved after it is
+    applied (train_state.json `hooks.monitor`) keep it. Each of those is derived from these
+    fields, so a new field is declared here and nowhere else."""
 
-    decision: int  # the service's number for it (1, 2, ...)
+    decision: int | None  # the service's number for it (1, 2, ...); None: the trainer's (replica check)
     step: int  # the anomalous step it was decided at
     target: str  # the checkpoint to go back to: the newest complete one before the anomalous update
-    seed: int  # the data stream's new shuffle seed
+    seed: int | None  # the data stream's new shuffle seed; None: the same order (the data is innocent)
     lr_scale: float = 1.0  # the learning rate's scale from the target on (monitor.lr_scale ** rollbacks)
     reason: str = ""
     finding: str = ""  # the finding's kind (`operator` for an operator's request)
@@ -264,9 +265,10 @@ class Rollback:
             raise ProtocolError("'lr_factor' and 'lr_factor_steps' come together")
 
     def to_json(self) -> dict[str, Any]:
-        """Its fields, those that are None left out (non-finite values spelled as strings)."""
-        values = {f.name: getattr(self, f.name) for f in fields(Rollback)}
-        return strict_json({k: v for k, v in values.items() if v is not None})
+        """Its fields, the optional ones that are None left out (non-finite values spelled as
+        strings): `from_json` reads it back, the trainer's own decisions included."""
+        values = {f.name: (getattr(self, f.name), f.default is MISSING) for f in fields(Rollback)}
+        return strict_json({k: v for k, (v, required) in values.items() if required or v is not None})
 
     @classmethod
     def from_json(cls, payload: Any) -> Rollback:
@@ -390,10 +392,11 @@ def split_answer(answer: dict[str, Any]) -> tuple[Action, Judgement]:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What became of rollback `decision` (decided at step `decided_at`): `applied` at the step
-    boundary after step `applied_at`, to checkpoint `tag`; or cancelled, with a `reason`."""
+    """What became of rollback `decision` (decided at step `decided_at`; None: the trainer's own):
+    `applied` at the step boundary after step `applied_at`, to checkpoint `tag`; or cancelled,
+    with a `reason`."""
 
-    decision: int
+    decision: int | None
     decided_at: int
     applied: bool
     applied_at: int
@@ -403,11 +406,13 @@ class Outcome:
     def __post_init__(self) -> None:
         check_types(self, Outcome)
         for key in ("decision", "decided_at", "applied_at"):
-            if not 0 <= getattr(self, key) < MAX_INT:
+            if getattr(self, key) is not None and not 0 <= getattr(self, key) < MAX_INT:
                 raise ProtocolError(f"{key!r} must be a non-negative integer, got {getattr(self, key)!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """Its fields, `tag` and `reason` left out when None (`decision` is there: null for the
+        trainer's own rollback)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "decision"}
 
     @classmethod
     def from_json(cls, payload: Any) -> Outcome:
@@ -415,6 +420,53 @@ class Outcome:
             return cls(**_object(payload, "outcome", fields(cls)))
         except TypeError as exc:  # a field missing
             raise ProtocolError(f"an outcome is incomplete: {exc}") from None
+
+
+MOVE_OFF_CAUSES = ("straggler", "machine_faults")  # why the trainer asks to move a host off
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoveOff:
+    """RUN_DIR/monitor/replace.json: a host the trainer asks to be moved off, whatever the cause: a
+    straggler (monitor.on_straggler=replace) or machine faults (monitor.machine_faults_to_exclude).
+    Rank 0 writes it (`pretrain/train/move_off.py`; atomically) before every rank exits with
+    ExitCode.REPLACE_NODE; the supervisor restarts the job without that host (`hosts.py`). When it
+    cannot (no spare, no fewer nodes allowed, no host set), it writes the record back with `kept`,
+    why not, and the job's later starts only warn: asking again would restart it forever."""
+
+    host: str  # the host as its rank names itself (the supervisor maps `rank` to the hostfile's name)
+    rank: int  # one rank it holds
+    step: int  # the step saved before the exit
+    reason: str
+    cause: str  # MOVE_OFF_CAUSES
+    kept: str | None = None  # the supervisor's answer: why the host could not be moved off
+
+    def __post_init__(self) -> None:
+        check_types(self, MoveOff)
+        if self.cause not in MOVE_OFF_CAUSES:
+            raise ProtocolError(f"'cause' must be one of {', '.join(MOVE_OFF_CAUSES)}, got {self.cause!r}")
+        if not (0 <= self.rank < MAX_INT and 0 <= self.step < MAX_INT):
+            raise ProtocolError(
+                f"'rank' and 'step' must be non-negative integers, got {self.rank}, {self.step}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, payload: Any) -> MoveOff:
+        try:
+            return cls(**_object(payload, "move-off request", fields(cls)))
+        except TypeError as exc:  # a field missing
+            raise ProtocolError(f"a move-off request is incomplete: {exc}") from None
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> MoveOff | None:
+        """RUN_DIR/monitor/replace.json, or None when there is none or it cannot be read."""
+        try:
+            return cls.from_json(json.loads((monitor_dir(run_dir) / REPLACE_FILE).read_text()))
+        except (OSError, ValueError):  # (a ProtocolError is a ValueError)
+            return None
 
 
 # ------------------------------------------------------------------------------------ events.jsonl
@@ -501,7 +553,8 @@ class Anomaly(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class RollbackDecided(Event, Rollback):
-    """The service decided a rollback: its `Rollback` record, `step` the anomalous one."""
+    """A rollback was decided, by the service or by the trainer's replica check (`decision` null):
+    its `Rollback` record, `step` the anomalous one."""
 
     type: ClassVar[str] = "rollback"
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = (
@@ -533,7 +586,7 @@ class RollbackApplied(_Evidence, Event):
     OMITTED_WHEN_NONE: ClassVar[tuple[str, ...]] = _EVIDENCE
     tag: str
     requested: str
-    seed: int
+    seed: int | None
     decision: int | None
     decided_at: int | None
     applied_at: int

@@ -1,6 +1,7 @@
 """The supervisor of `pretrain launch`: the monitoring service and, under it, the DeepSpeed job,
 restarted when it crashes or hangs. (`pretrain/cli/launch.py` checks the run and builds the
-launcher's command line; this module only runs a command and watches it.)
+launcher's command line; this module runs it, watches it, and applies what the restart policy
+decides once it has ended: `restart_policy.py`, a pure function.)
 
 One process holds the HTTP service (its threads) and the supervisor (the main thread). The job is
 the DeepSpeed launcher with every rank it starts, in a session of its own, so it is stopped as a
@@ -8,13 +9,14 @@ whole. The supervisor restarts it from the newest complete checkpoint (`checkpoi
 when it
 
 - exits with a failure (a crash, a killed rank): any status but 0 (done), 2 (bad input: a restart
-  would fail the same way), 3 (the monitor stopped it) and 4 (checkpoints could not be saved:
+  would fail the same way), 3 (a check stopped it) and 4 (checkpoints could not be saved:
   `pretrain.errors.ExitCode`);
 - hangs: no step reported for `monitor.hang_factor` times the longest interval between two steps
   seen so far (never less than `monitor.hang_min_seconds`), or no first step within
   `monitor.startup_seconds` of a start;
 
-at most `monitor.max_restarts` times. Each restart is an event `restart` in RUN_DIR/events.jsonl, is
+at most `monitor.max_restarts` times; and, outside that budget, after it saved and exited with 5
+to move a host off (RUN_DIR/monitor/replace.json). Each restart is an event `restart` in RUN_DIR/events.jsonl, is
 listed by GET /status and counted by `pretrain_restarts` in GET /metrics.
 
 A rank that died is a death, not a hang, whichever the supervisor notices first: when the hang
@@ -41,6 +43,7 @@ checkpoints), is running.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -55,8 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from monitoring.config import MonitorConfig, SupervisorConfig
-from monitoring.hosts import HostSet, check_hosts
+from monitoring.config import SupervisorConfig
+from monitoring.hosts import Choice, HostSet, check_hosts
 from monitoring.protocol import (
     HOSTS_FILE,
     REPLACE_FILE,
@@ -64,6 +67,7 @@ from monitoring.protocol import (
     SUPERVISOR_FILE,
     Event,
     JobStopped,
+    MoveOff,
     NodeExcluded,
     NodeLost,
     NodeReplaced,
@@ -72,8 +76,10 @@ from monitoring.protocol import (
     append_event,
     monitor_dir,
 )
+from monitoring.restart_policy import Budget, Decision, JobEnd, decide
 from monitoring.service import serve
 from pretrain import atomic, checkpoint
+from pretrain.config import MonitorConfig
 from pretrain.errors import ExitCode
 from pretrain.lifeline import (
     clear_rank_records,
@@ -84,13 +90,6 @@ from pretrain.lifeline import (
     wait_for_ranks,
 )
 from pretrain.run_dir import OWNER_ENV, RunLock
-
-NOT_RESTARTED = {
-    ExitCode.DONE: "completed",
-    ExitCode.BAD_INPUT: "bad input",
-    ExitCode.STOPPED_BY_MONITOR: "stopped by the monitor",
-    ExitCode.CHECKPOINT_FAILED: "checkpoints could not be saved",
-}
 
 
 @dataclass
@@ -129,10 +128,6 @@ class HangWatch:
         what = "no step" if self.last_step_at is not None else "no first step"
         return f"hang: {what} for {since:.0f} s (limit {self.limit():.0f} s)"
 
-
-# What the job is told once a node it asked to move off could not be: only warn from then on (a
-# slow or faulty node with nothing to replace it still trains; asking again would restart forever).
-NEVER_MOVE_OFF = ("monitor.on_straggler=warn", f"monitor.machine_faults_to_exclude={2**31 - 1}")
 
 LAUNCHER_RANKS_SECONDS = 30.0  # DeepSpeed's launcher: how long it waits for its ranks after SIGTERM
 
@@ -328,6 +323,15 @@ class Job:
             self.signal_group(signal.SIGTERM)
 
 
+@dataclass(frozen=True)
+class JobStart:
+    """What a start of the job is: the attempt (0: the first; later ones resume from the newest
+    checkpoint) and, over ssh, the hosts chosen for it with their gradient accumulation."""
+
+    attempt: int
+    hosts: Choice | None = None
+
+
 class Interrupt:
     """SIGINT/SIGTERM to the supervisor: the first asks the job to save and stop, a second kills it.
     SIGUSR1 (a scheduler's warning before its time limit) asks the same, and only asks."""
@@ -351,12 +355,12 @@ class Interrupt:
 
 
 class Supervisor:
-    """Runs the job `make_command()` gives (asked again at each start, for a fresh rendezvous port)
-    and restarts it; the `leader` (node 0) also holds the monitoring service."""
+    """Runs the job `make_command(start)` gives (asked again at each start, for a fresh rendezvous
+    port) and restarts it; the `leader` (node 0) also holds the monitoring service."""
 
     def __init__(
         self,
-        make_command: Callable[[], list[str]],
+        make_command: Callable[[JobStart], list[str]],
         run_dir: str | Path,
         config: MonitorConfig,
         *,
@@ -375,7 +379,6 @@ class Supervisor:
         self.ssh_nodes: list[str] = []  # the current start's hosts, in node-rank order, over ssh
         self.restart_times: list[float] = []  # when the restarts the budget counts were made
         self.clock: Callable[[], float] = time.monotonic  # (what the restart budget's window is read on)
-        self.extra_overrides: list[str] = []  # what later starts add (a replacement that cannot be)
         self._state_write_failed = False
         self.server = self.state = None
         if leader:
@@ -385,93 +388,117 @@ class Supervisor:
     # --------------------------------------------------------------------------- the loop
 
     def run(self) -> int:
-        if self.server is not None:
-            # poll_interval: how long shutdown() waits for the serving loop when the run ends
-            threading.Thread(
-                target=self.server.serve_forever,
-                kwargs={"poll_interval": 0.1},
-                name="monitor-http",
-                daemon=True,
-            ).start()
-            host, port = self.server.server_address[:2]
-            self.log(f"launch: monitor on http://{host}:{port} (status: /status, Prometheus: /metrics)")
+        """Start the job, watch it, and after it ends apply what the restart policy decides
+        (`restart_policy.decide`), until that is to stop: the supervisor's exit status."""
+        self._serve()
         interrupt = Interrupt()
         job = None
         try:
+            if self.leader:  # (an earlier launch's request and answer: this one decides afresh)
+                (monitor_dir(self.run_dir) / REPLACE_FILE).unlink(missing_ok=True)
             restarts = 0
             while True:
                 job = self._start(restarts)
                 if job is None:  # too few healthy hosts to start on
                     self._set_state("failed", restarts)
                     return ExitCode.FAILED
-                outcome, detail = self._watch(job, interrupt)
-                if outcome == "interrupted":
-                    self._set_state("stopped", job.attempt)
-                    signum = interrupt.signum or signal.SIGINT
-                    self._tell_how_to_resume(
-                        f"stopped by {signal.Signals(signum).name}; the job exited with status {detail}",
-                        signum,
-                    )
-                    if signum == signal.SIGUSR1 and detail == 0:
-                        return 0  # the scheduler's warning was heeded: saved and stopped cleanly
-                    return 128 + signum
-                if outcome == "exit" and detail == ExitCode.REPLACE_NODE and self._leader_running():
-                    restarts += 1  # (asked for by the trainer, not a failure: outside the budget)
-                    self._record_restart(restarts, self._replace_node(job))
-                    continue
-                if outcome == "exit" and (detail in NOT_RESTARTED or not self._leader_running()):
-                    stopped_early = detail == ExitCode.DONE and not self._completed_since(job.started_at)
-                    self._set_state(
-                        "stopped" if stopped_early else NOT_RESTARTED.get(detail, "failed"), job.attempt
-                    )
-                    if stopped_early:
-                        self._tell_how_to_resume("the job saved and stopped before the last step")
-                    elif detail != ExitCode.DONE:
-                        self.log(
-                            f"launch: the job exited with status {detail} "
-                            f"({NOT_RESTARTED.get(detail, 'failed')}): {self._why_failed(job, detail)}"
-                        )
-                    return detail
-                reason = self._why_failed(job, detail) if outcome == "exit" else detail
-                self._note_lost_nodes(job)
-                if len(self._recent_restarts()) >= self.config.max_restarts:
-                    self._set_state("failed", job.attempt)
-                    self.log(
-                        f"launch: the job failed ({reason}) and the restart budget "
-                        f"(monitor.max_restarts={self.config.max_restarts}) is spent "
-                        f"{self._window_words()}; giving up"
-                    )
-                    return detail if outcome == "exit" and detail > 0 else ExitCode.FAILED
+                end = self._ended(job, interrupt)
+                if end.failed:
+                    self._note_lost_nodes(job)
+                decision = decide(end, self.hosts, self._budget())
+                if decision.action == "stop":
+                    return self._stop(decision, end, job)
+                self._apply(decision, end)
                 restarts += 1
-                self.restart_times.append(self.clock())
-                self._record_restart(restarts, reason)
+                self._record_restart(restarts, decision.reason)
         finally:
-            # However the supervisor leaves (an exception included), no job runs on without it.
-            if job is not None and job.poll() is None:
-                self.log("launch: stopping the job (the supervisor is exiting)")
-                tell_ranks_why(self.run_dir, "pretrain launch is exiting")
-                job.ask_ranks_to_stop()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    job.process.wait(timeout=self.config.stop_grace_seconds)
-                job.stop(grace=0)
-                if job.over_ssh:
-                    wait_for_ranks(self.run_dir, self._ranks_exit_seconds)
-            interrupt.restore()
-            if self.server is not None:
-                self.server.shutdown()
-                self.server.server_close()
+            self._leave(job, interrupt)
+
+    def _serve(self) -> None:
+        if self.server is None:
+            return
+        # poll_interval: how long shutdown() waits for the serving loop when the run ends
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, name="monitor-http", daemon=True
+        ).start()
+        host, port = self.server.server_address[:2]
+        self.log(f"launch: monitor on http://{host}:{port} (status: /status, Prometheus: /metrics)")
+
+    def _leave(self, job: Job | None, interrupt: Interrupt) -> None:
+        """However the supervisor leaves (an exception included), no job runs on without it."""
+        if job is not None and job.poll() is None:
+            self.log("launch: stopping the job (the supervisor is exiting)")
+            tell_ranks_why(self.run_dir, "pretrain launch is exiting")
+            job.ask_ranks_to_stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.process.wait(timeout=self.config.stop_grace_seconds)
+            job.stop(grace=0)
+            if job.over_ssh:
+                wait_for_ranks(self.run_dir, self._ranks_exit_seconds)
+        interrupt.restore()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def _ended(self, job: Job, interrupt: Interrupt) -> JobEnd:
+        """Watch the job until it ends; how it ended, with what the run's records say then."""
+        outcome, detail = self._watch(job, interrupt)
+        if outcome == "interrupted":
+            return JobEnd(how="interrupted", status=detail, signum=interrupt.signum)
+        if outcome == "hang":
+            return JobEnd(how="hang", status=ExitCode.FAILED, why=detail)
+        return JobEnd(
+            how="exit",
+            status=detail,
+            why=self._why_failed(job, detail) if detail != ExitCode.DONE else "",
+            completed=detail == ExitCode.DONE and self._completed_since(job.started_at),
+            leader_running=self._leader_running(),
+            move_off=MoveOff.read(self.run_dir) if detail == ExitCode.REPLACE_NODE else None,
+        )
+
+    def _budget(self) -> Budget:
+        return Budget(self.config.max_restarts, len(self._recent_restarts()), self._window_words())
+
+    def _stop(self, decision: Decision, end: JobEnd, job: Job) -> int:
+        self._set_state(decision.state, job.attempt)
+        if decision.resume_hint:
+            self._tell_how_to_resume(decision.reason, end.signum)
+        if decision.line:
+            self.log(f"launch: {decision.line}")
+        return decision.status
+
+    def _apply(self, decision: Decision, end: JobEnd) -> None:
+        """A restart's side: the budget counts a failure's; a host moved off is left out for the
+        rest of the run (`HostSet.banned`), or, kept, told to the job's later starts."""
+        if decision.counted:
+            self.restart_times.append(self.clock())
+        if decision.action in ("replace", "shrink"):
+            host = decision.host
+            self.hosts.banned[host] = decision.asked
+            self.log(f"launch: moving off {host}: {decision.asked}")
+            self._append(
+                NodeExcluded(
+                    step=self._step(), host=host, ranks=self.hosts.ranks(host), reason=decision.asked
+                )
+            )
+        elif decision.action == "keep":
+            self.log(
+                f"launch: {decision.reason}; going on with it, stragglers and machine faults only warned"
+            )
+            if self.leader and end.move_off is not None:  # (the job's later starts read the answer)
+                answer = dataclasses.replace(end.move_off, kept=decision.kept)
+                with contextlib.suppress(OSError):
+                    atomic.write_json(monitor_dir(self.run_dir) / REPLACE_FILE, answer.to_json())
 
     def _start(self, restarts: int) -> Job | None:
         """Start the job (attempt `restarts`); over ssh, on hosts that pass their checks (None when
         too few do)."""
+        choice = None
         if self.hosts is not None:
             choice = self._choose_hosts()
             if choice is None:
                 return None
-            command = self.make_command(choice)
-        else:
-            command = self.make_command()
-        command += (["checkpoint.resume=auto"] if restarts else []) + self.extra_overrides
+        command = self.make_command(JobStart(restarts, choice))
         if self.state is not None:
             self.state.job_started(restarts, self.hosts.view() if self.hosts is not None else None)
         # The job inherits the run directory's lock (held until its last process is gone) and is
@@ -502,66 +529,79 @@ class Supervisor:
         while True:
             code = job.poll()
             if code is not None:
-                if interrupt.count:
-                    return "interrupted", code
-                return "exit", code
+                return ("interrupted" if interrupt.count else "exit"), code
             if job.node_exits and not interrupt.count:
-                failed = job.node_exits[0]
-                node = self.ssh_nodes.index(failed.host) if failed.host in self.ssh_nodes else "?"
-                why = f": {failed.last_line}" if failed.last_line else ""
-                self.log(
-                    f"launch: node {node} ({failed.host}) failed: its launcher exited with status "
-                    f"{failed.code}{why}; stopping the job on every node"
-                )
-                job.stop(self.config.stop_grace_seconds)
-                return "exit", failed.code
+                return "exit", self._stop_for_a_failed_node(job)
             if interrupt.count and not asked_to_stop:
-                self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
-                passed_on = signal.SIGUSR1 if interrupt.signum == signal.SIGUSR1 else signal.SIGTERM
-                tell_ranks_why(
-                    self.run_dir,
-                    f"{signal.Signals(interrupt.signum or signal.SIGINT).name} to pretrain launch, "
-                    f"passed on as {passed_on.name}",
-                )
-                job.ask_ranks_to_stop(passed_on)
+                self._pass_on(interrupt, job)
                 asked_to_stop = True
             elif interrupt.count > 1:
                 return "interrupted", job.stop(grace=0)
             if self.state is not None and not interrupt.count:
-                hung = self.state.overdue()
-                if hung and self._completed_since(job.started_at):
-                    # The last step is trained and saved; only the processes' exit is slow (a final
-                    # evaluation's teardown, a slow process-group shutdown): done, not hung.
-                    self.log(
-                        f"launch: the run is complete but its processes have not exited ({hung}); "
-                        "stopping them"
-                    )
-                    job.stop(self.config.stop_grace_seconds)
-                    return "exit", ExitCode.DONE
-                departed = departed_ranks(self.run_dir) if hung else []
-                if departed:
-                    # A rank has left the job: it is failing, not hung, and its launcher's exit
-                    # (soon: it stops the other ranks) says how; the death is the reason either way.
-                    if failing_since is None:
-                        failing_since = time.monotonic()
-                        gone = [r for r in departed if not r.get("exited")] or departed  # (the dead first)
-                        ranks = ", ".join(str(r.get("rank", "?")) for r in gone)
-                        self.log(
-                            f"launch: {hung}, but rank{'s' if len(gone) > 1 else ''} {ranks} "
-                            f"{'have' if len(gone) > 1 else 'has'} left the job; waiting for its "
-                            "launcher to exit"
-                        )
-                    if time.monotonic() - failing_since > self._launcher_exit_seconds:
-                        self.log(
-                            f"launch: a rank has left the job and its launcher has not exited in "
-                            f"{self._launcher_exit_seconds:.0f} s; stopping the job"
-                        )
-                        return "exit", job.stop(self.config.stop_grace_seconds) or ExitCode.FAILED
-                elif hung:
-                    self.log(f"launch: {hung}; stopping the job")
-                    job.stop(self.config.stop_grace_seconds)
-                    return "hang", hung
+                ended, failing_since = self._overdue(job, failing_since)
+                if ended is not None:
+                    return ended
             time.sleep(self.poll_seconds)
+
+    def _stop_for_a_failed_node(self, job: Job) -> int:
+        """pdsh reported a host whose launcher failed: the whole job stops at once; its status."""
+        failed = job.node_exits[0]
+        node = self.ssh_nodes.index(failed.host) if failed.host in self.ssh_nodes else "?"
+        why = f": {failed.last_line}" if failed.last_line else ""
+        self.log(
+            f"launch: node {node} ({failed.host}) failed: its launcher exited with status "
+            f"{failed.code}{why}; stopping the job on every node"
+        )
+        job.stop(self.config.stop_grace_seconds)
+        return failed.code
+
+    def _pass_on(self, interrupt: Interrupt, job: Job) -> None:
+        """A signal to the supervisor: the ranks are asked to save and stop (SIGUSR1 passed on as
+        itself, anything else as SIGTERM)."""
+        self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
+        passed_on = signal.SIGUSR1 if interrupt.signum == signal.SIGUSR1 else signal.SIGTERM
+        tell_ranks_why(
+            self.run_dir,
+            f"{signal.Signals(interrupt.signum or signal.SIGINT).name} to pretrain launch, "
+            f"passed on as {passed_on.name}",
+        )
+        job.ask_ranks_to_stop(passed_on)
+
+    def _overdue(
+        self, job: Job, failing_since: float | None
+    ) -> tuple[tuple[str, int | str] | None, float | None]:
+        """The hang watch (node 0): how the job ended when it is overdue (None: not ended), and
+        since when a rank that left the job is waited for."""
+        hung = self.state.overdue()
+        if hung and self._completed_since(job.started_at):
+            # The last step is trained and saved; only the processes' exit is slow (a final
+            # evaluation's teardown, a slow process-group shutdown): done, not hung.
+            self.log(f"launch: the run is complete but its processes have not exited ({hung}); stopping them")
+            job.stop(self.config.stop_grace_seconds)
+            return ("exit", ExitCode.DONE), failing_since
+        departed = departed_ranks(self.run_dir) if hung else []
+        if departed:
+            # A rank has left the job: it is failing, not hung, and its launcher's exit (soon: it
+            # stops the other ranks) says how; the death is the reason either way.
+            if failing_since is None:
+                failing_since = time.monotonic()
+                gone = [r for r in departed if not r.get("exited")] or departed  # (the dead first)
+                ranks = ", ".join(str(r.get("rank", "?")) for r in gone)
+                self.log(
+                    f"launch: {hung}, but rank{'s' if len(gone) > 1 else ''} {ranks} "
+                    f"{'have' if len(gone) > 1 else 'has'} left the job; waiting for its launcher to exit"
+                )
+            if time.monotonic() - failing_since > self._launcher_exit_seconds:
+                self.log(
+                    f"launch: a rank has left the job and its launcher has not exited in "
+                    f"{self._launcher_exit_seconds:.0f} s; stopping the job"
+                )
+                return ("exit", job.stop(self.config.stop_grace_seconds) or ExitCode.FAILED), failing_since
+        elif hung:
+            self.log(f"launch: {hung}; stopping the job")
+            job.stop(self.config.stop_grace_seconds)
+            return ("hang", hung), failing_since
+        return None, failing_since
 
     def _tell_how_to_resume(self, why: str, signum: int | None = None) -> None:
         """A job that ended before the run's last step (stopped by `signum`, or by itself): what
@@ -665,30 +705,6 @@ class Supervisor:
                 why += f": {failed.last_line}"
             self.log(f"launch: {host} lost ({why})")
             self._append(NodeLost(step=self._step(), host=host, ranks=self.hosts.ranks(host), reason=why))
-
-    def _replace_node(self, job: Job) -> str:
-        """The trainer saved and stopped to move off a node (RUN_DIR/monitor/replace.json: a
-        straggler's): leave that host out for the rest of the run; without a host set or a spare
-        to take its place, go on with it and warn instead. The restart's reason."""
-        try:
-            asked = json.loads((monitor_dir(self.run_dir) / REPLACE_FILE).read_text())
-            host, why = str(asked.get("host")), str(asked.get("reason") or "asked by the trainer")
-        except (OSError, ValueError, TypeError, AttributeError):
-            asked, host, why = {}, "?", "asked by the trainer"
-        if self.hosts is not None:  # the rank's host as the hostfile names it (a host's own name may differ)
-            host = next((h for h in self.hosts.in_use if asked.get("rank") in self.hosts.ranks(h)), host)
-        able = self.hosts is not None and host in self.hosts.in_use
-        if able and (self.hosts.spares() or len(self.hosts.in_use) > self.hosts.min_nodes):
-            self.hosts.banned[host] = why
-            self.log(f"launch: moving off {host}: {why}")
-            self._append(NodeExcluded(step=self._step(), host=host, ranks=self.hosts.ranks(host), reason=why))
-            return f"replace {host} ({why})"
-        self.log(
-            f"launch: no spare to take {host}'s place ({why}); going on with it, "
-            "stragglers and machine faults only warned"
-        )
-        self.extra_overrides = [*self.extra_overrides, *NEVER_MOVE_OFF]
-        return f"{host} straggles and cannot be replaced ({why})"
 
     def _recent_restarts(self) -> list[float]:
         """The counted restarts within monitor.restart_window_hours (all of them when it is null)."""

@@ -26,13 +26,11 @@ class ExitCode(IntEnum):
     DONE = 0
     FAILED = 1
     BAD_INPUT = 2  # a restart would fail the same way
-    STOPPED_BY_MONITOR = 3  # the circuit breaker refused the run: not a crash
+    STOPPED_BY_MONITOR = 3  # a check refused to go on (the circuit breaker, the replica check): not a crash
     CHECKPOINT_FAILED = (
         4  # checkpoints could not be saved (no space, no permission): a restart would not help
     )
-    REPLACE_NODE = (
-        5  # saved and stopped to move off a node (monitor.on_straggler=replace): restart without it
-    )
+    REPLACE_NODE = 5  # saved and stopped to move off a host (a straggler, machine faults)
     INTERRUPTED = 130  # Ctrl-C
 
 

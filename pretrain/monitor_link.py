@@ -115,10 +115,11 @@ class Reporter:
         self._post("/v1/metrics", metrics.to_json(), metrics.step)
 
     def outcome(self, outcome: Outcome) -> None:
-        with self._cond:
-            self._resolved = max(self._resolved, outcome.decision)
-            if self._action is not None and self._action.rollback is not None:
-                self._action = None  # answers to reports sent before it was applied repeat it
+        if outcome.decision is not None:  # (not the trainer's own rollback: the service's pending one)
+            with self._cond:
+                self._resolved = max(self._resolved, outcome.decision)
+                if self._action is not None and self._action.rollback is not None:
+                    self._action = None  # answers to reports sent before it was applied repeat it
         self._post("/v1/outcome", outcome.to_json(), None)
 
     def pending(self) -> bool:

@@ -47,9 +47,11 @@ from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence
 from pretrain.train.machine_faults import FaultLedger
 from pretrain.train.monitor_hook import Monitored
+from pretrain.train.move_off import HostMoves
 from pretrain.train.precursor_hook import InstabilityPrecursors
 from pretrain.train.replay_hook import ReplayCheck
 from pretrain.train.replica_hook import ReplicaCheck
+from pretrain.train.rollback import Rollbacks
 from pretrain.train.skip_hook import SkipBadUpdates
 from pretrain.train.straggler_hook import StragglerRule, StragglerWatch
 
@@ -456,22 +458,20 @@ def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts, initial: Initia
 
 
 def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHook]:
-    """The step hooks, in this order: a Rewind or Stop skips the hooks after the one that gave it,
-    and the faults' record of what fired (InjectedFaults.after_step) must never be skipped, or a
-    loss fault would fire again after every rollback of its step; a slow rank's stretched forward
-    pass (the faults') is inside what the straggler hook times."""
+    """The step hooks this run's config switches on, in the order of their `priority` (the loop
+    calls them so; the table and its reasons: pretrain/train/hooks.py)."""
     run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
     faults = FaultInjector(cfg.faults, run_dir, env.rank)
     hooks: list[StepHook] = [InjectedFaults(faults, engine)]
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
-    if cfg.logging.precursors_every:  # (before the monitor's: its report carries them)
+    if cfg.logging.precursors_every:
         hooks.append(
             InstabilityPrecursors(
                 engine, cfg.logging.precursors_every, cfg.logging.precursor_tokens, writer, cadence.logged
             )
         )
-    if cfg.monitor.skip_step:  # (before the monitor's: its report says whether the update landed)
+    if cfg.monitor.skip_step:
         guard = SkipGuard.for_run(
             cfg.monitor.skip_ratio, cfg.monitor.skip_window, grad_norm_ratio=cfg.monitor.skip_grad_norm_ratio
         )
@@ -481,7 +481,12 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
         if cfg.monitor.enabled
         else None
     )
-    hooks.append(  # (before the monitor's: its report carries the ranks' times)
+    link = monitor if env.is_main else None  # (rank 0 tells the service what became of a rollback)
+    rollbacks = Rollbacks(
+        env, run_dir, engine, parts.task, parts.checkpointer, link, writer, cfg.monitor.quarantine
+    )
+    moves = HostMoves(env=env, run_dir=run_dir, writer=writer)
+    hooks.append(
         StragglerWatch(
             env=env,
             run_dir=run_dir,
@@ -490,24 +495,39 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
             rule=StragglerRule(cfg.monitor.straggler_factor, cfg.monitor.straggler_windows),
             replace=cfg.monitor.on_straggler == "replace",
             engine=engine,
+            moves=moves,
             link=monitor,
         )
     )
-    ledger = FaultLedger(env=env, run_dir=run_dir, counts=FaultCounts(cfg.monitor.machine_faults_to_exclude))
-    if cfg.monitor.consistency_every:  # (before the replay: a wrong copy of the weights replays alike)
+    hooks += machine_fault_checks(cfg, parts, faults, rollbacks, moves)
+    if monitor is not None:
+        writer.band_layout()
+        hooks.append(Monitored(monitor, rollbacks, parts.task, writer))
+    return sorted(hooks, key=lambda hook: hook.priority)
+
+
+def machine_fault_checks(
+    cfg: RunConfig, parts: RunParts, faults: FaultInjector, rollbacks: Rollbacks, moves: HostMoves
+) -> list[StepHook]:
+    """The replica check and the replay, with one ledger of the machine faults they find."""
+    run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
+    ledger = FaultLedger(
+        env=env, run_dir=run_dir, counts=FaultCounts(cfg.monitor.machine_faults_to_exclude), moves=moves
+    )
+    hooks: list[StepHook] = []
+    if cfg.monitor.consistency_every:
         hooks.append(
             ReplicaCheck(
                 env=env,
                 run_dir=run_dir,
                 writer=writer,
                 engine=engine,
-                task=parts.task,
-                checkpointer=parts.checkpointer,
+                rollbacks=rollbacks,
                 ledger=ledger,
                 every=cfg.monitor.consistency_every,
             )
         )
-    if cfg.monitor.replay:  # (after the skip guard's, before the monitor's: it amends the report)
+    if cfg.monitor.replay:
         hooks.append(
             ReplayCheck(
                 env=env,
@@ -517,13 +537,6 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
                 faults=faults,
                 grad_accum=engine.gradient_accumulation_steps(),
                 ledger=ledger,
-            )
-        )
-    if monitor is not None:
-        writer.band_layout()
-        hooks.append(
-            Monitored(
-                monitor, env, run_dir, engine, parts.task, parts.checkpointer, writer, cfg.monitor.quarantine
             )
         )
     return hooks

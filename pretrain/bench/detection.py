@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from monitoring.config import MonitorConfig, SettingError
+from monitoring.config import SettingError
 from monitoring.policy import Policy
 from monitoring.protocol import (
     RollbackApplied,
@@ -33,6 +33,7 @@ from monitoring.protocol import (
     WarningRaised,
     read_events,
 )
+from pretrain.config import MonitorConfig
 from pretrain.errors import UserError
 from pretrain.reporting.metrics import read_metrics
 

@@ -67,15 +67,7 @@ def run(
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    for _ in range(warmup):
-        for document_ids in arms.values():
-            step(document_ids)
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for i in range(steps):
-        order = list(arms) if i % 2 == 0 else list(reversed(arms))
-        for name in order:
-            times[name].append(step(arms[name]))
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = _interleaved_medians(step, arms, warmup, steps)
     documents = float((ids[:, -1] + 1).float().mean())
     result = {
         "config": config,
@@ -92,11 +84,30 @@ def run(
     if as_json:
         print(json.dumps(result))
     else:
-        print(
-            f"{config} on {result['device']}, {dtype}, {micro_batch_size} x {seq_len} tokens, "
-            f"{documents:.1f} documents per window (median of {steps} steps each):"
-        )
-        print(f"  unmasked (causal):      {medians['unmasked'] * 1e3:8.1f} ms")
-        print(f"  document masking:       {medians['masked'] * 1e3:8.1f} ms")
-        print(f"  masked / unmasked:      {result['masked_over_unmasked']:8.3f}")
+        _print_masking(result, steps)
     return result
+
+
+def _interleaved_medians(step, arms: dict, warmup: int, steps: int) -> dict[str, float]:
+    """Each arm's median step time, the arms alternating in order (A B, B A, ...) so that a
+    machine's drift falls on both."""
+    for _ in range(warmup):
+        for document_ids in arms.values():
+            step(document_ids)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for i in range(steps):
+        order = list(arms) if i % 2 == 0 else list(reversed(arms))
+        for name in order:
+            times[name].append(step(arms[name]))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _print_masking(result: dict, steps: int) -> None:
+    print(
+        f"{result['config']} on {result['device']}, {result['dtype']}, {result['micro_batch_size']} x "
+        f"{result['seq_len']} tokens, {result['documents_per_window']:.1f} documents per window "
+        f"(median of {steps} steps each):"
+    )
+    print(f"  unmasked (causal):      {result['step_seconds_unmasked'] * 1e3:8.1f} ms")
+    print(f"  document masking:       {result['step_seconds_masked'] * 1e3:8.1f} ms")
+    print(f"  masked / unmasked:      {result['masked_over_unmasked']:8.3f}")

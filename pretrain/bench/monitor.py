@@ -165,8 +165,13 @@ def run(
     }
     if as_json:
         print(json.dumps(result))
-        return result
-    print(f"monitoring overhead, {result['model']}, {pairs} steps each way, interleaved:")
+    else:
+        _print_overhead(result)
+    return result
+
+
+def _print_overhead(result: dict) -> None:
+    print(f"monitoring overhead, {result['model']}, {result['steps_each']} steps each way, interleaved:")
     print(f"  step without the service: {result['step_ms_without_monitor']:8.1f} ms (median)")
     print(f"  step with the service:    {result['step_ms_with_monitor']:8.1f} ms (median)")
     print(
@@ -179,7 +184,6 @@ def run(
         f"({result['report_share_of_step_pct']:.2f} % of a step)"
     )
     print(
-        f"  spike reported at step {step}: answered '{spike_answer}' for that same step; rollback events "
-        f"at steps {rollback_steps}"
+        f"  spike reported at step {result['spike_reported_at_step']}: answered "
+        f"'{result['spike_answer']}' for that same step; rollback events at steps {result['rollback_event_steps']}"
     )
-    return result

@@ -24,11 +24,12 @@ def finished(run_dir: Path) -> dict | None:
 
 
 def ended(run_dir: Path) -> dict | None:
-    """The run's train_summary.json once it completed or the monitor stopped it, else None."""
+    """The run's train_summary.json once it completed or a check stopped it (the monitor, the
+    replica check), else None."""
     path = run_dir / SUMMARY_FILE
     if path.is_file():
         summary = json.loads(path.read_text())
-        if summary.get("completed") or summary.get("stopped_by_monitor"):
+        if summary.get("completed") or summary.get("stopped_by_monitor") or summary.get("stopped_by"):
             return summary
     return None
 

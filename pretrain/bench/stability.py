@@ -34,7 +34,7 @@ import math
 import sys
 from pathlib import Path
 
-from monitoring.config import FINDINGS, ServiceConfig, TrainerLinkConfig
+from monitoring.config import FINDINGS, ServiceConfig
 from monitoring.policy import Policy
 from monitoring.protocol import (
     PRECURSORS,
@@ -54,6 +54,7 @@ from pretrain.bench.runs import finished, run_once
 from pretrain.errors import UserError
 from pretrain.reporting.metrics import read_metrics
 from pretrain.stability.precursors import PREFIX
+from pretrain.stability.settings import SkipSettings
 
 ARMS = {"baseline": [], "qk_norm+z_loss": ["model.qk_norm=true", "loss.z_loss=1e-4"]}
 DEFAULT_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
@@ -131,7 +132,7 @@ def judge_series(rows: list[dict]) -> list[tuple[int, list[str]]]:
     return judged
 
 
-def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> list[int]:
+def would_skip(rows: list[dict], config: SkipSettings | None = None) -> list[int]:
     """The steps `monitor.skip_step` (its defaults unless `config`) would have skipped on this
     recorded series: the trainer's own guard (pretrain/stability/skip_step.py) judging each step's loss and
     gradient norm, told not to act."""
@@ -139,7 +140,7 @@ def would_skip(rows: list[dict], config: TrainerLinkConfig | None = None) -> lis
 
     from pretrain.stability.skip_step import SkipGuard, SkipOutcome
 
-    config = config or TrainerLinkConfig()
+    config = config or SkipSettings()
     guard = SkipGuard.for_run(
         config.skip_ratio, config.skip_window, act=False, grad_norm_ratio=config.skip_grad_norm_ratio
     )
@@ -480,12 +481,23 @@ def _loss(value) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Three panels: the sweep's loss against the learning rate, a precursor's lead before a
+    spike, and the escalation's runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (sweep_ax, lead_ax, esc_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    _plot_sweep(result, sweep_ax)
+    _plot_precursor_lead(result, lead_ax)
+    _plot_escalation(result, esc_ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_sweep(result: dict, sweep_ax) -> None:
     styles = {"baseline": ("tab:red", "o-"), "qk_norm+z_loss": ("tab:blue", "s--")}
     ceiling = 0.0
     for data in result["sweep"].values():
@@ -508,6 +520,8 @@ def plot(result: dict, path: Path) -> None:
     )
     sweep_ax.legend(fontsize=7)
 
+
+def _plot_precursor_lead(result: dict, lead_ax) -> None:
     spiked = [r for r in result.get("precursor_lead", []) if r["arm"] == "baseline"]
     if spiked:
         pick = max(spiked, key=lambda r: (r["lead_steps"] is not None, -r["lr"]))
@@ -535,6 +549,8 @@ def plot(result: dict, path: Path) -> None:
         )
         lead_ax.legend(fontsize=7)
 
+
+def _plot_escalation(result: dict, esc_ax) -> None:
     esc = result.get("escalation")
     if esc:
         for i, (lr, runs) in enumerate(esc["runs"].items()):
@@ -561,6 +577,3 @@ def plot(result: dict, path: Path) -> None:
             xlabel="step", ylabel="training loss", yscale="log", title="escalation when rollbacks repeat"
         )
         esc_ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

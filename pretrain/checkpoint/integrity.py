@@ -4,17 +4,19 @@ manifest (sizes and sha256) first, and a corrupt checkpoint is set aside, never 
     RUN_DIR/checkpoints/corrupt/step_...   a checkpoint whose files no longer match its manifest,
                                             moved here (never deleted) for a person to look at
 
-`newest_intact` is what every training load goes through (resume, restart, rollback): from a
-starting tag it walks to older checkpoints until one verifies, setting aside each corrupt one
-with one printed line and an event `checkpoint_corrupt`. Read-only tools (export, eval, generate,
+`newest_intact` is what every training load goes through (resume, restart, rollback) and what
+chooses a replica rollback's target: from a starting tag it walks to older checkpoints until one
+verifies, setting aside each corrupt one with one printed line and an event `checkpoint_corrupt`. Read-only tools (export, eval, generate,
 fine-tuning's init) use `find_checkpoint`, which skips corrupt ones the same way but changes
 nothing: they may read a run directory another job owns.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from monitoring.protocol import CheckpointCorrupt, append_event
@@ -22,6 +24,7 @@ from pretrain.checkpoint.layout import (
     COMPLETE,
     LATEST,
     TAG_PATTERN,
+    TRAIN_STATE,
     check_complete,
     checkpoints_dir,
     read_latest,
@@ -58,15 +61,24 @@ def move_corrupt_aside(run_dir: str | Path, tag: str, reason: str, *, log=None) 
 
 
 def newest_intact(
-    run_dir: str | Path, at_most: int | None = None, *, log=None, read_only: bool = False
+    run_dir: str | Path,
+    at_most: int | None = None,
+    *,
+    log=None,
+    read_only: bool = False,
+    state_passes: Callable[[dict], bool] | None = None,
 ) -> str | None:
     """The newest complete checkpoint at or before step `at_most` whose files verify. Corrupt ones
     met on the way are set aside (rank 0 of a training job), or only reported when `read_only`.
-    Incomplete ones (a save that never finished) are skipped and left for retention."""
+    Incomplete ones (a save that never finished) are skipped and left for retention.
+    `state_passes`: a test of its train_state.json that it must pass too (a replica rollback's: its
+    replicas were found consistent as it was saved); one that fails is passed over, left as it is."""
     root = checkpoints_dir(run_dir)
     say = log or _stderr
     for tag in reversed(tags_on_disk(run_dir)):
         if at_most is not None and step_of(tag) > at_most:
+            continue
+        if state_passes is not None and not _state_passes(root / tag, state_passes):
             continue
         if not (root / tag / COMPLETE).is_file():
             if not read_only:
@@ -80,6 +92,13 @@ def newest_intact(
         else:
             move_corrupt_aside(run_dir, tag, reason, log=log)
     return None
+
+
+def _state_passes(directory: Path, test: Callable[[dict], bool]) -> bool:
+    try:
+        return bool(test(json.loads((directory / TRAIN_STATE).read_text())))
+    except (OSError, ValueError):  # (no train_state.json: an incomplete save, which fails its check)
+        return False
 
 
 def find_checkpoint(path: str | Path, *, log=None) -> Path:

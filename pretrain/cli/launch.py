@@ -20,11 +20,11 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from monitoring.hosts import Choice, HostSet
-from monitoring.supervisor import Supervisor, run_completed
+from monitoring.hosts import HostSet
+from monitoring.supervisor import JobStart, Supervisor, run_completed
 from pretrain import atomic
 from pretrain.config import load_config
 from pretrain.errors import ExitCode, UserError
@@ -250,75 +250,30 @@ def launch(
     log = log or (lambda line: print(line, flush=True))
     check_arguments(nproc, hostfile, no_ssh, node_rank)
     cfg = load_config(config_path, [*overrides, "monitor.enabled=true"])  # as the job runs it
-    hosts = read_hostfile(hostfile) if hostfile else None
-    if hosts is not None and node_rank >= len(hosts):
-        raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
-    per_node = nproc if nproc is not None or hosts else local_process_count()
-    if hosts is not None and nproc is not None:
-        hosts = {host: nproc for host in hosts}  # (--num_gpus: that many processes on every host)
-    spares = host_set(hosts, nodes, min_nodes, no_ssh, cfg)
-    over_ssh = spares is not None  # DeepSpeed's launcher then uses pdsh
-    used = list(hosts)[: spares.nodes] if spares is not None else list(hosts or [])
-    world_size = sum(hosts[h] for h in used) if hosts else per_node
-    checked = preflight(cfg, world_size)
-    plan_memory(cfg, checked.ds_config, world_size, spares)
+    shape = job_shape(cfg, hostfile, nproc, node_rank, nodes, min_nodes, no_ssh)
+    checked = preflight(cfg, shape.world_size)
+    plan_memory(cfg, checked.ds_config, shape.world_size, shape.spares)
     pin_accelerator()  # the job's processes skip DeepSpeed's accelerator probe (and its note)
-    if master_addr is None and hosts:
-        master_addr = next(iter(hosts))
     run_dir = Path(cfg.run.dir)
+    command = JobCommand(
+        module_args=module_args(config_path, overrides, cfg),
+        shape=shape,
+        grad_accum=cfg.train.grad_accum,
+        run_dir=run_dir,
+        hostfile=hostfile,
+        master_addr=master_addr or (next(iter(shape.hosts)) if shape.hosts else None),
+        master_port=master_port,
+        no_ssh=no_ssh,
+        node_rank=node_rank,
+    )
     # Node 0 owns the run directory; its job's ranks, wherever they run, recognise the owner tag.
     owner = owner_tag()
     lock = RunLock(run_dir).acquire(owner=owner) if node_rank == 0 else None
     try:
         if lock is not None:  # the job's rank 0 sees the same run and changes nothing more
             claim(run_dir, checked.identity, asdict(cfg), cfg.checkpoint.resume, log=log)
-        module_args = ["--config", str(config_path), *overrides, "monitor.enabled=true"]
-        if cfg.checkpoint.resume == "fresh":
-            module_args.append("checkpoint.resume=auto")  # started over above: not again at each restart
-
-        def make_command(choice: Choice | None = None) -> list[str]:
-            if choice is not None:  # over ssh: this start's hosts, with the accumulation they need
-                resized = [f"train.grad_accum={choice.grad_accum}"] * (
-                    choice.grad_accum != cfg.train.grad_accum
-                )
-                return launcher_command(
-                    [*module_args, *resized],
-                    nproc=per_node,
-                    hostfile=write_attempt_hostfile(run_dir, {h: hosts[h] for h in choice.hosts}),
-                    master_addr=master_addr if master_addr in choice.hosts else choice.hosts[0],
-                    master_port=master_port,
-                    force_multi=True,
-                )
-            return launcher_command(
-                module_args,
-                nproc=per_node,
-                hostfile=hostfile,
-                master_addr=master_addr,
-                master_port=master_port,
-                no_ssh=no_ssh,
-                node_rank=node_rank,
-            )
-
-        run_dir.mkdir(parents=True, exist_ok=True)
-        job_env = {}
-        if over_ssh:  # the ranks on every host learn who supervises them
-            job_env["DS_ENV_FILE"] = str(deepspeed_env_file(run_dir, {OWNER_ENV: owner}))
-        supervisor = Supervisor(
-            make_command,
-            run_dir,
-            cfg.monitor,
-            leader=node_rank == 0,
-            base_seed=cfg.run.seed,
-            log=log,
-            lock=lock,
-            hosts=spares,
-            job_env=job_env,
-            resume=resume_hint(no_ssh),
-        )
-        where = f"{len(used)} node(s) from {hostfile}" if hosts else "this machine"
-        if spares is not None and len(hosts) > spares.nodes:
-            where += f" ({len(hosts) - spares.nodes} spare(s); at least {spares.min_nodes} node(s))"
-        log(f"launch: {world_size} process(es) on {where}; run directory {run_dir}")
+        supervisor = supervisor_of(command, cfg, lock, owner, log)
+        log(f"launch: {shape.world_size} process(es) on {shape.where(hostfile)}; run directory {run_dir}")
         code = supervisor.run()
         if code == ExitCode.DONE and node_rank == 0 and next_steps and run_completed(run_dir):
             log(what_next(cfg, run_dir))
@@ -326,3 +281,123 @@ def launch(
     finally:
         if lock is not None:
             lock.release()
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Where the job runs: the hostfile's hosts with their processes (None: this machine), the
+    host set over ssh (None: this machine, one host, or --no-ssh), and the processes per node."""
+
+    hosts: dict[str, int] | None
+    spares: HostSet | None
+    per_node: int | None
+
+    @property
+    def used(self) -> list[str]:
+        """The hosts of the first start."""
+        return list(self.hosts)[: self.spares.nodes] if self.spares is not None else list(self.hosts or [])
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.hosts[h] for h in self.used) if self.hosts else self.per_node
+
+    def where(self, hostfile: str | None) -> str:
+        """In words: this machine, or N node(s) from the hostfile (and its spares)."""
+        if not self.hosts:
+            return "this machine"
+        said = f"{len(self.used)} node(s) from {hostfile}"
+        if self.spares is not None and len(self.hosts) > self.spares.nodes:
+            spare = len(self.hosts) - self.spares.nodes
+            said += f" ({spare} spare(s); at least {self.spares.min_nodes} node(s))"
+        return said
+
+
+def job_shape(
+    cfg,
+    hostfile: str | None,
+    nproc: int | None,
+    node_rank: int,
+    nodes: int | None,
+    min_nodes: int | None,
+    no_ssh: bool,
+) -> JobShape:
+    """The hostfile's hosts (--nproc: that many processes on every host) and the host set over ssh;
+    one clear error for counts that cannot be."""
+    hosts = read_hostfile(hostfile) if hostfile else None
+    if hosts is not None and node_rank >= len(hosts):
+        raise UserError(f"--node-rank {node_rank} but {hostfile} lists {len(hosts)} host(s)")
+    if hosts is not None and nproc is not None:
+        hosts = dict.fromkeys(hosts, nproc)  # (--num_gpus: that many processes on every host)
+    per_node = nproc if nproc is not None or hosts else local_process_count()
+    return JobShape(hosts, host_set(hosts, nodes, min_nodes, no_ssh, cfg), per_node)
+
+
+def module_args(config_path: str, overrides: list[str], cfg) -> list[str]:
+    """`python -m pretrain.train`'s arguments: the launch's own, monitored."""
+    args = ["--config", str(config_path), *overrides, "monitor.enabled=true"]
+    if cfg.checkpoint.resume == "fresh":
+        args.append("checkpoint.resume=auto")  # started over by the launch: not again at each restart
+    return args
+
+
+def supervisor_of(command: JobCommand, cfg, lock: RunLock | None, owner: str, log) -> Supervisor:
+    """The job's supervisor: node 0's holds the service and the run directory's lock; over ssh,
+    the ranks on every host learn who supervises them (DS_ENV_FILE)."""
+    over_ssh = command.shape.spares is not None  # DeepSpeed's launcher then uses pdsh
+    command.run_dir.mkdir(parents=True, exist_ok=True)
+    job_env = (
+        {"DS_ENV_FILE": str(deepspeed_env_file(command.run_dir, {OWNER_ENV: owner}))} if over_ssh else {}
+    )
+    return Supervisor(
+        command,
+        command.run_dir,
+        cfg.monitor,
+        leader=command.node_rank == 0,
+        base_seed=cfg.run.seed,
+        log=log,
+        lock=lock,
+        hosts=command.shape.spares,
+        job_env=job_env,
+        resume=resume_hint(command.no_ssh),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobCommand:
+    """The DeepSpeed launcher's command for each start of the job (the supervisor's
+    `make_command`): from the second start on, resuming from the newest checkpoint; over ssh, on
+    that start's hosts (RUN_DIR/monitor/hostfile), with the gradient accumulation they need."""
+
+    module_args: list[str]
+    shape: JobShape
+    grad_accum: int  # train.grad_accum at --nodes nodes
+    run_dir: Path
+    hostfile: str | None
+    master_addr: str | None
+    master_port: int | None
+    no_ssh: bool
+    node_rank: int
+
+    def __call__(self, start: JobStart) -> list[str]:
+        args = [*self.module_args] + (["checkpoint.resume=auto"] if start.attempt else [])
+        choice = start.hosts
+        if choice is None:
+            return launcher_command(
+                args,
+                nproc=self.shape.per_node,
+                hostfile=self.hostfile,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
+                no_ssh=self.no_ssh,
+                node_rank=self.node_rank,
+            )
+        if choice.grad_accum != self.grad_accum:
+            args.append(f"train.grad_accum={choice.grad_accum}")
+        return launcher_command(
+            args,
+            nproc=self.shape.per_node,
+            hostfile=write_attempt_hostfile(self.run_dir, {h: self.shape.hosts[h] for h in choice.hosts}),
+            master_addr=self.master_addr if self.master_addr in choice.hosts else choice.hosts[0],
+            master_port=self.master_port,
+            force_multi=True,
+        )

@@ -16,9 +16,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     summary = as_a_rank(lambda: pretrain(load_config(args.config, _with_fresh(args))))
     ignore_late_stop_requests()
-    if summary.get("stopped_by_monitor"):
+    by = "the monitor" if summary.get("stopped_by_monitor") else summary.get("stopped_by")
+    if by:  # the monitor, or another check that refused to go on (the replica check)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain: stopped by the monitor: {summary['stopped_by_monitor']}", file=sys.stderr)
+            why = summary.get("stopped_by_monitor") or summary.get("stopped_for")
+            print(f"pretrain: stopped by {by}: {why}", file=sys.stderr)
         return ExitCode.STOPPED_BY_MONITOR  # not a crash: the supervisor does not restart it
     # a hook saved and stopped for a reason of its own (a straggler's host to move off: REPLACE_NODE)
     return summary.get("exit_code", ExitCode.DONE)
@@ -132,6 +134,19 @@ def register(sub) -> None:
     add_arguments(monitor)
     monitor.set_defaults(handler=cmd_monitor)
 
+    _register_launch(sub)
+
+    demo = sub.add_parser(
+        "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
+    )
+    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    demo.add_argument(
+        "--steps", type=int, default=None, help="fewer steps than configs/train/demo.yaml, for a quick look"
+    )
+    demo.set_defaults(handler=cmd_demo)
+
+
+def _register_launch(sub) -> None:
     launch = sub.add_parser(
         "launch",
         help="the monitoring service and, under it, the DeepSpeed job (restarted if it crashes or hangs)",
@@ -162,12 +177,3 @@ def register(sub) -> None:
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     launch.add_argument("--fresh", action="store_true", help=FRESH_HELP)
     launch.set_defaults(handler=cmd_launch)
-
-    demo = sub.add_parser(
-        "demo", help="tokenizer, shards and 2-process DeepSpeed training on the built-in corpus"
-    )
-    demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    demo.add_argument(
-        "--steps", type=int, default=None, help="fewer steps than configs/train/demo.yaml, for a quick look"
-    )
-    demo.set_defaults(handler=cmd_demo)

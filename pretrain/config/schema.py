@@ -1,7 +1,9 @@
 """The run configuration's schema: one dataclass per concern, each checking its own fields in
 `__post_init__` (one line that names the key: `ConfigError`) and filling in derived values
 (`n_kv_heads`, `d_ff`) once; each is keyword-only, built by name as YAML names its keys. The
-`monitor:` section is monitoring's own (`monitoring/config.py`). No torch, no deepspeed."""
+`monitor:` section (`MonitorConfig`) composes the settings its owners declare: the service's and
+the supervisor's (`monitoring/config.py`), the trainer's (`pretrain/stability/settings.py`,
+`pretrain/train/settings.py`). No torch, no deepspeed."""
 
 from __future__ import annotations
 
@@ -11,10 +13,47 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from monitoring.config import FINDINGS, RESPONSES, MonitorConfig, check_choice, check_positive
+from monitoring.config import (
+    FINDINGS,
+    RESPONSES,
+    ServiceConfig,
+    SupervisorConfig,
+    check_choice,
+    check_positive,
+)
 from pretrain.errors import ConfigError
+from pretrain.stability.settings import ReplaySettings, ReplicaSettings, SkipSettings
+from pretrain.train.settings import LinkSettings, StragglerSettings
 
 __all__ = ["FINDINGS", "RESPONSES", "MonitorConfig"]  # (with the sections below: the run config's)
+
+
+@dataclass(kw_only=True)
+class MonitorConfig(
+    SupervisorConfig,
+    ReplicaSettings,
+    ReplaySettings,
+    StragglerSettings,
+    SkipSettings,
+    LinkSettings,
+    ServiceConfig,
+):
+    """The run config's `monitor:` section: one flat section (its keys, `monitor.window`,
+    `monitor.timeout`, `monitor.max_restarts`, ..., are a contract) composed of the settings each
+    owner declares and checks: the service's, the trainer's link, skip guard, stragglers, replay
+    and replica check, then the supervisor's (the fields in that order). Each owner is typed to
+    take only its part: the policy and the service a `ServiceConfig`, the hang watch a
+    `SupervisorConfig`; the supervisor, which also starts the service, the whole."""
+
+    def __post_init__(self) -> None:
+        self.check_service()
+        self.check_link()
+        self.check_skip()
+        self.check_stragglers()
+        self.check_replay()
+        self.check_replicas()
+        self.check_supervisor()
+
 
 # Windows shorter than this are allowed only in unit tests of the model itself.
 MIN_PRETRAIN_SEQ_LEN = 512

@@ -329,49 +329,69 @@ def verify_dataset(data_dir: str | Path) -> dict:
     Returns {"shards", "tokens", "bytes", "seconds", "problems": [one line each]}."""
     import time
 
+    started = time.perf_counter()
     manifest = read_manifest(data_dir)
     files = _Files(data_dir)
-    vocab, dtype = int(manifest["tokenizer"]["vocab_size"]), np.dtype(manifest["dtype"])
-    problems, total, tokens, started = [], 0, 0, time.perf_counter()
+    problems = _tokenizer_problems(data_dir, manifest, files)
+    entries = [s for split in manifest["splits"].values() for s in split["shards"]]
+    tokens = total = 0
+    for entry in entries:
+        shard_problems, shard_tokens, shard_bytes = _verify_shard(files, entry, manifest)
+        problems += shard_problems
+        tokens, total = tokens + shard_tokens, total + shard_bytes
+    problems += _document_index_problems(files, manifest)
+    return {
+        "shards": len(entries),
+        "tokens": tokens,
+        "bytes": total,
+        "seconds": time.perf_counter() - started,
+        "problems": problems,
+    }
+
+
+def _tokenizer_problems(data_dir: str | Path, manifest: dict, files: _Files) -> list[str]:
     try:
         if files.url is None:
             check_tokenizer(data_dir, manifest)
-        else:
-            name = manifest["tokenizer"].get("file", "tokenizer.model")
-            if (
-                hashlib.sha256(object_store.read_bytes(join(files.url, name))).hexdigest()
-                != manifest["tokenizer"]["sha256"]
-            ):
-                problems.append(f"{join(files.url, name)} is not the tokenizer the shards were made with")
+            return []
+        name = join(files.url, manifest["tokenizer"].get("file", "tokenizer.model"))
+        if hashlib.sha256(object_store.read_bytes(name)).hexdigest() != manifest["tokenizer"]["sha256"]:
+            return [f"{name} is not the tokenizer the shards were made with"]
     except UserError as exc:
-        problems.append(str(exc))
-    entries = [s for split in manifest["splits"].values() for s in split["shards"]]
-    for entry in entries:
-        name = files.name(entry["file"])
-        digest, largest, offset, size = hashlib.sha256(), -1, 0, 0
-        try:
-            with files.open(entry["file"]) as f:
-                for block in iter(lambda f=f: f.read((1 << 24) * dtype.itemsize), b""):
-                    digest.update(block)
-                    size += len(block)
-                    ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
-                    if len(ids) and int(ids.max()) >= vocab and largest < vocab:
-                        problems.append(
-                            f"{name} holds id {int(ids.max())} at token offset "
-                            f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}"
-                        )
-                    largest = max(largest, int(ids.max()) if len(ids) else -1)
-                    offset += len(ids)
-                    total += len(block)
-        except FileNotFoundError:
-            problems.append(f"{name} is missing")
-            continue
-        if offset * dtype.itemsize != size or offset != entry["tokens"]:
-            problems.append(f"{name} holds {size} bytes, the manifest says {entry['tokens']} tokens")
-        elif digest.hexdigest() != entry["sha256"]:
-            problems.append(f"{name} does not match its sha256 in the manifest")
-        tokens += offset
-    for entry in (manifest.get("documents") or {}).get("splits", {}).values():  # the document index
+        return [str(exc)]
+    return []
+
+
+def _verify_shard(files: _Files, entry: dict, manifest: dict) -> tuple[list[str], int, int]:
+    """One shard read whole: (its problems, its tokens (0 when missing), the bytes read)."""
+    vocab, dtype = int(manifest["tokenizer"]["vocab_size"]), np.dtype(manifest["dtype"])
+    name = files.name(entry["file"])
+    problems, digest, largest, offset, size = [], hashlib.sha256(), -1, 0, 0
+    try:
+        with files.open(entry["file"]) as f:
+            for block in iter(lambda f=f: f.read((1 << 24) * dtype.itemsize), b""):
+                digest.update(block)
+                size += len(block)
+                ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
+                if len(ids) and int(ids.max()) >= vocab and largest < vocab:
+                    problems.append(
+                        f"{name} holds id {int(ids.max())} at token offset "
+                        f"{offset + int(np.argmax(ids >= vocab))}, not below the vocabulary size {vocab}"
+                    )
+                largest = max(largest, int(ids.max()) if len(ids) else -1)
+                offset += len(ids)
+    except FileNotFoundError:
+        return [*problems, f"{name} is missing"], 0, size
+    if offset * dtype.itemsize != size or offset != entry["tokens"]:
+        problems.append(f"{name} holds {size} bytes, the manifest says {entry['tokens']} tokens")
+    elif digest.hexdigest() != entry["sha256"]:
+        problems.append(f"{name} does not match its sha256 in the manifest")
+    return problems, offset, size
+
+
+def _document_index_problems(files: _Files, manifest: dict) -> list[str]:
+    problems = []
+    for entry in (manifest.get("documents") or {}).get("splits", {}).values():
         name = files.name(entry["file"])
         try:
             with files.open(entry["file"]) as f:
@@ -382,14 +402,7 @@ def verify_dataset(data_dir: str | Path) -> dict:
             problems.append(f"{name} is missing or does not hold the {entry['rows']} rows the manifest says")
         elif hashlib.sha256(data).hexdigest() != entry["sha256"]:
             problems.append(f"{name} does not match its sha256 in the manifest")
-    seconds = time.perf_counter() - started
-    return {
-        "shards": len(entries),
-        "tokens": tokens,
-        "bytes": total,
-        "seconds": seconds,
-        "problems": problems,
-    }
+    return problems
 
 
 class _Files:

@@ -287,15 +287,7 @@ def fast_tokenizer_json(tokenizer: Tokenizer) -> dict:
     add_prefix_space=False, so both it and AutoTokenizer use this pipeline."""
     proto = _proto(tokenizer)
     specials = [
-        {
-            "id": i,
-            "content": p.piece,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
+        _added_token(i, p.piece)
         for i, p in enumerate(proto.pieces)
         if p.type in (PIECE.CONTROL, PIECE.UNKNOWN)
     ]
@@ -339,6 +331,11 @@ def fast_tokenizer_json(tokenizer: Tokenizer) -> dict:
             "merges": bpe_merges(tokenizer),
         },
     }
+
+
+def _added_token(token_id: int, content: str) -> dict:
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    return {"id": token_id, "content": content, **flags}
 
 
 def document_template(tokenizer: Tokenizer) -> dict:

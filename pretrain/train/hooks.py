@@ -1,6 +1,7 @@
 """The loop's step hooks: what happens at the boundaries of every optimizer step besides the step
 itself, each a small object that owns its state (docs/architecture.md). `Trainer` calls every hook,
-in the order it was given them, at these points:
+in the order of its declared `priority` (lowest first; hooks of equal priority in the order they
+were given), at these points:
 
     open(stack)                 once, as training starts (what it opens, it closes on `stack`)
     before_step(step)           before the step's first micro-batch
@@ -28,13 +29,30 @@ in the order it was given them, at these points:
                                 a checkpoint is due (`stopping`: the ranks agreed to stop after it)
     close()                     as training ends, also on an error
 
+The priorities, and why each hook comes where it does:
+
+    0   InjectedFaults           first: its record of what fired must never be skipped by another
+                                 hook's Rewind or Stop (or a loss fault fires again after every
+                                 rollback of its step), and a slow rank's stretched forward pass
+                                 is inside what the straggler hook times
+    10  DataTrace                the windows of every step, whatever the later hooks answer
+    20  InstabilityPrecursors    before the monitor's: its report carries them
+    30  SkipBadUpdates           before the monitor's: its report says whether the update landed
+    40  StragglerWatch           before the monitor's: its report carries the ranks' times
+    50  (a hook that declares none)
+    60  ReplicaCheck             before the replay: a wrong copy of the weights replays alike
+    70  ReplayCheck              after the skip guard (it replays a rejected step), before the
+                                 monitor (it amends the report: a machine fault, not the data)
+    100 Monitored                last: it reports what every hook before it measured
+
 A hook with a `name` keeps `state_dict()` in every checkpoint (train_state.json's `hooks`); the
 loop gives it back with `load_state_dict` when it resumes or rewinds to one.
 
 A hook answers `CONTINUE`, `Rewind(state)` (it put the weights and the data back at an earlier
-step: the loop goes on from there) or `Stop(reason)` (the run must not go on: nothing after this
-state is saved). The first answer other than `CONTINUE` ends that boundary; the hooks after the
-one that gave it are not called there. At `after_step` a hook may also answer
+step: the loop goes on from there; with `leaving`, a `SaveAndStop`, the loop stops there instead:
+that state is a checkpoint already) or `Stop(reason, by)` (the run must not go on: nothing after
+this state is saved; `by` names who refused, the monitor or another check). The first answer other
+than `CONTINUE` ends that boundary; the hooks after the one that gave it are not called there. At `after_step` a hook may also answer
 `SaveAndStop(reason, exit_code)`: save a checkpoint at this boundary and stop, as a stop request
 does, and exit with that status; the hooks after it are still called (a `Rewind` or `Stop` from
 one of them comes first). Every rank must give the same answer at the same boundary.
@@ -63,25 +81,31 @@ CONTINUE = Answer()
 
 
 @dataclass(frozen=True)
+class SaveAndStop(Answer):
+    reason: str  # rank 0's line after the save: "REASON: saved step_N and exiting"
+    exit_code: int  # the job's exit status (pretrain.errors.ExitCode)
+
+
+@dataclass(frozen=True)
 class Rewind(Answer):
     state: TrainState  # where the loop goes on from (the step, tokens and lr scale of a checkpoint)
+    leaving: SaveAndStop | None = None  # stop at `state` instead, with this reason and status
+
+
+BY_THE_MONITOR = "the monitor"
 
 
 @dataclass(frozen=True)
 class Stop(Answer):
     reason: str
-
-
-@dataclass(frozen=True)
-class SaveAndStop(Answer):
-    reason: str  # rank 0's line after the save: "REASON: saved step_N and exiting"
-    exit_code: int  # the job's exit status (pretrain.errors.ExitCode)
+    by: str  # who refused to go on: BY_THE_MONITOR (the summary's `stopped_by_monitor`), or another check
 
 
 class StepHook:
     """A component the loop calls at its step boundaries; every method here does nothing."""
 
     name = ""  # its key in a checkpoint's `hooks`, when it has state to keep
+    priority = 50  # where the loop calls it among the hooks, lowest first (the table above)
 
     def open(self, stack: contextlib.ExitStack) -> None:
         pass
@@ -129,9 +153,10 @@ class StepHook:
 @dataclass
 class InjectedFaults(StepHook):
     """`faults.*`: spikes and NaNs in the loss, killed and hung ranks, a corrupted checkpoint, each
-    fired once, and a slow rank (`pretrain/stability/faults.py` holds what fires when). The first hook, so a
-    slow rank's forward pass is stretched inside what the straggler hook times."""
+    fired once, and a slow rank (`pretrain/stability/faults.py` holds what fires when). The first hook
+    (`priority` 0, the table above)."""
 
+    priority = 0
     faults: FaultInjector
     engine: Any = None  # a DeepSpeed engine: where a flip fault flips (None: no flip faults)
 
@@ -168,6 +193,8 @@ class DataTrace(StepHook):
     """`logging.data_trace`: RUN_DIR/data_trace/rank_NNNNN.jsonl, the windows (or examples) this
     rank trained on at each step, one line per step; a step trained again after a rollback or a
     restart appends another line."""
+
+    priority = 10
 
     run_dir: Path
     rank: int

@@ -40,7 +40,7 @@ from pretrain.parallel.engine import set_lr
 from pretrain.parallel.step_read import StepRead
 from pretrain.planning.flops import mfu
 from pretrain.reporting.metrics import MetricsWriter, literal_markdown
-from pretrain.train.hooks import CONTINUE, Answer, Rewind, SaveAndStop, StepHook, Stop
+from pretrain.train.hooks import BY_THE_MONITOR, CONTINUE, Answer, Rewind, SaveAndStop, StepHook, Stop
 
 STOP_REQUESTED = Answer()  # how `Trainer.steps` ends when the ranks agreed to stop (a signal, stop_at_step)
 
@@ -114,7 +114,7 @@ class Trainer:
     grad_accum: int
     writer: MetricsWriter
     checkpointer: Checkpointer
-    hooks: list[StepHook] = field(default_factory=list)  # called in this order at each boundary
+    hooks: list[StepHook] = field(default_factory=list)  # called by their `priority` at each boundary
     flops_per_token: float | None = None  # for MFU, with peak_flops
     peak_flops: float | None = None
     state: TrainState = field(default_factory=TrainState)
@@ -125,6 +125,7 @@ class Trainer:
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
         self.summary |= {"eval": [], "rollbacks": 0, "restarts": 0}
+        self.hooks.sort(key=lambda hook: hook.priority)  # (stable: equal priorities keep their order)
         with contextlib.ExitStack() as stack:
             stop = stack.enter_context(StopRequest(cause=lambda: why_the_supervisor_stops(self.run_dir)))
             if hasattr(self.task, "close"):
@@ -150,8 +151,8 @@ class Trainer:
         return self.finish()
 
     def steps(self, stop: StopRequest) -> Answer:
-        """Steps until the last one (`CONTINUE`), a stop request (`STOP_REQUESTED`) or a hook's
-        `Stop` (the monitor's)."""
+        """Steps until the last one (`CONTINUE`), a stop request or a hook's leaving
+        (`STOP_REQUESTED`), or a hook's `Stop`."""
         c = self.cadence
         while self.state.step < c.steps:
             step = self.state.step + 1
@@ -161,27 +162,27 @@ class Trainer:
             metrics, batch_ids, stop_requested, votes = self.optimizer_step(step, stop)
             self.log(step, metrics)
             answer = self.ask("after_step", step, metrics, batch_ids, votes=votes)
-            if isinstance(answer, Rewind):
-                continue
-            if isinstance(answer, Stop):
-                return answer
+            if isinstance(answer, Rewind | Stop):
+                if (ending := self.ending(answer, stop)) is None:
+                    continue
+                return ending
             # (at the last step there is nothing left to stop for: the run completes as it would)
             leaving = answer if isinstance(answer, SaveAndStop) and step < c.steps else None
             stop_requested = stop_requested or leaving is not None
             if self.task.evaluates and (step == c.steps or (c.eval_every and step % c.eval_every == 0)):
                 answer = self.ask("before_eval", step)  # (a step rolled back here is not evaluated)
-                if isinstance(answer, Rewind):
-                    continue
-                if isinstance(answer, Stop):
-                    return answer
+                if isinstance(answer, Rewind | Stop):
+                    if (ending := self.ending(answer, stop)) is None:
+                        continue
+                    return ending
                 self.evaluate(step)
             if step % c.checkpoint_every == 0 or step == c.steps or stop_requested:
                 last = step == c.steps
                 answer = self.ask("before_checkpoint", step, stop_requested, last)
-                if isinstance(answer, Rewind):
-                    continue
-                if isinstance(answer, Stop):
-                    return answer
+                if isinstance(answer, Rewind | Stop):
+                    if (ending := self.ending(answer, stop)) is None:
+                        continue
+                    return ending
                 self.save(last=last or stop_requested)
                 self.last_saved = step
             if stop_requested:
@@ -203,11 +204,26 @@ class Trainer:
                 self.give_hooks_their_state()
                 return answer
             if isinstance(answer, Stop):
-                self.summary["stopped_by_monitor"] = answer.reason
+                by_monitor = answer.by == BY_THE_MONITOR  # (else another check: `stopped_by`, `stopped_for`)
+                self.summary |= (
+                    {"stopped_by_monitor": answer.reason}
+                    if by_monitor
+                    else {"stopped_by": answer.by, "stopped_for": answer.reason}
+                )
                 return answer
             if isinstance(answer, SaveAndStop) and leaving is None:
                 leaving = answer
         return leaving or CONTINUE
+
+    def ending(self, answer: Rewind | Stop, stop: StopRequest) -> Answer | None:
+        """How `steps` ends after a boundary's `Rewind` or `Stop`: the `Stop`; for a `Rewind` that
+        leaves, `STOP_REQUESTED` at its state (a checkpoint already); None: the loop goes on."""
+        if isinstance(answer, Stop):
+            return answer
+        if answer.leaving is None:
+            return None
+        self.record_stop(self.state.step, stop, answer.leaving)
+        return STOP_REQUESTED
 
     def give_hooks_their_state(self) -> None:
         """Each named hook's state as of the checkpoint the loop resumed or rewound to."""

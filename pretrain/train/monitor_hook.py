@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from monitoring.protocol import Action, Judgement
-from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.monitor_link import MonitorLink
-from pretrain.parallel.distributed import DistEnv
 from pretrain.reporting.metrics import MARK_TAGS, MetricsWriter, band_tags
-from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
+from pretrain.train.hooks import BY_THE_MONITOR, CONTINUE, Answer, Rewind, StepHook, Stop
 from pretrain.train.rollback import Rollbacks, Traceable
 
 LR_FACTOR_TAG = "monitor/lr_factor"  # TensorBoard: the monitor's factor on the learning rate
@@ -27,31 +23,16 @@ class Monitored(StepHook):
     """Named: its state in a checkpoint (train_state.json `hooks.monitor`) is the rollbacks' (the
     newest one's record and the learning rate's scale)."""
 
+    priority = 100  # (the order of the hooks: pretrain/train/hooks.py)
+
     name = "monitor"
     link: MonitorLink
-    env: DistEnv
-    run_dir: Path
-    engine: Any  # a DeepSpeed engine (or anything with its interface)
+    rollbacks: Rollbacks  # the run's one way back (the replica check's too)
     task: Traceable
-    checkpointer: Checkpointer
     writer: MetricsWriter
-    quarantine: bool = False  # monitor.quarantine: a rollback also sets the anomalous step's windows aside
     charted_to: int = 0  # the newest step whose verdict is on TensorBoard
     data_at: dict = field(default_factory=dict)  # step → the data position it started at (recent steps)
     lr_restored_at: int | None = None  # the step the lowered learning rate was lifted at
-    rollbacks: Rollbacks = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.rollbacks = Rollbacks(
-            self.env,
-            Path(self.run_dir),
-            self.engine,
-            self.task,
-            self.checkpointer,
-            self.link if self.env.is_main else None,
-            self.writer,
-            self.quarantine,
-        )
 
     def before_step(self, step: int) -> None:
         """Where the data stood as `step` began, for the steps a verdict may still be about."""
@@ -90,7 +71,7 @@ class Monitored(StepHook):
         self.chart_verdicts()
         if action is not None and action.kind == "stop":
             self.writer.message(f"monitor: {action.reason}; stopping the job")
-            return Stop(action.reason)
+            return Stop(action.reason, BY_THE_MONITOR)
         if action is None or action.rollback is None:
             return CONTINUE
         rollback = action.rollback

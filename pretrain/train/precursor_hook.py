@@ -24,6 +24,11 @@ from pretrain.train.hooks import CONTINUE, Answer, StepHook
 
 
 class InstabilityPrecursors(StepHook):
+    """`logging.precursors_every`: what grows before a divergence, measured every N steps and read
+    with the step (`pretrain/stability/precursors.py`)."""
+
+    priority = 20  # (the order of the hooks: pretrain/train/hooks.py)
+
     def __init__(self, engine, every: int, tokens: int, writer, logged: Callable[[int], bool]) -> None:
         self.engine, self.every, self.tokens, self.writer = engine, every, tokens, writer
         self.logged = logged  # whether the loop writes a step's scalars itself

@@ -42,6 +42,8 @@ class ReplayCheck(StepHook):
     """Every rank replays a rejected step and compares; rank 0 writes the event. After the skip
     guard (its `update_skipped` is read) and before the monitor (whose report it amends)."""
 
+    priority = 70  # (the order of the hooks: pretrain/train/hooks.py)
+
     env: DistEnv
     run_dir: Path
     writer: MetricsWriter

@@ -4,14 +4,17 @@ docs/monitoring.md, "Replay and replica checks").
 Every `consistency_every` steps, after every step whose update did not land (a rank's wrong copy
 of a weight makes its loss non-finite, so no update lands and nothing rewrites the copy), and
 before every checkpoint, each rank digests the weights every rank should hold alike
-(`pretrain/stability/replicas.py`) and the digests are compared in one small all-gather. The same on every
-rank: consistent, and a checkpoint saved now records it (train_state.json `hooks.replicas`). Not
-the same: each rank compares its copy of the differing parameters with what the optimizer's fp32
-master weights give (DeepSpeed's `safe_get_full_fp32_param`), which names the rank at fault; a
-`replica_mismatch` event and one console line say which, the fault counts toward its host's
-exclusion (`machine_faults.py`), and every rank goes back to the newest checkpoint recorded
-consistent — nothing is quarantined (the data is innocent) and the monitor is not asked: the run
-goes on from there as after a restart.
+(`pretrain/stability/replicas.py`) and the digests are compared in one small all-gather. The same
+on every rank: consistent, and a checkpoint saved now records it (train_state.json
+`hooks.replicas`). Not the same: each rank compares its copy of the differing parameters with
+what the optimizer's fp32 master weights give (DeepSpeed's `safe_get_full_fp32_param`), which
+names the rank at fault; a `replica_mismatch` event and one console line say which, and the fault
+counts toward its host's exclusion (`machine_faults.py`). Then the run rolls back as after any
+rollback (`rollback.py`, a `Rollback` record of its own: `decision` none, `finding`
+"replica_mismatch"): to the newest intact checkpoint recorded consistent (chosen as any resume
+point is, `pretrain.checkpoint.newest_intact`), the same data order, nothing quarantined (the data
+is innocent), the learning rate's scale as it was. A host that reached its limit is moved off
+from there: the job stops at that checkpoint with ExitCode.REPLACE_NODE.
 
 The check runs before the save it precedes, so no checkpoint is written from diverged replicas.
 On the other steps it costs nothing: no host read, no collective.
@@ -27,18 +30,17 @@ from typing import Any
 
 import torch
 
-from monitoring.protocol import ReplicaMismatch, append_event
-from pretrain.checkpoint import step_of, tags_on_disk
-from pretrain.checkpoint.checkpointer import Checkpointer, TrainState, read_train_state
-from pretrain.checkpoint.layout import check_complete, checkpoints_dir
+from monitoring.protocol import ReplicaMismatch, Rollback, append_event
+from pretrain.checkpoint import newest_intact, step_of
 from pretrain.parallel.distributed import DistEnv, all_gather_objects
 from pretrain.reporting.metrics import MetricsWriter
 from pretrain.stability.replicas import differing, masters_disagree, odd_ranks, own_copies, replica_digests
-from pretrain.train.hooks import CONTINUE, Answer, Rewind, StepHook, Stop
+from pretrain.train.hooks import CONTINUE, Answer, Rewind, SaveAndStop, StepHook, Stop
 from pretrain.train.machine_faults import FaultLedger
-from pretrain.train.rollback import Traceable, go_back
+from pretrain.train.rollback import Rollbacks
 
 NAMED = 5  # differing parameters named in the event and on the console
+BY_THE_REPLICA_CHECK = "the replica check"  # who stops the run when it cannot go back
 
 
 @dataclass(kw_only=True)
@@ -46,13 +48,14 @@ class ReplicaCheck(StepHook):
     """Named: each checkpoint keeps the step its replicas were last found consistent at and the
     digest they had (`hooks.replicas`)."""
 
+    priority = 60  # (the order of the hooks: pretrain/train/hooks.py)
+
     name = "replicas"
     env: DistEnv
     run_dir: Path
     writer: MetricsWriter
     engine: Any  # a DeepSpeed engine (or anything with its interface)
-    task: Traceable
-    checkpointer: Checkpointer
+    rollbacks: Rollbacks  # the run's one way back (the monitor's too)
     ledger: FaultLedger
     every: int  # monitor.consistency_every
     checked_at: int | None = None  # the step the replicas were last found consistent at
@@ -101,29 +104,47 @@ class ReplicaCheck(StepHook):
         else:
             ranks = off_master
         bad += [f"rank {r}'s bf16 partition {i}" for r in off_master for i in gathered[r][1]]
+        return self.go_back(step, ranks, bad)
+
+    def go_back(self, step: int, ranks: list[int], bad: list[str]) -> Answer:
+        """Every rank: the mismatch said, counted toward its hosts' exclusion and rolled back to
+        the newest intact checkpoint recorded consistent; a host at its limit is moved off there."""
         target = all_gather_objects(self.target(step) if self.env.is_main else None)[0]
         hosts = [self.ledger.hosts[r] for r in ranks]
+        where = ", ".join(f"rank {r} on {h}" for r, h in zip(ranks, hosts, strict=True))
+        more = f" and {len(bad) - NAMED} more" if len(bad) > NAMED else ""
+        finding = f"the replicas differ ({where}: {', '.join(bad[:NAMED])}{more})"
         if self.env.is_main:
             event = ReplicaMismatch(
                 step=step, ranks=ranks, hosts=hosts, tensors=bad[:NAMED], rolled_back_to=target
             )
             append_event(self.run_dir, event)
-        where = ", ".join(f"rank {r} on {h}" for r, h in zip(ranks, hosts, strict=True))
         self.writer.message(
-            f"step {step}: machine fault: the replicas differ ({where}: {', '.join(bad[:NAMED])}"
-            + (f" and {len(bad) - NAMED} more" if len(bad) > NAMED else "")
-            + ("); rolling back to " + target if target else "); no checkpoint with consistent replicas")
+            f"step {step}: machine fault: {finding}"
+            + (f"; rolling back to {target}" if target else "; no checkpoint with consistent replicas")
         )
-        leaving = self.ledger.count(step, ranks, "its copy of the weights differed")
+        why = "its copy of the weights differed"
+        leaving = self.ledger.count(step, ranks, why, saving=step_of(target) if target else None)
         if target is None:
-            return Stop(f"the replicas differ at step {step} and no checkpoint has consistent replicas")
-        loaded = go_back(target, self.env, self.run_dir, self.engine, self.task, self.checkpointer)
-        if loaded is None:
-            return Stop(f"the replicas differ at step {step} and no intact checkpoint is left at {target}")
-        saved = loaded[0]
-        if leaving is not CONTINUE:  # (the host reached the limit: it is moved off as the job restarts)
-            self.writer.message(f"{leaving.reason}: restart the job without it")
-        return Rewind(TrainState(step=saved["step"], tokens=saved["tokens"], hooks=saved.get("hooks", {})))
+            return Stop(
+                f"{finding} at step {step} and no checkpoint has consistent replicas", BY_THE_REPLICA_CHECK
+            )
+        rollback = Rollback(
+            decision=None,
+            step=step,
+            target=target,
+            seed=None,  # (the same data order: the data is innocent)
+            lr_scale=self.rollbacks.lr.scale,  # (the learning rate's scale in force goes on)
+            reason=finding,
+            finding="replica_mismatch",
+        )
+        state = self.rollbacks.apply(rollback, step, [])
+        if state is None:
+            return Stop(
+                f"{finding} at step {step} and no intact checkpoint is left at or before {target}",
+                BY_THE_REPLICA_CHECK,
+            )
+        return Rewind(state, leaving if isinstance(leaving, SaveAndStop) else None)
 
     def replicated(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters every rank holds whole: all of them, but under ZeRO-3 only the persistent
@@ -134,16 +155,17 @@ class ReplicaCheck(StepHook):
         return [(n, p) for n, p in named if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel]
 
     def target(self, step: int) -> str | None:
-        """Rank 0: the newest complete checkpoint at or before `step` whose replicas were found
-        consistent as it was saved."""
-        root = checkpoints_dir(self.run_dir)
-        for tag in reversed(tags_on_disk(self.run_dir)):
-            if step_of(tag) > step or check_complete(root / tag, verify_hashes=False) is not None:
-                continue
-            record = read_train_state(self.run_dir, tag).get("hooks", {}).get(self.name) or {}
-            if record.get("checked_at") == step_of(tag):
-                return tag
-        return None
+        """Rank 0: the newest intact checkpoint at or before `step` whose replicas were found
+        consistent as it was saved (chosen as any resume point is)."""
+        return newest_intact(
+            self.run_dir, step, log=self.writer.message, state_passes=self.recorded_consistent
+        )
+
+    @classmethod
+    def recorded_consistent(cls, train_state: dict) -> bool:
+        """A checkpoint's train_state.json says its replicas were found consistent as it was saved."""
+        record = train_state.get("hooks", {}).get(cls.name) or {}
+        return record.get("checked_at") == train_state.get("step")
 
 
 def copy_is_wrong(params: list[torch.nn.Parameter]) -> bool | None:

@@ -1,11 +1,14 @@
-"""Applying the monitor's rollback, on every rank at the same step boundary (docs/monitoring.md).
+"""Applying every rollback, on every rank at the same step boundary (docs/monitoring.md): the
+monitor's (`monitor_hook.py`) and the replica check's (`replica_hook.py`), one `Rollbacks` for both.
 
 `Rollbacks.apply` takes the decision's record (`monitoring.protocol.Rollback`) and does all of it:
 load the target checkpoint (verified first; the next older intact one if it is not), move the
 abandoned timeline aside, put the data stream at the target's position and reshuffle the rest of
-the epoch with the decision's seed, set the anomalous step's windows aside (`monitor.quarantine`,
-or the decision's `quarantine`), take the decision's learning-rate scale, record
-`rollback_applied` or `rollback_cancelled` (and `lr_lowered`), and tell the service the outcome.
+the epoch with the decision's seed (none: the same order), set the anomalous step's windows aside
+(`monitor.quarantine`, or the decision's `quarantine`), take the decision's learning-rate scale,
+record `rollback_applied` or `rollback_cancelled` (and `lr_lowered`), and tell the service the
+outcome. A decision the trainer made itself (the replica check's: no `decision` number) is also
+written as its `rollback` event here; the service writes its own decisions'.
 
 The monitor's one factor on the learning rate is an `LrScale`: the newest rollback's `lr_scale`,
 times a repeated rollback's `lr_factor` through its last lowered step. Checkpoints keep it with
@@ -27,6 +30,7 @@ from monitoring.protocol import (
     Rollback,
     RollbackApplied,
     RollbackCancelled,
+    RollbackDecided,
     append_event,
 )
 from pretrain.checkpoint import abandon_after, step_of, tag_for, trim_abandoned
@@ -55,6 +59,12 @@ class Traceable(Protocol):
 
     def quarantine(self, entries: list[tuple[int, int]]) -> None:
         """Never serve these (window id, epoch) again in that epoch."""
+
+
+def decider(rollback: Rollback) -> str:
+    """Who decided a rollback, as the console names it: the monitor (its decisions are numbered),
+    or the trainer's check that found it (`finding`: "replica_mismatch" → "replica mismatch")."""
+    return "monitor" if rollback.decision is not None else rollback.finding.replace("_", " ")
 
 
 class Outcomes(Protocol):
@@ -128,7 +138,7 @@ class Rollbacks:
         loaded = go_back(rollback.target, self.env, self.run_dir, self.engine, self.task, self.checkpointer)
         if loaded is None:
             reason = f"no intact checkpoint at or before {rollback.target}"
-            self.writer.message(f"monitor: {reason}: rollback cancelled")
+            self.writer.message(f"{decider(rollback)}: {reason}: rollback cancelled")
             if self.env.is_main:
                 cancelled = RollbackCancelled(
                     step=step_of(rollback.target), tag=rollback.target, reason=reason, **decided, **evidence
@@ -149,7 +159,8 @@ class Rollbacks:
                 **evidence,
             )
             append_event(self.run_dir, applied)
-        self.task.reshuffle(rollback.seed)
+        if rollback.seed is not None:
+            self.task.reshuffle(rollback.seed)
         if (self.quarantine or rollback.quarantine) and windows:
             self.set_aside(rollback, windows, evidence)
         hooks = saved.get("hooks", {})
@@ -161,12 +172,18 @@ class Rollbacks:
         )
 
     def announce(self, rollback: Rollback, applied_at: int) -> None:
+        """Every rollback on TensorBoard (`monitor/rollbacks`); the service's on the console (the
+        replica check says its own finding), the trainer's own as its `rollback` event."""
+        seed = "the same data order" if rollback.seed is None else f"seed {rollback.seed}"
         self.writer.text(
             "monitor/rollbacks",
-            f"step {rollback.step}: {rollback.reason} -> {rollback.target}, "
-            f"seed {rollback.seed} (applied after step {applied_at})",
+            f"step {rollback.step}: {rollback.reason} -> {rollback.target}, {seed} (applied after step {applied_at})",
             rollback.step,
         )
+        if rollback.decision is None:
+            if self.env.is_main:
+                append_event(self.run_dir, RollbackDecided(**dataclasses.asdict(rollback)))
+            return
         self.writer.message(
             f"monitor: {rollback.reason} at step {rollback.step}: rolling back to {rollback.target} "
             f"with data seed {rollback.seed}, lr scale {rollback.lr_scale:g}"

@@ -31,7 +31,10 @@ LEVEL_TAGS = {"loss": "train/skip_level/loss", "grad_norm": "train/skip_level/gr
 
 
 class SkipBadUpdates(StepHook):
+    """`monitor.skip_step`: a bad update skipped in place (`pretrain/stability/skip_step.py`)."""
+
     name = "skip_step"
+    priority = 30  # (the order of the hooks: pretrain/train/hooks.py)
 
     def __init__(self, guard: SkipGuard, engine, env: DistEnv, run_dir: Path, writer) -> None:
         self.guard, self.engine, self.env, self.run_dir, self.writer = guard, engine, env, run_dir, writer

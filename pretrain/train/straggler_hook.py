@@ -23,16 +23,14 @@ holds at least ten steps, its time is their median, and the first step after the
 not counted. Every rank holds the same times and so comes to the same verdict at the same step.
 Rank 0 appends a `straggler` event, says so on the console, charts `train/straggler_factor` (the
 largest rank's factor) and hands the window's times to the monitor's report. With
-`monitor.on_straggler: replace`, every rank answers `SaveAndStop`: a checkpoint, then exit status
-5 (ExitCode.REPLACE_NODE), rank 0 having written RUN_DIR/monitor/replace.json for the supervisor,
-which restarts the job with a spare in the slow host's place.
+`monitor.on_straggler: replace`, the slow host is moved off (`move_off.py`): every rank answers
+`SaveAndStop`, a checkpoint, then exit status 5 (ExitCode.REPLACE_NODE), rank 0 having written
+RUN_DIR/monitor/replace.json for the supervisor, which restarts the job with a spare in its place.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,14 +39,12 @@ from typing import Any
 
 import torch
 
-from monitoring.protocol import MAX_RANKS_REPORTED, REPLACE_FILE, Straggler, append_event, monitor_dir
-from pretrain import atomic
-from pretrain.errors import ExitCode
+from monitoring.protocol import MAX_RANKS_REPORTED, Straggler, append_event
 from pretrain.monitor_link import MonitorLink
-from pretrain.parallel.distributed import DistEnv, all_gather_objects
+from pretrain.parallel.distributed import DistEnv
 from pretrain.reporting.metrics import MetricsWriter
-from pretrain.run_dir import OWNER_ENV
-from pretrain.train.hooks import CONTINUE, Answer, SaveAndStop, StepHook
+from pretrain.train.hooks import CONTINUE, Answer, StepHook
+from pretrain.train.move_off import HostMoves
 
 FACTOR_TAG = "train/straggler_factor"  # TensorBoard: the largest rank's time over the others' median
 MIN_WINDOW_STEPS = 10  # a window of the rule holds at least this many steps (one step is noise)
@@ -187,6 +183,8 @@ class StragglerWatch(StepHook):
     """Every rank measures and judges; rank 0 reports. No `name`: nothing of it is kept in a
     checkpoint, so a restart starts its streaks over (on the hosts it now runs on)."""
 
+    priority = 40  # (the order of the hooks: pretrain/train/hooks.py)
+
     env: DistEnv
     run_dir: Path
     writer: MetricsWriter
@@ -194,15 +192,19 @@ class StragglerWatch(StepHook):
     rule: StragglerRule
     replace: bool  # monitor.on_straggler == "replace"
     engine: Any  # a DeepSpeed engine (or anything with its interface): its device
+    moves: HostMoves  # each rank's host, and the way to move one off
     link: MonitorLink | None = None  # rank 0's report carries each window's times
-    hosts: list[str] = field(default_factory=list)  # every rank's host, by rank
     clock: ForwardClock | None = None
     window: WindowTimes = field(default_factory=WindowTimes)
     warming_up: bool = True  # the first step after opening is not counted
 
     def open(self, stack: contextlib.ExitStack) -> None:
         self.clock = ForwardClock(self.engine.device)
-        self.hosts = all_gather_objects(socket.gethostname())
+        self.moves.open()
+
+    @property
+    def hosts(self) -> list[str]:
+        return self.moves.hosts
 
     def before_forward(self, step: int, batch: dict) -> None:
         self.clock.start()
@@ -268,22 +270,11 @@ class StragglerWatch(StepHook):
             for r in ranks
         ]
 
-    def leave(self, step: int, slowest: Straggling) -> SaveAndStop:
-        """monitor.on_straggler=replace: every rank saves and stops; rank 0 names the host to move
-        off in RUN_DIR/monitor/replace.json for the supervisor."""
-        host = self.hosts[slowest.rank]
+    def leave(self, step: int, slowest: Straggling) -> Answer:
+        """monitor.on_straggler=replace: the slowest rank's host is moved off (every rank saves
+        and stops)."""
         why = (
             f"rank {slowest.rank} took {slowest.factor:.2f}x the median rank's forward time for "
             f"{slowest.windows} windows in a row"
         )
-        if self.env.is_main:
-            path = monitor_dir(self.run_dir) / REPLACE_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic.write_json(path, {"host": host, "rank": slowest.rank, "step": step, "reason": why})
-        if self.env.is_main and not os.environ.get(OWNER_ENV):  # no `pretrain launch` to restart it
-            self.writer.message(
-                f"monitor.on_straggler=replace, but no supervisor runs this job to restart it with a spare "
-                f"in {host}'s place: start it again without {host} (or with monitor.on_straggler=warn) "
-                "and it resumes from the checkpoint it saves now"
-            )
-        return SaveAndStop(f"moving off {host} ({why})", ExitCode.REPLACE_NODE)
+        return self.moves.ask(slowest.rank, step, why, "straggler")

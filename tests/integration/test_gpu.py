@@ -299,6 +299,8 @@ def test_a_training_step_synchronizes_with_the_host_once(tmp_path, train_data, m
     step_now = [0]
 
     class Mark(StepHook):
+        priority = -1  # (first: before any other hook's work of the step)
+
         def before_step(self, step):
             step_now[0] = step
 

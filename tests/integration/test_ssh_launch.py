@@ -1,9 +1,12 @@
 """`pretrain launch --hostfile` over real ssh and pdsh, as most DeepSpeed users start jobs: this
 machine is two hosts (`localhost` and its host name) behind a local sshd with a key made for the
-test (tests/integration/ssh_hosts.py). The ranks started over ssh recognise their supervisor's lock,
-a supervisor killed with -9 leaves nothing running on any host (the ranks save as they stop), the
-same command resumes, and a host whose launcher fails ends the job at once, naming the host."""
+test (tests/integration/ssh_hosts.py), and a spare behind an sshd of its own. The ranks started
+over ssh recognise their supervisor's lock, a supervisor killed with -9 leaves nothing running on
+any host (the ranks save as they stop), the same command resumes, a host whose copy of the
+weights goes wrong is rolled back and moved off for the spare, and a host whose launcher fails
+ends the job at once, naming the host."""
 
+import json
 import subprocess
 import sys
 import time
@@ -37,34 +40,50 @@ def launch_command(hostfile, run_dir, data_dir, *overrides):
     ]
 
 
+# A flipped weight bit in rank 1's copy after step 12 (rank 1 on the second host): the replicas
+# differ at step 13, and one machine fault is that host's limit.
+FLIP = ["faults.flip_step=12", "faults.flip_rank=1", "faults.flip_target=weight"]
+
+
 def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_supervisor(
     ssh_hosts, tmp_path, train_data
 ):
+    """Then the same command resumes, and a replica mismatch on the second host (its limit of
+    machine faults: monitor.machine_faults_to_exclude=1) rolls the job back to its checkpoint, which
+    it stops at with status 5; the supervisor moves that host off and the spare takes its place."""
     hostfile = ssh_hosts.write_hostfile(tmp_path / "hostfile")
+    hostfile.write_text(hostfile.read_text() + "node-s slots=1\n")
     run_dir = tmp_path / "run"
-    command = launch_command(hostfile, run_dir, train_data, "train.steps=30", "checkpoint.every=1000")
-    with (tmp_path / "first.log").open("w") as log:
-        supervisor = subprocess.Popen(command, env=ssh_hosts.env, stdout=log, stderr=subprocess.STDOUT)
-    assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=180), (tmp_path / "first.log").read_text()
-    assert len(ssh_hosts.remote_pids()) >= 4  # on each host: the launcher and its rank (and their shells)
-    supervisor.kill()  # kill -9: no chance to stop its job
-    supervisor.wait()
-    killed = time.time()
-    assert wait_for(lambda: not ssh_hosts.remote_pids() and not processes_of(run_dir), timeout=60), [
-        p.info for p in processes_of(run_dir)
-    ]
-    print(f"every process on both hosts was gone {time.time() - killed:.1f} s after the supervisor")
-    saved = ck.newest_complete(run_dir)
-    assert saved is not None and ck.step_of(saved) >= 3  # the ranks saved as they stopped
-    (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
-    assert stop["saved"] == saved and {r["rank"] for r in stop["requested_by"]} <= {0, 1}
-    # Each rank stops on its own lifeline (it sees the supervisor's host) or on its launcher's SIGTERM
-    # (the path of ranks on other hosts: the DeepSpeed launcher beside the supervisor stops every host).
-    assert all(
-        "its supervisor (pid" in r["why"] or r["why"] == "SIGTERM received" for r in stop["requested_by"]
-    )
+    overrides = ["train.steps=30", "checkpoint.every=1000", *FLIP, "monitor.machine_faults_to_exclude=1"]
+    command = launch_command(hostfile, run_dir, train_data, *overrides)
+    command[4:4] = ["--nodes", "2"]  # (after `pretrain launch`: the hostfile's third host is a spare)
+    with ssh_hosts.extra_host("node-s") as spare:
+        with (tmp_path / "first.log").open("w") as log:
+            supervisor = subprocess.Popen(command, env=ssh_hosts.env, stdout=log, stderr=subprocess.STDOUT)
+        assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=180), (
+            tmp_path / "first.log"
+        ).read_text()
+        assert len(ssh_hosts.remote_pids()) >= 4  # on each host: the launcher and its rank (and their shells)
+        assert not ssh_hosts.remote_pids(spare.tag)  # (a spare runs nothing)
+        supervisor.kill()  # kill -9: no chance to stop its job
+        supervisor.wait()
+        killed = time.time()
+        assert wait_for(lambda: not ssh_hosts.remote_pids() and not processes_of(run_dir), timeout=60), [
+            p.info for p in processes_of(run_dir)
+        ]
+        print(f"every process on both hosts was gone {time.time() - killed:.1f} s after the supervisor")
+        saved = ck.newest_complete(run_dir)
+        assert saved is not None and 3 <= ck.step_of(saved) < 12  # the ranks saved as they stopped
+        (stop,) = [e for e in events(run_dir) if e["type"] == "stop_requested"]
+        assert stop["saved"] == saved and {r["rank"] for r in stop["requested_by"]} <= {0, 1}
+        # Each rank stops on its own lifeline (it sees the supervisor's host) or on its launcher's
+        # SIGTERM (the path of ranks on other hosts: the launcher beside the supervisor stops every host).
+        assert all(
+            "its supervisor (pid" in r["why"] or r["why"] == "SIGTERM received" for r in stop["requested_by"]
+        )
 
-    again = subprocess.run(command, env=ssh_hosts.env, capture_output=True, text=True, timeout=300)
+        again = subprocess.run(command, env=ssh_hosts.env, capture_output=True, text=True, timeout=400)
+        assert not ssh_hosts.remote_pids(spare.tag)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"steps {ck.step_of(saved) + 1}..30 (resumed from {saved})" in again.stdout
     assert "localhost: done: 30 steps" in again.stdout  # rank 0's lines, labelled by pdsh with its host
@@ -73,6 +92,32 @@ def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_
     assert "changed since the last start" not in again.stdout  # the same command changes nothing
     assert ck.step_of(ck.newest_complete(run_dir)) == 30
     assert not ssh_hosts.remote_pids()
+    moved_off_for_the_spare(run_dir, saved, ssh_hosts.hosts[1], again.stdout)
+    assert "the monitor refused" not in again.stdout + again.stderr  # (the rollback's outcome was told)
+
+
+def moved_off_for_the_spare(run_dir, saved: str, second: str, said: str) -> None:
+    """The replica check's rollback is the run's one `Rollback` record, applied and counted; the
+    host it found at its limit is moved off (saved at that checkpoint, exit status 5), the spare
+    takes its place, and the run completes from that checkpoint."""
+    found = events(run_dir)
+    (mismatch,) = [e for e in found if e["type"] == "replica_mismatch"]
+    assert (mismatch["step"], mismatch["ranks"], mismatch["rolled_back_to"]) == (13, [1], saved)
+    (rollback,) = [e for e in found if e["type"] == "rollback"]
+    assert rollback["decision"] is None and rollback["finding"] == "replica_mismatch"
+    assert (rollback["step"], rollback["target"], rollback["seed"]) == (13, saved, None)
+    (applied,) = [e for e in found if e["type"] == "rollback_applied"]
+    assert applied["tag"] == saved and applied["applied_at"] == 13
+    moves = [(e["type"], e.get("host") or e.get("new")) for e in found if e["type"].startswith("node_")]
+    assert moves == [("node_excluded", second), ("node_replaced", "node-s")], moves
+    restart = [e for e in found if e["type"] == "restart"][-1]
+    assert (
+        restart["reason"].startswith(f"replace {second} (1 machine faults on ")
+        and restart["resume_from"] == saved
+    )
+    assert f"saved {saved} and exiting" in said and f"launch: node-s replaces {second}" in said
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["completed"] and summary["rollbacks"] == 1 and summary["restarts"] == 1
 
 
 def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_hosts, tmp_path, train_data):

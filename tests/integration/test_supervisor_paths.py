@@ -13,9 +13,9 @@ import time
 
 import psutil
 
-from monitoring.config import MonitorConfig
 from monitoring.protocol import SUPERVISOR_FILE, monitor_dir
 from monitoring.supervisor import Supervisor
+from pretrain.config import MonitorConfig
 
 QUICK = dict(warmup=4, window=16, hang_min_seconds=1.0, startup_seconds=3.0, stop_grace_seconds=1.0)
 
@@ -34,7 +34,7 @@ def test_a_complete_run_whose_processes_do_not_exit_is_done_not_hung(tmp_path):
     summary = tmp_path / "train_summary.json"
     lines = []
     supervisor = Supervisor(
-        lambda: job(
+        lambda start: job(
             f"import json, time; open({str(summary)!r}, 'w').write(json.dumps({{'completed': True}})); "
             "time.sleep(600)"
         ),
@@ -61,7 +61,7 @@ def test_a_follower_restarts_its_ranks_only_while_node_0_runs_the_job(tmp_path):
     state.write_text(json.dumps({"state": "running", "attempt": 0}))
     lines = []
     follower = Supervisor(
-        lambda: failing,
+        lambda start: failing,
         tmp_path,
         MonitorConfig(**QUICK, max_restarts=2),
         leader=False,
@@ -88,7 +88,7 @@ def test_a_second_ctrl_c_kills_a_job_that_does_not_stop(tmp_path):
     )
     lines, jobs, running = [], [], threading.Event()
     supervisor = Supervisor(
-        lambda: stubborn,
+        lambda start: stubborn,
         tmp_path,
         MonitorConfig(**QUICK | {"startup_seconds": 600.0}),
         leader=False,

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitoring.config import MonitorConfig
 from monitoring.service import serve
-from pretrain.config import WandbConfig, load_config
+from pretrain.config import MonitorConfig, WandbConfig, load_config
 from pretrain.reporting.metrics import MetricsWriter, tensorboard_dir
 from pretrain.reporting.wandb_sink import RUN_ID_FILE
 from tests.helpers import FAST, TINY

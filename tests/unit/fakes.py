@@ -55,6 +55,9 @@ class FakeEngine:
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.grad_accum).backward()
 
+    def gradient_accumulation_steps(self) -> int:
+        return self.grad_accum
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.grad_accum == 0
 

@@ -30,19 +30,27 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
 
 
-def imports_of(path: Path) -> set[str]:
+@functools.cache
+def syntax_tree(path: Path) -> ast.Module:
+    """Each module parsed once per worker: every test below walks them."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def imports_of(path: Path) -> frozenset[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(syntax_tree(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from pretrain import train`
-    return found
+    return frozenset(found)
 
 
 def within(name: str, prefixes) -> bool:
@@ -191,7 +199,7 @@ def test_each_module_keeps_to_its_layer(owner):
 LAYERS = (
     # foundations: errors, atomic writes, the typed settings, the messages both sides share, URLs
     ("pretrain", "pretrain.errors", "pretrain.atomic", "pretrain.config", "pretrain.object_store",
-     "monitoring.protocol", "monitoring.config"),
+     "monitoring.protocol", "monitoring.config", "pretrain.stability.settings", "pretrain.train.settings"),
     # what everything reports through, the process group, the tokenizer
     ("pretrain.reporting", "pretrain.parallel.distributed", "pretrain.parallel.deepspeed_ops", "pretrain.tokenizer"),
     # the parts: data, the model, checkpoints on disk, the run directory, optimizers, plans
@@ -245,7 +253,7 @@ def test_the_package_shows_its_architecture():
 def test_no_function_is_longer_than_a_screen_or_two():
     long = []
     for path in modules().values():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax_tree(path)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
@@ -291,7 +299,7 @@ def test_events_are_built_only_as_the_protocols_types():
     for path in [*modules().values(), *(ROOT / "scripts").glob("*.py")]:
         if path.name == "protocol.py" and path.parent.name == "monitoring":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax_tree(path)):
             if isinstance(node, ast.Dict):
                 for key, value in zip(node.keys, node.values, strict=True):
                     if (

@@ -235,16 +235,23 @@ def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_ea
     import ast
     import dataclasses
 
-    from monitoring.config import MonitorConfig, ServiceConfig, SupervisorConfig, TrainerLinkConfig
+    from monitoring.config import ServiceConfig, SupervisorConfig
+    from pretrain.config import MonitorConfig
+    from pretrain.stability.settings import ReplaySettings, ReplicaSettings, SkipSettings
+    from pretrain.train.settings import LinkSettings, StragglerSettings
 
-    owners = (ServiceConfig, TrainerLinkConfig, SupervisorConfig)
+    trainer_parts = (LinkSettings, SkipSettings, StragglerSettings, ReplaySettings, ReplicaSettings)
+    owners = (ServiceConfig, *trainer_parts, SupervisorConfig)
     names = {cls: {f.name for f in dataclasses.fields(cls)} for cls in owners}
     assert sum(len(n) for n in names.values()) == len(set.union(*names.values()))  # no overlap
     assert {f.name for f in dataclasses.fields(MonitorConfig)} == set.union(*names.values())
-    trainers = {"timeout", "quarantine", "skip_step", "skip_ratio", "skip_grad_norm_ratio", "skip_window"}
-    trainers |= {"straggler_factor", "straggler_windows", "on_straggler"}
-    trainers |= {"replay", "machine_faults_to_exclude", "consistency_every"}
-    assert trainers == names[TrainerLinkConfig]
+    trainers = set.union(*(names[cls] for cls in trainer_parts))
+    assert names[SkipSettings] == {"skip_step", "skip_ratio", "skip_grad_norm_ratio", "skip_window"}
+    assert names[StragglerSettings] == {"straggler_factor", "straggler_windows", "on_straggler"}
+    assert names[ReplaySettings] | names[ReplicaSettings] == {
+        "replay", "machine_faults_to_exclude", "consistency_every"
+    }  # fmt: skip
+    assert names[LinkSettings] == {"timeout", "quarantine"}
     cfg = load_config(
         "tiny",
         ["monitor.max_restarts=5", "monitor.window=64", "monitor.hang_factor=4", "monitor.timeout=0.5"],
@@ -266,12 +273,12 @@ def test_the_monitor_section_is_the_services_the_trainers_and_the_supervisors_ea
             and getattr(node.value, "attr", getattr(node.value, "id", None)) == owner
         }
 
-    others = names[SupervisorConfig] | names[TrainerLinkConfig]
+    others = names[SupervisorConfig] | trainers
     for module in ("service.py", "policy.py", "detectors.py", "page.py"):
         wrong = read(f"monitoring/{module}", "config") & others
         assert not wrong, (module, wrong)
     trainer = read("pretrain/pretraining.py", "monitor")
-    assert trainer and trainer <= names[TrainerLinkConfig] | {"enabled"}, trainer
+    assert trainer and trainer <= trainers | {"enabled"}, trainer
 
 
 def test_qk_norm_and_z_loss_load_from_files_and_overrides_and_default_off(tmp_path):

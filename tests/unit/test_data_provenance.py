@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from monitoring.config import MonitorConfig
 from monitoring.protocol import read_events
 from monitoring.service import serve
-from pretrain.config import load_config
+from pretrain.config import MonitorConfig, load_config
 from pretrain.data import MixtureStream, prepare_dataset, resolve_source
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer

@@ -6,8 +6,8 @@ the line that decides it. End to end, in a real run: tests/integration/test_spik
 
 import pytest
 
-from monitoring.config import MonitorConfig
 from monitoring.detectors import NORMAL_MAD, Detector, band
+from pretrain.config import MonitorConfig
 
 
 def history(level: float, mad: float) -> list[float]:

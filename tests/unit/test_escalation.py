@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from monitoring.config import MonitorConfig, SettingError
+from monitoring.config import SettingError
 from monitoring.page import render_page
 from monitoring.protocol import (
     Action,
@@ -25,7 +25,7 @@ from monitoring.protocol import (
 )
 from monitoring.service import MonitorState, serve
 from pretrain import checkpoint as ck
-from pretrain.config import load_config
+from pretrain.config import MonitorConfig, load_config
 from pretrain.monitor_link import broadcast_action
 from tests.helpers import FAST, TINY
 from tests.helpers import metrics_by_step as records

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import pretrain
-from monitoring.config import MonitorConfig
 from monitoring.protocol import read_events
 from monitoring.service import serve
-from pretrain.config import load_config
+from pretrain.config import MonitorConfig, load_config
 from pretrain.train.hooks import StepHook
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer
@@ -72,6 +71,8 @@ def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
     began: dict[int, int] = {}  # step → reads made before it began
 
     class Mark(StepHook):  # (first: before any other hook's work of the step)
+        priority = -1
+
         def before_step(self, step):
             began[step] = len(host_reads)
 

@@ -144,3 +144,32 @@ def test_the_local_launcher_is_ours_and_polls_its_ranks_often(monkeypatch):
     clock.sleep(1)
     assert time.monotonic() - began < 0.5 and clock.strftime("%Y", clock.localtime()) == time.strftime("%Y")
     assert deepspeed_launch.MODULE == deepspeed_launch.__name__
+
+
+def test_each_start_of_the_job_is_its_command_from_a_typed_start(tmp_path):
+    """The launcher's command for each start is built from the supervisor's `JobStart` alone: the
+    first as the user asked, later ones resuming from the newest checkpoint; over ssh, that start's
+    hosts (RUN_DIR/monitor/hostfile) and the accumulation that keeps the global batch."""
+    from monitoring.hosts import Choice
+    from monitoring.supervisor import JobStart
+    from pretrain.cli.launch import ATTEMPT_HOSTFILE, JobCommand, JobShape
+
+    shape = JobShape(hosts={"a": 1, "b": 1, "c": 1}, spares=None, per_node=1)
+    command = JobCommand(
+        module_args=["--config", "c.yaml", "monitor.enabled=true"],
+        shape=shape,
+        grad_accum=1,
+        run_dir=tmp_path,
+        hostfile="hosts",
+        master_addr="a",
+        master_port=29500,
+        no_ssh=False,
+        node_rank=0,
+    )
+    first, again = command(JobStart(0)), command(JobStart(1))
+    assert first[-1] == "monitor.enabled=true" and "--hostfile" in first and "hosts" in first
+    assert again == [*first, "checkpoint.resume=auto"]
+    shrunk = command(JobStart(2, Choice(["b"], grad_accum=2)))
+    assert shrunk[-2:] == ["checkpoint.resume=auto", "train.grad_accum=2"]
+    assert shrunk[shrunk.index("--master_addr") + 1] == "b" and "--force_multi" in shrunk
+    assert (tmp_path / ATTEMPT_HOSTFILE).read_text() == "b slots=1\n"

@@ -6,7 +6,6 @@ import json
 import time
 from types import SimpleNamespace
 
-from monitoring.config import MonitorConfig
 from monitoring.protocol import (
     Judgement,
     Restart,
@@ -18,8 +17,7 @@ from monitoring.protocol import (
     append_event,
 )
 from monitoring.service import MonitorState
-from pretrain.config import load_config
-from pretrain.parallel.distributed import DistEnv
+from pretrain.config import MonitorConfig, load_config
 from pretrain.reporting.metrics import MetricsWriter, tensorboard_dir
 from pretrain.run_dir import start_over
 from pretrain.train.loop import run_history
@@ -41,15 +39,7 @@ class Judged:
 
 def charting_hook(run_dir, writer, monitor) -> Monitored:
     """The monitor's step hook with only what charting the verdicts uses."""
-    return Monitored(
-        link=monitor,
-        env=DistEnv(0, 0, 1),
-        run_dir=run_dir,
-        engine=None,
-        task=None,
-        checkpointer=None,
-        writer=writer,
-    )
+    return Monitored(link=monitor, rollbacks=None, task=None, writer=writer)
 
 
 def board(run_dir):

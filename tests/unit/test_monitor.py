@@ -5,11 +5,11 @@ import math
 import numpy as np
 import pytest
 
-from monitoring.config import MonitorConfig
 from monitoring.detectors import Detector, band
 from monitoring.policy import Policy
 from monitoring.protocol import Outcome, StepMetrics
 from pretrain import checkpoint as ck
+from pretrain.config import MonitorConfig
 
 
 def clean_run(steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

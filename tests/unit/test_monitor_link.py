@@ -9,11 +9,10 @@ import time
 
 import pytest
 
-from monitoring.config import MonitorConfig
 from monitoring.protocol import CONTINUE, Action, Rollback, StepMetrics, read_events
 from monitoring.service import serve
 from pretrain.checkpoint import checkpoints_dir, newest_complete, pinned
-from pretrain.config import load_config
+from pretrain.config import MonitorConfig, load_config
 from pretrain.monitor_link import Reporter, broadcast_action
 from tests.helpers import FAST, TINY
 from tests.unit.fakes import pretraining_trainer

@@ -251,9 +251,8 @@ def test_the_loop_with_muon_rolls_back_and_lowers_the_rate_of_both_halves(tmp_pa
     lower_lr (x0.5 for steps 7-10) on AdamW's groups and on Muon's (times muon_lr / lr)."""
     import threading
 
-    from monitoring.config import MonitorConfig
     from monitoring.service import serve
-    from pretrain.config import load_config
+    from pretrain.config import MonitorConfig, load_config
     from pretrain.train import loop
     from tests.helpers import FAST, TINY, metrics_by_step
     from tests.unit.fakes import pretraining_trainer

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from monitoring.config import MonitorConfig
 from monitoring.page import render_page
 from monitoring.protocol import Outcome, Restart, RollbackApplied, append_event
 from monitoring.service import MonitorState
+from pretrain.config import MonitorConfig
 from tests.unit.test_monitor import fake_checkpoint, metrics
 
 CONFIG = MonitorConfig(warmup=8, window=32)

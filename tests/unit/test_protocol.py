@@ -320,3 +320,73 @@ def test_bad_outcomes_are_refused(payload, message):
         Outcome.from_json(payload)
     good = {"decision": 1, "decided_at": 1, "applied": True, "applied_at": 2, "tag": "step_00000001"}
     assert Outcome.from_json(good).to_json() == good
+
+
+def test_the_trainers_own_rollback_is_the_same_record_and_the_service_numbers_only_its_own(tmp_path):
+    """The replica check's rollback is a `Rollback` with no decision number and no new seed: it
+    reads back from its JSON (a checkpoint's `hooks.monitor`) and from its `rollback` event; a
+    service started on that history goes on from its own decisions, none of them pending, and
+    the outcome the trainer tells it, with no number, is a valid message."""
+    from monitoring import protocol as p
+    from monitoring.policy import Policy
+    from pretrain.config import MonitorConfig
+
+    ours = a_rollback(
+        decision=None, seed=None, step=13, finding="replica_mismatch", reason="the replicas differ"
+    )
+    assert Rollback.from_json(json.loads(json.dumps(ours.to_json()))) == ours
+    service = a_rollback(decision=4)
+    applied = {
+        "tag": "step_00000005",
+        "requested": "step_00000005",
+        "matches_checkpoint": True,
+        "abandoned": [],
+    }
+    for record in (service, ours):
+        p.append_event(tmp_path, p.RollbackDecided(**dataclasses.asdict(record)), sync=False)
+        done = p.RollbackApplied(
+            step=5,
+            seed=record.seed,
+            decision=record.decision,
+            decided_at=record.step,
+            applied_at=record.step,
+            **applied,
+        )
+        p.append_event(tmp_path, done, sync=False)
+    line = json.loads((tmp_path / p.EVENTS_FILE).read_text().splitlines()[2])
+    assert (line["type"], line["decision"], line["seed"], line["finding"]) == (
+        "rollback",
+        None,
+        None,
+        "replica_mismatch",
+    )
+    policy = Policy(MonitorConfig(), 0)
+    policy.restore(p.read_events(tmp_path))
+    assert [d.decision for d in policy.decisions] == [4] and policy.pending is None
+    told = Outcome(None, 13, True, 13, "step_00000005")
+    assert Outcome.from_json(json.loads(json.dumps(told.to_json()))) == told
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"cause": "slow"}, "'cause' must be one of straggler, machine_faults"),
+        ({"rank": -1}, "non-negative"),
+        ({"kept": 3}, "'kept' must be a str or null"),
+        ({"why": "x"}, "unknown move-off request fields"),
+    ],
+)
+def test_a_request_to_move_a_host_off_is_one_typed_record(tmp_path, change, message):
+    """RUN_DIR/monitor/replace.json, whoever asks (a straggler, machine faults) and with the
+    supervisor's answer (`kept`): read back equal, refused when malformed (and then read as none)."""
+    from monitoring.protocol import REPLACE_FILE, MoveOff, monitor_dir
+
+    asked = MoveOff(host="node7", rank=1, step=30, reason="2 machine faults on node7", cause="machine_faults")
+    assert "kept" not in asked.to_json()
+    monitor_dir(tmp_path).mkdir()
+    (monitor_dir(tmp_path) / REPLACE_FILE).write_text(json.dumps(asked.to_json()))
+    assert MoveOff.read(tmp_path) == asked
+    with pytest.raises(ProtocolError, match=message):
+        MoveOff.from_json(asked.to_json() | change)
+    (monitor_dir(tmp_path) / REPLACE_FILE).write_text(json.dumps(asked.to_json() | change))
+    assert MoveOff.read(tmp_path) is None

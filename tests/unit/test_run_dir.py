@@ -140,9 +140,9 @@ def test_data_verify_passes_an_intact_dataset_and_reports_its_throughput(train_d
 
 def test_a_rollback_pin_is_released_once_a_checkpoint_past_the_anomaly_is_complete(tmp_path):
     """The service pins what the policy says retention must keep, on disk, at every judged step."""
-    from monitoring.config import MonitorConfig
     from monitoring.protocol import Outcome
     from monitoring.service import MonitorState
+    from pretrain.config import MonitorConfig
     from tests.unit.test_monitor import fake_checkpoint, metrics
 
     ck.pin(tmp_path, "step_00000003")  # left by an earlier service
@@ -166,10 +166,10 @@ def test_a_rollback_pin_is_released_once_a_checkpoint_past_the_anomaly_is_comple
 
 def test_a_failing_write_of_the_supervisors_state_is_one_line(tmp_path, monkeypatch):
     from monitoring import supervisor as supervision
-    from monitoring.config import MonitorConfig
+    from pretrain.config import MonitorConfig
 
     lines = []
-    sup = supervision.Supervisor(lambda: ["true"], tmp_path, MonitorConfig(), log=lines.append)
+    sup = supervision.Supervisor(lambda start: ["true"], tmp_path, MonitorConfig(), log=lines.append)
     try:
 
         def full_disk(*args, **kwargs):

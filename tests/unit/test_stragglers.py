@@ -12,16 +12,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from monitoring.config import MonitorConfig
 from monitoring.page import render_page
-from monitoring.protocol import REPLACE_FILE, StepMetrics, Straggler, append_event, monitor_dir, read_events
+from monitoring.protocol import (
+    REPLACE_FILE,
+    MoveOff,
+    StepMetrics,
+    Straggler,
+    append_event,
+    monitor_dir,
+    read_events,
+)
 from monitoring.service import MonitorState
 from pretrain.checkpoint import newest_complete
-from pretrain.config import FaultsConfig
+from pretrain.config import FaultsConfig, MonitorConfig
 from pretrain.errors import ConfigError, ExitCode, UserError
 from pretrain.parallel.distributed import DistEnv
 from pretrain.stability.faults import FaultInjector
 from pretrain.train.hooks import CONTINUE, SaveAndStop, StepHook
+from pretrain.train.move_off import HostMoves
 from pretrain.train.straggler_hook import (
     FACTOR_TAG,
     MIN_WINDOW_STEPS,
@@ -253,18 +261,19 @@ class Link:
 
 
 def a_watch(tmp_path, replace: bool, rank: int = 0) -> StragglerWatch:
-    watch = StragglerWatch(
-        env=DistEnv(rank, rank, 2),
+    writer, env = Writer(), DistEnv(rank, rank, 2)
+    moves = HostMoves(env=env, run_dir=tmp_path, writer=writer, hosts=["node0", "node7"])  # (as gathered)
+    return StragglerWatch(
+        env=env,
         run_dir=tmp_path,
-        writer=Writer(),
+        writer=writer,
         logged=lambda step: True,  # logging.every=1: a window is MIN_WINDOW_STEPS steps
         rule=StragglerRule(1.5, 3),
         replace=replace,
         engine=SimpleNamespace(device=torch.device("cpu")),
+        moves=moves,
         link=Link() if rank == 0 else None,
     )
-    watch.hosts = ["node0", "node7"]  # (what open() gathers on every rank)
-    return watch
 
 
 @pytest.mark.parametrize("replace", [False, True])
@@ -308,6 +317,7 @@ def test_a_rank_slow_for_three_windows_is_an_event_a_line_a_report_and_with_repl
     assert answers[named_at].reason.startswith("moving off node7 (rank 1 took 3.10x")
     asked = json.loads(request.read_text())
     assert asked["host"] == "node7" and asked["rank"] == 1 and asked["step"] == 1 + 5 * w
+    assert asked["cause"] == "straggler" and MoveOff.read(tmp_path) == MoveOff.from_json(asked)
     assert any("no supervisor runs this job" in line for line in watch.writer.lines)  # plain `pretrain train`
 
 
@@ -380,3 +390,23 @@ def test_the_service_shows_each_ranks_time_and_the_stragglers_on_status_page_and
     append_event(tmp_path, Straggler(step=2, rank=1, host="node7", factor=3.0))  # (the trainer's)
     again = MonitorState(tmp_path, MonitorConfig())  # a service started again: from events.jsonl
     assert again.status()["stragglers"] == status["stragglers"]
+
+
+def test_a_host_the_supervisor_cannot_move_off_stays_and_is_only_warned_about(tmp_path):
+    """The supervisor's answer to an earlier request (replace.json's `kept`: no spare, no fewer
+    nodes), read as the job starts: moving a host off is then a warning, once per host, and no
+    request is written (asking again would restart the job forever)."""
+    kept = "no spare, and --min-nodes 2 keeps every node"
+    earlier = MoveOff(host="node7", rank=1, step=30, reason="rank 1 took 3.10x", cause="straggler", kept=kept)
+    monitor_dir(tmp_path).mkdir()
+    (monitor_dir(tmp_path) / REPLACE_FILE).write_text(json.dumps(earlier.to_json()))
+    writer = Writer()
+    moves = HostMoves(env=DistEnv(0, 0, 1), run_dir=tmp_path, writer=writer)
+    moves.open()
+    assert moves.kept == kept and moves.hosts == [socket.gethostname()]
+    (monitor_dir(tmp_path) / REPLACE_FILE).unlink()
+    answers = [moves.ask(0, step, "2 machine faults on it", "machine_faults") for step in (40, 50)]
+    assert answers == [CONTINUE, CONTINUE] and not (monitor_dir(tmp_path) / REPLACE_FILE).exists()
+    assert writer.lines == [
+        f"{socket.gethostname()} stays (2 machine faults on it): the supervisor cannot move it off ({kept})"
+    ]

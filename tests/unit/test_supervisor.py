@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from monitoring import supervisor as sv
-from monitoring.config import MonitorConfig
-from monitoring.protocol import SUMMARY_FILE, read_events
+from monitoring.protocol import SUMMARY_FILE, MoveOff, read_events
 from monitoring.supervisor import HangWatch, Supervisor
 from pretrain import lifeline
+from pretrain.config import MonitorConfig
 from tests.helpers import FAST, TINY, assert_one_line_error
 
 
@@ -115,7 +116,7 @@ def first_restart(tmp_path, monkeypatch, first: FakeJob, ranks) -> tuple[str, li
     monkeypatch.setattr(sv.Job, "start", start)
     log: list[str] = []
     config = MonitorConfig(hang_min_seconds=1, stop_grace_seconds=1)
-    supervisor = Supervisor(lambda: ["train"], tmp_path, config, poll_seconds=0.01, log=log.append)
+    supervisor = Supervisor(lambda start: ["train"], tmp_path, config, poll_seconds=0.01, log=log.append)
     assert supervisor.run() == 0
     restarts = [e for e in read_events(tmp_path) if e.type == "restart"]
     assert len(restarts) == 1, log
@@ -135,9 +136,11 @@ def test_a_dead_rank_seen_when_the_hang_watch_fires_is_the_reason_not_a_hang(tmp
     job = FakeJob(exits_after=3, status=247)
     reason, log = first_restart(tmp_path, monkeypatch, job, killed_rank_1)
     assert reason == KILLED and not job.stopped and job.polls == 3, log
-    assert log[1] == (
-        "launch: hang: no step for 10 s (limit 1 s), but rank 1 has left the job; "
-        "waiting for its launcher to exit"
+    # (10 s or more: the supervisor's first look may come later on a busy machine)
+    assert re.fullmatch(
+        r"launch: hang: no step for 1\d s \(limit 1 s\), but rank 1 has left the job; "
+        r"waiting for its launcher to exit",
+        log[1],
     ), log
 
 
@@ -159,7 +162,7 @@ def test_a_hang_with_every_rank_alive_or_cleanly_exited_is_a_hang(tmp_path, monk
 
     job = FakeJob(exits_after=None, status=1, stopped_with=143)
     reason, log = first_restart(tmp_path, monkeypatch, job, ranks)
-    assert reason.startswith("hang: no step for 10 s (limit 1 s)") and job.stopped, log
+    assert re.match(r"hang: no step for 1\d s \(limit 1 s\)", reason) and job.stopped, log
 
 
 @pytest.mark.parametrize(
@@ -188,7 +191,7 @@ def test_the_restart_budget_counts_restarts_within_a_window_of_time(
     monkeypatch.setattr(sv.Job, "start", start)
     log: list[str] = []
     config = MonitorConfig(max_restarts=3, restart_window_hours=window_hours)
-    supervisor = Supervisor(lambda: ["train"], tmp_path, config, poll_seconds=0.01, log=log.append)
+    supervisor = Supervisor(lambda start: ["train"], tmp_path, config, poll_seconds=0.01, log=log.append)
     supervisor.clock = lambda: now[0]
     assert supervisor.run() == code
     assert sum(line.startswith("launch: restart") for line in log) == starts - 1, log
@@ -196,67 +199,48 @@ def test_the_restart_budget_counts_restarts_within_a_window_of_time(
         assert "restart budget (monitor.max_restarts=3) is spent" in log[-1], log
 
 
-def test_a_node_the_trainer_moves_off_is_left_out_and_a_spare_takes_its_place(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spare", [True, False])
+def test_a_host_the_trainer_moves_off_is_left_out_for_a_spare_or_with_none_kept_and_told(
+    tmp_path, monkeypatch, spare
+):
     """Exit status 5 with RUN_DIR/monitor/replace.json naming rank 1: the host that holds rank 1
     in this start (as the hostfile names it, whatever name the rank gave) is left out for the rest
-    of the run, the spare takes its place, and the restart is not counted against the budget."""
+    of the run and the spare takes its place, outside the restart budget. With no spare (and
+    --min-nodes at N) it stays, and the supervisor's answer in replace.json tells the job's later
+    starts to only warn: no override is added to the command."""
     from monitoring.hosts import HostSet
-    from monitoring.protocol import REPLACE_FILE, monitor_dir
 
     starts = []
 
     def start(command, attempt, **kwargs):
         starts.append(command)
         if attempt == 0:
-            path = monitor_dir(tmp_path) / REPLACE_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(
-                json.dumps({"host": "its-own-name", "rank": 1, "step": 31, "reason": "straggler: 2.8x"})
-            )
+            asked = MoveOff(host="its-own-name", rank=1, step=31, reason="straggler: 2.8x", cause="straggler")
+            (tmp_path / "monitor").mkdir(exist_ok=True)
+            (tmp_path / "monitor" / "replace.json").write_text(json.dumps(asked.to_json()))
             return FakeJob(exits_after=1, status=5, attempt=attempt)
         (tmp_path / SUMMARY_FILE).write_text(json.dumps({"completed": True, "step": 40}))
         return FakeJob(exits_after=1, status=0, attempt=attempt)
 
     monkeypatch.setattr(sv.Job, "start", start)
     monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir, **_: dict.fromkeys(slots))  # all healthy
-    hosts = HostSet(slots={"a": 1, "b": 1, "c": 1}, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
+    slots = {"a": 1, "b": 1, "c": 1} if spare else {"a": 1, "b": 1}
+    hosts = HostSet(slots=slots, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
     log: list[str] = []
     config = MonitorConfig(max_restarts=0)  # a counted restart would give up
-    supervisor = Supervisor(lambda choice: list(choice.hosts), tmp_path, config, hosts=hosts, log=log.append)
-    assert supervisor.run() == 0, log
-    assert starts[0][:2] == ["a", "b"] and starts[1][:2] == ["a", "c"], starts
-    assert hosts.banned == {"b": "straggler: 2.8x"} and "launch: moving off b: straggler: 2.8x" in log, log
-    kinds = [(e.type, getattr(e, "host", None) or getattr(e, "new", None)) for e in read_events(tmp_path)]
-    assert ("node_excluded", "b") in kinds and ("node_replaced", "c") in kinds, kinds
-
-
-def test_with_no_spare_a_node_the_trainer_moves_off_stays_and_is_never_asked_about_again(
-    tmp_path, monkeypatch
-):
-    """Exit status 5 with no spare and --min-nodes at N: the supervisor goes on with the node and
-    tells later starts to only warn (stragglers, machine faults), so the job cannot ask forever."""
-    from monitoring.hosts import HostSet
-    from monitoring.protocol import REPLACE_FILE, monitor_dir
-
-    starts = []
-
-    def start(command, attempt, **kwargs):
-        starts.append(command)
-        if attempt == 0:
-            path = monitor_dir(tmp_path) / REPLACE_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"host": "b", "rank": 1, "step": 9, "reason": "2 machine faults"}))
-            return FakeJob(exits_after=1, status=5, attempt=attempt)
-        (tmp_path / SUMMARY_FILE).write_text(json.dumps({"completed": True, "step": 40}))
-        return FakeJob(exits_after=1, status=0, attempt=attempt)
-
-    monkeypatch.setattr(sv.Job, "start", start)
-    monkeypatch.setattr(sv, "check_hosts", lambda slots, run_dir, **_: dict.fromkeys(slots))
-    hosts = HostSet(slots={"a": 1, "b": 1}, nodes=2, min_nodes=2, micro_batch=1, grad_accum=1)
-    log: list[str] = []
     supervisor = Supervisor(
-        lambda choice: list(choice.hosts), tmp_path, MonitorConfig(), hosts=hosts, log=log.append
+        lambda start: list(start.hosts.hosts), tmp_path, config, hosts=hosts, log=log.append
     )
     assert supervisor.run() == 0, log
-    assert starts[1][:2] == ["a", "b"] and not hosts.banned
-    assert set(sv.NEVER_MOVE_OFF) <= set(starts[1]), starts[1]
+    kinds = [(e.type, getattr(e, "host", None) or getattr(e, "new", None)) for e in read_events(tmp_path)]
+    if spare:
+        assert starts == [["a", "b"], ["a", "c"]], starts
+        assert hosts.banned == {"b": "straggler: 2.8x"} and "launch: moving off b: straggler: 2.8x" in log, (
+            log
+        )
+        assert ("node_excluded", "b") in kinds and ("node_replaced", "c") in kinds, kinds
+        assert MoveOff.read(tmp_path).kept is None
+        return
+    assert starts == [["a", "b"], ["a", "b"]] and not hosts.banned, starts
+    assert MoveOff.read(tmp_path).kept == "no spare, and --min-nodes 2 keeps every node"
+    assert any(line.startswith("launch: b stays (straggler: 2.8x)") for line in log), log

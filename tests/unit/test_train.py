@@ -243,11 +243,15 @@ def test_document_masking_reaches_the_model_in_training_and_evaluation(
         assert any(ids.max() > ids.min() for _, _, ids in training + evaluation)
 
 
-def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_unsaved(tmp_path, train_data):
+@pytest.mark.parametrize("by", ["the monitor", "the replica check"])
+def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_unsaved(
+    tmp_path, train_data, by
+):
     """The hook interface as a new component uses it: its vote comes back summed over ranks (one
     rank here) at the boundary of the same step, hooks run in order, and a `Stop` before a
-    checkpoint ends the run there with nothing saved after the refused state."""
-    from pretrain.train.hooks import CONTINUE, StepHook, Stop
+    checkpoint ends the run there with nothing saved after the refused state; the summary says
+    who stopped it."""
+    from pretrain.train.hooks import BY_THE_MONITOR, CONTINUE, StepHook, Stop
 
     seen = []
 
@@ -261,7 +265,7 @@ def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_un
 
         def before_checkpoint(self, step, stopping, last):
             seen.append(("checkpoint", step))
-            return Stop("enough") if step == 4 else CONTINUE
+            return Stop("enough", by) if step == 4 else CONTINUE
 
     trainer = pretraining_trainer(
         config(tmp_path, train_data, "train.steps=6", "checkpoint.every=2", "eval.every=0")
@@ -276,7 +280,12 @@ def test_a_step_hook_votes_in_the_steps_all_reduce_and_its_stop_ends_the_loop_un
         ("after", 4, 2.5, True),
         ("checkpoint", 4),
     ]
-    assert not summary["completed"] and summary["step"] == 4 and summary["stopped_by_monitor"] == "enough"
+    assert not summary["completed"] and summary["step"] == 4
+    if by == BY_THE_MONITOR:
+        assert summary["stopped_by_monitor"] == "enough" and "stopped_by" not in summary
+    else:  # another check's stop is not the monitor's
+        assert "stopped_by_monitor" not in summary
+        assert (summary["stopped_by"], summary["stopped_for"]) == ("the replica check", "enough")
     assert newest_complete(tmp_path) == "step_00000002"  # step 4 was refused: never saved
 
 
@@ -308,6 +317,73 @@ def test_a_rewind_ends_the_boundary_and_the_loop_goes_on_from_its_state(tmp_path
     summary = trainer.train()
     assert asked == {"first": [1, 2, 3, 3, 4], "second": [1, 2, 3, 4]}
     assert summary["completed"] and summary["step"] == 4
+
+
+def test_hooks_are_called_by_their_declared_priority(tmp_path, train_data):
+    """The run's hooks come in the order of their `priority` (pretrain/train/hooks.py's table: the
+    faults first, the skip guard before the replica check, the replay after both), and a hook given
+    last with a lower priority is still called before the others."""
+    from pretrain.train.hooks import CONTINUE, StepHook
+    from pretrain.train.precursor_hook import InstabilityPrecursors
+
+    order = []
+
+    class Early(StepHook):
+        priority = 5
+
+        def after_step(self, step, metrics, batch_ids, vote):
+            order.append(type(self).__name__)
+            return CONTINUE
+
+    class Late(Early):
+        priority = 1000
+
+    trainer = pretraining_trainer(
+        config(
+            tmp_path, train_data, "train.steps=1", "eval.every=0", "logging.data_trace=true",
+            "monitor.replay=true", "logging.precursors_every=1",
+        )
+    )  # fmt: skip
+    names = [type(hook).__name__ for hook in trainer.hooks]
+    assert names == [
+        "InjectedFaults", "DataTrace", "InstabilityPrecursors", "StragglerWatch", "ReplicaCheck",
+        "ReplayCheck",
+    ]  # fmt: skip
+    # The skip guard needs DeepSpeed's optimizer (tests/integration): its place by its priority.
+    from pretrain.train.replica_hook import ReplicaCheck
+    from pretrain.train.skip_hook import SkipBadUpdates
+
+    assert InstabilityPrecursors.priority < SkipBadUpdates.priority < ReplicaCheck.priority
+    trainer.hooks += [Late(), Early()]
+    trainer.train()
+    assert order == ["Early", "Late"]
+    assert [type(hook).__name__ for hook in trainer.hooks][1:3] == ["Early", "DataTrace"]
+
+
+def test_a_rewind_that_leaves_stops_at_its_checkpoint_with_its_status(tmp_path, train_data):
+    """A Rewind with `leaving` (the replica check's, when the host at fault reached its limit):
+    the loop stops at the state it went back to, a checkpoint already (nothing newer is saved),
+    with the leaving's reason and exit status in the summary."""
+    from pretrain.checkpoint import newest_complete
+    from pretrain.checkpoint.checkpointer import TrainState
+    from pretrain.errors import ExitCode
+    from pretrain.train.hooks import CONTINUE, Rewind, SaveAndStop, StepHook
+
+    class Leaving(StepHook):
+        def after_step(self, step, metrics, batch_ids, vote):
+            if step < 3:
+                return CONTINUE
+            leaving = SaveAndStop("moving off node7 (2 machine faults)", ExitCode.REPLACE_NODE)
+            return Rewind(TrainState(step=2, tokens=int(metrics["train/tokens"]) // 3 * 2), leaving)
+
+    trainer = pretraining_trainer(
+        config(tmp_path, train_data, "train.steps=6", "checkpoint.every=2", "eval.every=0")
+    )
+    trainer.hooks.append(Leaving())
+    summary = trainer.train()
+    assert not summary["completed"] and summary["step"] == 2 and summary["exit_code"] == 5
+    assert summary["stopped_for"] == "moving off node7 (2 machine faults)"
+    assert newest_complete(tmp_path) == "step_00000002"
 
 
 def test_the_precursors_are_measured_every_n_steps_and_read_with_the_step(tmp_path, train_data):
