@@ -46,6 +46,7 @@ PLAN = [
     "grad_norm_spike",  # backward of 1000× the loss: 1000× the gradient norm (clipping would hide it)
     "nan_loss",  # the judged loss is NaN, the gradients are finite
     "nan_grad",  # backward of NaN × the loss: a non-finite norm, the gate's skip (whatever the guard says)
+    "inf_grad",  # backward of 3e38 × the loss: the bf16 gradients overflow to ±Inf, the same skip
     "normal",
 ]
 EXPECTED_REASONS = {
@@ -54,6 +55,7 @@ EXPECTED_REASONS = {
     "grad_norm_spike": ["grad_norm_spike"],
     "nan_loss": ["loss_nonfinite"],
     "nan_grad": ["grad_norm_nonfinite"],
+    "inf_grad": ["grad_norm_nonfinite"],
 }
 GRAD_ACCUM, MICRO_BATCH, SEQ = 2, 2, 16
 COUNTED = (0, 1, 4, 8)  # PLAN's steps whose host waits are counted: two normal, a spike, a NaN
@@ -139,7 +141,9 @@ def train_step(engine, guard, index: int, kind: str, rank: int) -> None:
         tokens = torch.randint(0, 97, (MICRO_BATCH, SEQ), generator=generator)
         targets = torch.randint(0, 97, (MICRO_BATCH, SEQ), generator=generator)
         loss = engine(tokens=tokens, targets=targets).loss
-        engine.backward(loss * {"grad_norm_spike": 1000.0, "nan_grad": math.nan}.get(kind, 1.0))
+        engine.backward(
+            loss * {"grad_norm_spike": 1000.0, "nan_grad": math.nan, "inf_grad": 3e38}.get(kind, 1.0)
+        )
         loss_sum += loss.detach().float()
         if guard is not None and engine.is_gradient_accumulation_boundary():
             judged = global_mean(loss_sum / GRAD_ACCUM)
@@ -197,25 +201,27 @@ def run_variant(variant: str, env, out: Path) -> dict:
     engine.destroy()
 
     engine, stage = make_engine(variant, env, out)
-    gate_own = None
+    gate_own = {}
     for index, kind in enumerate(PLAN):
         if kind == "normal":
             train_step(engine, None, index, kind, env.rank)
-        elif kind == "nan_grad" and gate_own is None:  # without a guard: the gate's own skip
+        elif kind in ("nan_grad", "inf_grad"):  # without a guard: the gate's own skip
             before, skipped_before = state_tensors(engine, stage), engine.skipped_steps
             train_step(engine, None, index, kind, env.rank)
-            gate_own = {
+            gate_own[kind] = {
                 "compare": compare(before, state_tensors(engine, stage)),
                 "skipped_steps": engine.skipped_steps - skipped_before,
             }
     unguarded = digest(state_tensors(engine, stage))
+    scan = engine._config.bfloat16_config.check_grad_overflow  # DeepSpeed's own: off (the gate decides)
     engine.destroy()
     return {
         "stage": stage,
         "steps": steps,
         "seconds": seconds,
         "levels": guard.state_dict(),
-        "gate_nan_grad": gate_own,
+        "gate_nonfinite_grad": gate_own,
+        "deepspeed_scan": scan,
         "final_sha256": {"guarded": guarded, "unguarded": unguarded},
     }
 
@@ -297,8 +303,13 @@ def test_skipped_steps_are_as_if_never_run(ranks, variant):
     for rank in ranks:
         final = rank[variant]["final_sha256"]
         assert final["guarded"] == final["unguarded"]
-        own = rank[variant]["gate_nan_grad"]
-        assert own["skipped_steps"] == 1 and all(own["compare"][c]["all_same"] for c in CATEGORIES), own
+        assert rank[variant]["deepspeed_scan"] is False
+        for kind, own in rank[variant]["gate_nonfinite_grad"].items():
+            assert own["skipped_steps"] == 1 and all(own["compare"][c]["all_same"] for c in CATEGORIES), (
+                kind,
+                own,
+            )
+        assert set(rank[variant]["gate_nonfinite_grad"]) == {"nan_grad", "inf_grad"}
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if "offload" not in v])
