@@ -323,6 +323,18 @@ class Job:
             self.signal_group(signal.SIGTERM)
 
 
+def stop_note(received: signal.Signals, passed_on: signal.Signals, over_ssh: bool) -> str | None:
+    """What the ranks read as why they stop (`tell_ranks_why`) when the supervisor got `received`
+    and passes it on as `passed_on` (over ssh every host's ranks get SIGTERM); None where they get
+    `received` itself: the signal says it all, and where a scheduler sends it to every process
+    (Slurm's time-limit warning, scancel) a rank that hears the scheduler's copy before the
+    supervisor's then names the same signal as one that hears the supervisor's first."""
+    reaches_ranks_as = signal.SIGTERM if over_ssh else passed_on
+    if reaches_ranks_as == received:
+        return None
+    return f"{received.name} to pretrain launch, passed on as {reaches_ranks_as.name}"
+
+
 @dataclass(frozen=True)
 class JobStart:
     """What a start of the job is: the attempt (0: the first; later ones resume from the newest
@@ -557,14 +569,14 @@ class Supervisor:
 
     def _pass_on(self, interrupt: Interrupt, job: Job) -> None:
         """A signal to the supervisor: the ranks are asked to save and stop (SIGUSR1 passed on as
-        itself, anything else as SIGTERM)."""
+        itself, anything else as SIGTERM), told first what the supervisor got where they get
+        another signal (`stop_note`)."""
         self.log("launch: asking the job to save a checkpoint and stop (again to kill it)")
-        passed_on = signal.SIGUSR1 if interrupt.signum == signal.SIGUSR1 else signal.SIGTERM
-        tell_ranks_why(
-            self.run_dir,
-            f"{signal.Signals(interrupt.signum or signal.SIGINT).name} to pretrain launch, "
-            f"passed on as {passed_on.name}",
-        )
+        received = signal.Signals(interrupt.signum or signal.SIGINT)
+        passed_on = signal.SIGUSR1 if received == signal.SIGUSR1 else signal.SIGTERM
+        note = stop_note(received, passed_on, job.over_ssh)
+        if note is not None:
+            tell_ranks_why(self.run_dir, note)
         job.ask_ranks_to_stop(passed_on)
 
     def _overdue(

@@ -46,6 +46,7 @@ from pretrain.tokenizer import Tokenizer, check_beside, load_run_tokenizer, run_
 from pretrain.train.hooks import DataTrace, InjectedFaults, StepHook
 from pretrain.train.loop import Cadence
 from pretrain.train.machine_faults import FaultLedger
+from pretrain.train.moe_hook import expert_balance
 from pretrain.train.monitor_hook import Monitored
 from pretrain.train.move_off import HostMoves
 from pretrain.train.precursor_hook import InstabilityPrecursors
@@ -73,7 +74,8 @@ def preflight(cfg: RunConfig, world_size: int) -> PreflightResult:
     model and tokenizer against the run's), the W&B package when W&B is on."""
     check_available(cfg.logging.wandb)  # every rank, before any process group
     check_sequence_parallel(cfg, world_size)
-    plan = plan_batches(cfg.train, cfg.data.seq_len, world_size, cfg.parallel.sequence)
+    check_experts(cfg)
+    plan = plan_batches(cfg.train, cfg.data.seq_len, world_size, cfg.parallel.sequence, cfg.parallel.expert)
     for key, step in (
         ("kill", "kill_step"),
         ("hang", "hang_step"),
@@ -170,6 +172,23 @@ def check_sequence_parallel(cfg: RunConfig, world_size: int) -> None:
         raise UserError(
             f"engine.compile=true with parallel.sequence={S}: compiled blocks around DeepSpeed's "
             "all-to-all are not proven here; set engine.compile=false"
+        )
+
+
+def check_experts(cfg: RunConfig) -> None:
+    """What `model.moe` and `parallel.expert` need of the engine and the optimizer (the model's own
+    checks are the config's; ZeRO's are the DeepSpeed JSON's, `engine.check_expert_parallel_zero`)."""
+    if cfg.model.moe is None:
+        return
+    if cfg.engine.compile:
+        raise UserError(
+            "engine.compile=true with model.moe: the routed blocks' shapes depend on the routing and are "
+            "not compiled here; set engine.compile=false"
+        )
+    if cfg.parallel.expert > 1 and cfg.optim.name == "muon":
+        raise UserError(
+            f"optim.name=muon with parallel.expert={cfg.parallel.expert}: Muon over experts split across "
+            "ranks is not proven here; use optim.name=adamw or parallel.expert=1"
         )
 
 
@@ -471,6 +490,7 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
                 engine, cfg.logging.precursors_every, cfg.logging.precursor_tokens, writer, cadence.logged
             )
         )
+    hooks += expert_balance(parts, cadence)  # (with experts: their loads, and the balancing bias's step)
     if cfg.monitor.skip_step:
         guard = SkipGuard.for_run(
             cfg.monitor.skip_ratio, cfg.monitor.skip_window, grad_norm_ratio=cfg.monitor.skip_grad_norm_ratio

@@ -108,7 +108,8 @@ def start(plan: RunPlan, env: DistEnv, setting: str, make_engine: MakeEngine) ->
     """Every rank, with the run directory owned and the process group up: the trainer, built on
     the checkpoint the resume `setting` leads to (or none), or the summary of a run already complete."""
     cfg, run_dir = plan.config, Path(plan.config.run.dir)
-    resume = choose_resume(run_dir, setting, env, mirror=cfg.checkpoint.mirror)
+    experts = expert_parallel(cfg)
+    resume = choose_resume(run_dir, setting, env, mirror=cfg.checkpoint.mirror, expert_parallel=experts)
     if resume is not None and resume.state.step >= plan.steps and summary_complete(run_dir):
         return already_complete(run_dir, plan.steps, env, resume)
     # (the last step saved but the run not finished, e.g. killed before its last evaluation or
@@ -116,8 +117,16 @@ def start(plan: RunPlan, env: DistEnv, setting: str, make_engine: MakeEngine) ->
     ds_config = resume.deepspeed_config(plan.ds_config) if resume else plan.ds_config
     # resuming, the checkpoint's weights replace the model's: a task may skip reading its first ones
     make_model = plan.make_resumed_model if resume and plan.make_resumed_model else plan.make_model
-    engine, optimizer = make_engine(cfg.run, cfg.engine, cfg.optim, make_model, ds_config)
+    engine, optimizer = make_engine(
+        cfg.run, cfg.engine, cfg.optim, make_model, ds_config, expert_parallel=experts
+    )
     return build_trainer(plan, env, engine, optimizer, resume)
+
+
+def expert_parallel(cfg: RunConfig | FinetuneConfig) -> int:
+    """`parallel.expert` (pretraining's; fine-tuning keeps every expert on every rank)."""
+    parallel = getattr(cfg, "parallel", None)
+    return parallel.expert if parallel is not None else 1
 
 
 def build_trainer(plan: RunPlan, env: DistEnv, engine, optimizer, resume: Resume | None) -> Trainer:
@@ -134,6 +143,7 @@ def build_trainer(plan: RunPlan, env: DistEnv, engine, optimizer, resume: Resume
         config_hash=config_hash(cfg),
         faults=plan.faults,
         special_tokens=plan.special_tokens,
+        expert_parallel=expert_parallel(cfg),
     )
     state = restore(checkpointer, engine, task, resume, plan.position_at)
     writer = MetricsWriter(

@@ -157,6 +157,8 @@ def model_identity(model_cfg) -> dict:
 ADDED_KEYS = {
     "model.qk_norm": False,
     "model.rope_scaling": None,
+    "model.moe": None,
+    "parallel.expert": 1,
     "checkpoint.init": None,
     "loss.z_loss": 0.0,
     "monitor.skip_step": False,
@@ -204,6 +206,8 @@ def _differences(old: dict, new: dict, keys) -> list[str]:
     keys = {RENAMED_KEYS.get(k, k) for k in keys}
 
     def was(k):
+        if k == "model.head_dim" and k not in old and "model.d_model" in old:  # (derived: d_model / n_heads)
+            return old["model.d_model"] // old["model.n_heads"]
         return old.get(k, ADDED_KEYS.get(k))
 
     return [f"{k} {was(k)!r} → {new.get(k)!r}" for k in sorted(keys) if was(k) != new.get(k)]

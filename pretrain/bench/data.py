@@ -122,7 +122,10 @@ def bench_source(url: str, work: Path, windows: int = 2000, seq_len: int = 2048)
     disk: the time to the first window with an empty cache (manifest, tokenizer, the first shard
     fetched and verified), the windows per second of a whole pass of `windows` shuffled windows
     from the store (the cache filling, the prefetcher ahead) and again with the cache full, the
-    cache's hits and misses, and the same windows from a local copy of the dataset."""
+    cache's hits and misses, and the same windows from a local copy of the dataset. A hit is a read
+    that found its shard verified in the cache, a miss one that waited for a download (its own, or
+    the prefetcher's still in flight: `ShardCache.fetch`); which a shard is depends on how far
+    ahead the prefetcher got, their sum (the shards the pass read) does not."""
     from pretrain.data.storage import DEFAULT_CACHE_GIB, ShardCache
     from pretrain.data.views import local_dataset
     from pretrain.object_store import filesystem
@@ -164,6 +167,7 @@ def bench_source(url: str, work: Path, windows: int = 2000, seq_len: int = 2048)
         "cache_misses": stats["misses"],
         "cache_hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]),
         "fetched_bytes": stats["fetched_bytes"],
+        "verified_bytes": stats["verified_bytes"],
     }
 
 
@@ -185,7 +189,8 @@ def run(as_json: bool = False, quick: bool = False, source: str | None = None) -
             print(f"  {label:<30}: {result[key] / 1e6:8.2f}M tokens/s")
         print(
             f"  cache: {result['cache_hits']} hits, {result['cache_misses']} misses in the first pass "
-            f"({100 * result['cache_hit_rate']:.1f}% hits), {result['fetched_bytes'] / 2**20:.1f} MiB fetched"
+            f"({100 * result['cache_hit_rate']:.1f}% hits), {result['fetched_bytes'] / 2**20:.1f} MiB fetched, "
+            f"{result['verified_bytes'] / 2**20:.1f} MiB of it verified"
         )
         return result
     with tempfile.TemporaryDirectory(prefix="pretrain-bench-data-") as tmp:

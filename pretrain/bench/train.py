@@ -144,8 +144,9 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: list
 
 
 def matmul_flops(dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of a large square matrix product in `dtype` on `device`, best of a few timings."""
-    n = 8192 if device.type == "cuda" else 1024
+    """FLOP/s of a large square matrix product in `dtype` on `device`, best of a few timings. On a
+    CPU, the largest size up to 1024 whose product takes at most 0.05 s (`_cpu_matmul_size`)."""
+    n = 8192 if device.type == "cuda" else _cpu_matmul_size(dtype)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     best = float("inf")
@@ -157,6 +158,24 @@ def matmul_flops(dtype: torch.dtype, device: torch.device) -> float:
         _sync(device)
         best = min(best, (time.perf_counter() - start) / 10)
     return 2 * n**3 / best
+
+
+def _cpu_matmul_size(dtype: torch.dtype, most: int = 1024, seconds: float = 0.05) -> int:
+    """A CPU without kernels for `dtype` (bf16 on an AMD EPYC whose oneDNN path is AVX2) took 6 s
+    for one product of 1024 (under a load of 10 on its 2 cores): the 50 timed products at that
+    size made the reference take minutes (and `gpu_check --cpu`'s bench part run out of time).
+    Doubling from 128 while a product of the next size takes under `seconds` keeps it to about a
+    second there."""
+    n = 128
+    while n < most:
+        a = torch.randn(2 * n, 2 * n).to(dtype)
+        a @ a  # (the first product of a size sets up its kernel)
+        start = time.perf_counter()
+        a @ a
+        if time.perf_counter() - start > seconds:
+            break
+        n *= 2
+    return n
 
 
 def _sync(device: torch.device) -> None:

@@ -82,7 +82,13 @@ class Resume:
 
 
 def choose_resume(
-    run_dir: str | Path, resume: str, env: DistEnv, log=None, *, mirror: str | None = None
+    run_dir: str | Path,
+    resume: str,
+    env: DistEnv,
+    log=None,
+    *,
+    mirror: str | None = None,
+    expert_parallel: int = 1,
 ) -> Resume | None:
     """Every rank, once the process group is up: the checkpoint to resume from, or None for a fresh
     start. Rank 0 picks it — the one `checkpoint.resume` names (a tag or directory; "auto": the
@@ -106,7 +112,20 @@ def choose_resume(
         return None
     tag = layout.tag_for(step)
     saved = read_train_state(run_dir, tag)
-    return Resume(tag, saved, saved["world_size"] != env.world_size)
+    universal = saved["world_size"] != env.world_size or saved.get("expert_parallel", 1) != expert_parallel
+    if universal and (expert_parallel > 1 or has_experts(run_dir, tag)):
+        raise UserError(
+            f"{tag} holds a model with experts saved on {saved['world_size']} processes at parallel.expert="
+            f"{saved.get('expert_parallel', 1)}; resuming it at another world size or parallel.expert is "
+            "not supported yet: resume with the same"
+        )
+    return Resume(tag, saved, universal)
+
+
+def has_experts(run_dir: str | Path, tag: str) -> bool:
+    """Whether checkpoint `tag` holds a model with experts (its run_config.json's `model.moe`)."""
+    path = layout.checkpoints_dir(run_dir) / tag / layout.RUN_CONFIG
+    return path.is_file() and bool(json.loads(path.read_text()).get("model", {}).get("moe"))
 
 
 def never_checkpointed(run_dir: str | Path) -> bool:
@@ -171,6 +190,7 @@ class Checkpointer:
         config_hash: str,
         faults: FaultsConfig | None = None,
         special_tokens: dict | None = None,
+        expert_parallel: int = 1,
     ):
         """`config`: `checkpoint.keep`, `save_retries` and `async_save`; `run_config`: the run's
         whole config, written into each checkpoint as run_config.json; `faults`: the slow save's
@@ -179,6 +199,7 @@ class Checkpointer:
         self.run_dir, self.env, self.keep = Path(run_dir), env, config.keep
         self.run_config, self.tokenizer, self.config_hash = run_config, Path(tokenizer), config_hash
         self.faults, self.special_tokens = faults, special_tokens
+        self.expert_parallel = expert_parallel  # parallel.expert: recorded, a resume at another is universal
         self.root = layout.checkpoints_dir(run_dir)
         self.save_retries = config.save_retries
         self.failures = 0  # failed saves in a row
@@ -266,6 +287,7 @@ class Checkpointer:
         """train_state.json but the weights digests."""
         train_state = {k: v for k, v in asdict(state).items() if k != "hooks" or v}  # (none: as before)
         train_state |= {"data": data} if data is not None else {}
+        train_state |= {"expert_parallel": self.expert_parallel} if self.expert_parallel > 1 else {}
         return train_state | {"world_size": self.env.world_size, "config_hash": self.config_hash}
 
     def _client_state(self) -> dict:
@@ -467,9 +489,7 @@ class Checkpointer:
         if resume.universal:
             self._make_universal(resume.tag)
         load_dir = self.root / "universal" if resume.universal else self.root
-        engine.load_checkpoint(
-            str(load_dir), tag=resume.tag, load_module_strict=True, load_lr_scheduler_states=False
-        )
+        self._load_weights(engine, load_dir, resume.tag)
         if resume.universal:
             universal.load_momentum(engine.optimizer, load_dir / resume.tag)
         else:
@@ -491,12 +511,20 @@ class Checkpointer:
         if step < 0:
             return None
         tag = layout.tag_for(step)
-        engine.load_checkpoint(
-            str(self.root), tag=tag, load_module_strict=True, load_lr_scheduler_states=False
-        )
+        self._load_weights(engine, self.root, tag)
         saved = read_train_state(self.run_dir, tag)
         self.last_tag = tag
         return saved, self.matches(engine, saved)
+
+    def _load_weights(self, engine, directory: Path, tag: str) -> None:
+        """DeepSpeed's load; with experts split across ranks, each rank's experts then put back from
+        its own fp32 partitions (ZeRO's `update_lp_params`, as a step does): the module file every
+        rank reads is rank 0's, which holds rank 0's experts only."""
+        engine.load_checkpoint(
+            str(directory), tag=tag, load_module_strict=True, load_lr_scheduler_states=False
+        )
+        if self.expert_parallel > 1:
+            engine.optimizer.update_lp_params()
 
     def matches(self, engine, saved: dict) -> bool | None:
         """Every rank: do the weights it now holds (fp32 master weights included) equal those saved?"""

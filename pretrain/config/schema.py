@@ -113,13 +113,69 @@ class RopeScaling:
             )
 
 
+ROUTERS = ("softmax", "sigmoid")
+BALANCES = ("aux_loss", "bias", "both")
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """`model.moe`: the feed-forward of every block from `dense_layers` on is a mixture of experts
+    (pretrain/model/moe.py; docs/model.md, Mixture of experts): each token goes to its `top_k` of
+    `experts` routed experts (token choice, no token dropped), plus `shared_experts` every token
+    goes through. Absent (null), the model is dense, computed as before bit for bit."""
+
+    experts: int = 8  # routed experts per MoE block
+    top_k: int = 2  # routed experts per token
+    shared_experts: int = 0  # always-on experts: one SwiGLU of shared_experts × expert_ffn_dim
+    expert_ffn_dim: int | None = None  # each expert's hidden size; null: model.d_ff
+    router: str = "sigmoid"  # softmax | sigmoid scores (fp32)
+    # aux_loss: a balancing loss over the data-parallel micro-batch (Switch, OLMoE, Qwen3's global
+    # batch) | bias: DeepSeek-V3's auxiliary-loss-free balance, a per-expert bias on the scores
+    # that choose, nudged by bias_rate against each expert's load after every step | both: the
+    # bias and DeepSeek-V3's small sequence-wise loss
+    balance: str = "both"
+    aux_loss_coef: float = 1e-4  # the balancing loss's coefficient (DeepSeek-V3 1e-4, OLMoE 1e-2)
+    bias_rate: float = 1e-3  # the bias's step (DeepSeek-V3's γ)
+    router_z_loss: float = 0.0  # coefficient of the mean squared logsumexp of the router logits
+    dense_layers: int = 0  # the first N blocks keep the dense feed-forward (model.d_ff)
+    # the top-k weights divided by their sum (DeepSeek-V3, Qwen3; OLMoE does not)
+    normalize_top_k: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("experts", "top_k"):
+            _positive(f"model.moe.{key}", getattr(self, key))
+        for key in ("shared_experts", "dense_layers"):
+            _positive(f"model.moe.{key}", getattr(self, key), allow_zero=True)
+        if self.expert_ffn_dim is not None:
+            _positive("model.moe.expert_ffn_dim", self.expert_ffn_dim)
+        _choice("model.moe.router", self.router, ROUTERS)
+        _choice("model.moe.balance", self.balance, BALANCES)
+        for key in ("aux_loss_coef", "bias_rate", "router_z_loss"):
+            _positive(f"model.moe.{key}", getattr(self, key), allow_zero=True)
+        if self.top_k > self.experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.experts={self.experts}: "
+                "each token picks top_k different experts; lower top_k or add experts"
+            )
+        if not isinstance(self.normalize_top_k, bool):
+            raise ConfigError(f"model.moe.normalize_top_k={self.normalize_top_k!r}: use true or false")
+
+    @property
+    def uses_bias(self) -> bool:
+        return self.balance in ("bias", "both")
+
+    @property
+    def uses_aux_loss(self) -> bool:
+        return self.balance in ("aux_loss", "both") and self.aux_loss_coef > 0
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The decoder's shape and its architecture switches (defaults are the Llama style)."""
 
     # Filled in by __post_init__ when left None; the loader keeps them None in the merge schema so
     # that a default derived for the default d_model never leaks into a preset with another one.
-    DERIVED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_ff")
+    DERIVED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_ff", "head_dim")
 
     preset: str | None = None  # name of the configs/model/ preset these values came from
     vocab_size: int = 32000
@@ -127,6 +183,8 @@ class ModelConfig:
     n_layers: int = 12
     n_heads: int = 12
     n_kv_heads: int | None = None  # None: = n_heads (plain multi-head attention)
+    # each head's width; None: d_model / n_heads (Qwen3's are wider: 32 heads × 128 on 2048)
+    head_dim: int | None = None
     d_ff: int | None = None  # None: SwiGLU ~8/3·d_model rounded up to ffn_multiple_of, else 4·d_model
     ffn_multiple_of: int = 256
     max_seq_len: int = 2048
@@ -143,6 +201,8 @@ class ModelConfig:
     qk_norm: bool = False
     # rotary frequencies rescaled for a longer context (RopeScaling: llama3 or linear); None: plain RoPE
     rope_scaling: RopeScaling | None = None
+    # a mixture of experts in place of the dense feed-forward (MoEConfig); None: dense
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
@@ -154,11 +214,14 @@ class ModelConfig:
         _choice("model.norm_placement", self.norm_placement, ("pre", "post"))
         _choice("model.activation", self.activation, ("swiglu", "gelu", "relu"))
         _choice("model.positions", self.positions, ("rope", "sinusoidal", "learned"))
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
-                "choose n_heads so that head_dim = d_model / n_heads is a whole number"
-            )
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                    "choose n_heads so that head_dim = d_model / n_heads is a whole number, or set model.head_dim"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        _positive("model.head_dim", self.head_dim)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _positive("model.n_kv_heads", self.n_kv_heads)
@@ -183,21 +246,39 @@ class ModelConfig:
         if self.d_ff is None:
             self.d_ff = default_ffn_dim(self.d_model, self.activation, self.ffn_multiple_of)
         _positive("model.d_ff", self.d_ff)
+        if isinstance(self.moe, dict):  # as a saved run config (asdict) holds it
+            self.moe = section_from_dict(MoEConfig, "model.moe", self.moe)
+        if self.moe is not None:
+            self._check_moe(self.moe)
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def _check_moe(self, moe: MoEConfig) -> None:
+        """What experts need of the rest of the model, each refusal one line."""
+        if self.activation != "swiglu":
+            raise ConfigError(
+                f"model.moe with model.activation={self.activation!r}: the experts are SwiGLU; use swiglu"
+            )
+        if moe.dense_layers >= self.n_layers:
+            raise ConfigError(
+                f"model.moe.dense_layers={moe.dense_layers} leaves no block of model.n_layers="
+                f"{self.n_layers} for the experts: lower it, or drop model.moe for a dense model"
+            )
+        if moe.expert_ffn_dim is None:
+            moe.expert_ffn_dim = self.d_ff
 
 
 def rope_scaling_from_dict(values: dict) -> RopeScaling:
     """`model.rope_scaling` from a mapping (a saved run config's), unknown keys refused in one line."""
-    known = {f.name for f in fields(RopeScaling)}
+    return section_from_dict(RopeScaling, "model.rope_scaling", values)
+
+
+def section_from_dict(cls: type, key: str, values: dict):
+    """A nested section (`model.rope_scaling`, `model.moe`) from a mapping (a saved run config's),
+    unknown keys refused in one line."""
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(
-            f"model.rope_scaling: unknown key {unknown[0]!r}: valid keys are {', '.join(sorted(known))}"
-        )
-    return RopeScaling(**values)
+        raise ConfigError(f"{key}: unknown key {unknown[0]!r}: valid keys are {', '.join(sorted(known))}")
+    return cls(**values)
 
 
 def default_ffn_dim(d_model: int, activation: str, multiple_of: int) -> int:
@@ -447,15 +528,25 @@ class ParallelConfig:
     # S: each window's tokens split across the S ranks of a sequence-parallel group (DeepSpeed
     # Ulysses); the data-parallel degree is the number of processes / S
     sequence: int = 1
+    # E: each group of E consecutive ranks splits model.moe's experts, rank r holding the r % E-th
+    # E-th of them, tokens moved to their experts by all-to-all (pretrain/parallel/experts.py)
+    expert: int = 1
 
     def __post_init__(self) -> None:
         _positive("parallel.sequence", self.sequence)
+        _positive("parallel.expert", self.expert)
 
     def check(self, model: ModelConfig, seq_len: int) -> None:
-        """What sequence parallelism needs of the model and the window, each refusal one line."""
+        """What sequence and expert parallelism need of the model and the window, each refusal one line."""
+        self._check_experts(model)
         S = self.sequence
         if S == 1:
             return
+        if model.moe is not None:
+            raise ConfigError(
+                f"model.moe with parallel.sequence={S}: experts with sequence parallelism are not proven "
+                "here; set parallel.sequence=1"
+            )
         if seq_len % S:
             raise ConfigError(
                 f"data.seq_len={seq_len} is not divisible by parallel.sequence={S}: each rank "
@@ -471,6 +562,20 @@ class ParallelConfig:
             raise ConfigError(
                 f"model.n_kv_heads={kv} and parallel.sequence={S}: one must divide the other (fewer "
                 "key/value heads than S are replicated, as DeepSpeed does); choose S accordingly"
+            )
+
+    def _check_experts(self, model: ModelConfig) -> None:
+        E = self.expert
+        if E == 1:
+            return
+        if model.moe is None:
+            raise ConfigError(
+                f"parallel.expert={E} but the model has no experts: set model.moe, or parallel.expert=1"
+            )
+        if model.moe.experts % E:
+            raise ConfigError(
+                f"model.moe.experts={model.moe.experts} is not divisible by parallel.expert={E}: each rank "
+                "of an expert-parallel group holds an equal share of the experts; choose E dividing them"
             )
 
 

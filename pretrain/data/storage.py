@@ -152,7 +152,10 @@ class ShardCache:
         self._wake = threading.Event()
         self._closed = threading.Event()  # set by close(): the prefetcher stops, its retries too
         self._thread: threading.Thread | None = None
-        self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "evicted": 0, "refetched": 0}
+        self.stats = dict.fromkeys(
+            ("hits", "misses", "fetched_bytes", "verified_bytes", "evicted", "refetched"), 0
+        )
+        self._stats_lock = threading.Lock()
         self.failed: str | None = None  # the prefetcher's last given-up fetch
         self._over_budget_said = False
 
@@ -237,47 +240,61 @@ class ShardCache:
     ) -> Path | None:
         """The entry's verified file in the cache, downloaded if needed (retried with backoff; a
         download that does not match the manifest is fetched once more, then refused). While
-        prefetching (`reading` false) it gives up quietly when the budget has no room without
-        evicting `protect`, returning None."""
+        prefetching (`reading` false) it gives up quietly, returning None, when the budget has no
+        room without evicting `protect`, or when a download does not match (the read fetches that
+        file again and says why). A read counts as a hit when the verified file was here as it
+        asked, else as a miss: it waited for a download, its own or one in flight in another
+        thread or process (the prefetcher's), whichever thread took the file's lock first."""
         path = self.path(entry)
+        was_here = _holds(path, entry.size)
         with self._fetching[entry.sha256], self._file_lock(entry):
-            if path.is_file() and path.stat().st_size == entry.size:
+            if _holds(path, entry.size):
                 if reading:
-                    self.stats["hits"] += 1
+                    self._count("hits" if was_here else "misses")
                 _touch(path)
                 return path
             part = self._reserve(entry, protect | {entry.sha256}, wait=reading)
             if part is None:
                 return None
             if reading:
-                self.stats["misses"] += 1
+                self._count("misses")
+            tries = 2 if reading else 1
             try:
-                for attempt in range(2):
+                for attempt in range(tries):
                     reason = self._download(entry, part)
                     if reason is None:
                         os.replace(part, path)
                         return path
-                    if attempt == 0:
-                        self.stats["refetched"] += 1
+                    if attempt + 1 < tries:
+                        self._count("refetched")
                         print(
                             f"warning: {entry.url} {reason}: fetching it again", file=sys.stderr, flush=True
                         )
             finally:
                 part.unlink(missing_ok=True)
+            if not reading:
+                return None
             raise DataError(
                 f"{entry.url} {reason} twice: the object in the store is corrupt or was replaced; run "
                 f"`pretrain data verify {entry.url.rsplit('/', 1)[0]}` and prepare the dataset again"
             )
 
+    def _count(self, key: str, amount: int = 1) -> None:
+        """stats[key] += amount: the reader and the prefetcher count from two threads."""
+        with self._stats_lock:
+            self.stats[key] += amount
+
     def _download(self, entry: Entry, part: Path) -> str | None:
-        """One download into `part`, checked; None, or why the bytes were refused."""
+        """One download into `part`, checked; None, or why the bytes were refused. Counts the bytes
+        downloaded (`fetched_bytes`), and those whose sha256 matched the manifest (`verified_bytes`)."""
         self._with_retries(entry.url, lambda: self._get(entry.url, part))
         size = part.stat().st_size
+        self._count("fetched_bytes", size)
         if size != entry.size:
             return f"holds {size:,} bytes, the manifest says {entry.size:,}"
         if _sha256(part) != entry.sha256:
             return "does not match its sha256 in the manifest"
-        self.stats["fetched_bytes"] += size
+        self._count("verified_bytes", size)
         return None
 
     def _get(self, url: str, target: Path) -> None:
@@ -398,7 +415,7 @@ class ShardCache:
             return False
         try:
             path.unlink(missing_ok=True)
-            self.stats["evicted"] += 1
+            self._count("evicted")
         finally:
             os.close(fd)
         return True
@@ -470,6 +487,12 @@ def _sha256(path: Path) -> str:
 def _touch(path: Path) -> None:
     with contextlib.suppress(OSError):
         os.utime(path)
+
+
+def _holds(path: Path, size: int) -> bool:
+    """Whether the cache's file is there (then it is verified: only a checked download is renamed
+    into place)."""
+    return path.is_file() and _size(path) == size
 
 
 def _size(path: Path) -> int:

@@ -45,6 +45,12 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, dict[str, torch.Tenso
     the fp32 weights consolidated from any ZeRO stage's shards."""
     directory = checkpoint.find_checkpoint(path)
     run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
+    split = json.loads((directory / checkpoint.TRAIN_STATE).read_text()).get("expert_parallel", 1)
+    if split > 1:  # (each rank's files hold its own experts: zero_to_fp32 cannot put them together)
+        raise UserError(
+            f"{directory}: its experts were split across ranks (parallel.expert={split}); reading such a "
+            "checkpoint outside training is not supported yet: train with parallel.expert=1 to read it"
+        )
     with silenced_stdout():  # DeepSpeed reports its progress on stdout
         from deepspeed.utils import zero_to_fp32
 

@@ -29,6 +29,7 @@ from pretrain.run_dir import model_identity
 from pretrain.tokenizer import sha256_file
 from pretrain.train.hooks import DataTrace
 from pretrain.train.loop import Cadence
+from pretrain.train.moe_hook import expert_balance
 
 
 @dataclass(kw_only=True)
@@ -120,8 +121,9 @@ def run_plan(cfg: FinetuneConfig, env: DistEnv) -> RunPlan:
         },
         make_model=inputs.model,
         make_task=functools.partial(make_task, trained, inputs, plan),
-        make_hooks=lambda parts: (  # (no faults, no monitor)
-            [DataTrace(Path(cfg.run.dir), parts.env.rank)] if cfg.logging.data_trace else []
+        make_hooks=lambda parts: (  # (no faults, no monitor; with experts, their balance)
+            ([DataTrace(Path(cfg.run.dir), parts.env.rank)] if cfg.logging.data_trace else [])
+            + expert_balance(parts, Cadence.of(trained, inputs.steps))
         ),
         first_lines=functools.partial(first_lines, trained, inputs, plan),
         summary=summary(trained, inputs),

@@ -15,6 +15,10 @@ constructor argument, 0.0 by default), which pretraining sets from `loss.z_loss`
 the model. It is added in training mode only, like dropout: in eval mode (held-out evaluation,
 `pretrain eval`) the loss is the plain cross-entropy.
 
+With `model.moe`, the blocks from `moe.dense_layers` on route each token to experts
+(`pretrain/model/moe.py`); their auxiliary losses (balancing, router z-loss) join the loss as the
+z-loss does, in training mode only. Off (null), not one operation of the dense path changes.
+
 Nothing here knows about DeepSpeed, data or processes: the engine wraps this module as it is.
 Shapes: B batch, T sequence, d d_model, nh query heads, nkv key/value heads, hd head_dim, V vocab.
 """
@@ -31,6 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pretrain.config import ModelConfig, RopeScaling
 from pretrain.model.loss import linear_cross_entropy
+from pretrain.model.moe import MoE
 
 
 class ModelOutput(NamedTuple):
@@ -320,13 +325,15 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) · up(x)); or the classic down(act(up(x))) with GELU/ReLU."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
+        """`d_ff`: the hidden size, model.d_ff unless given (the shared experts' is theirs)."""
         super().__init__()
+        d_ff = d_ff or cfg.d_ff
         self.activation = cfg.activation
         self.gated = cfg.activation == "swiglu"
         # For SwiGLU, gate and up share one matmul: rows [gate | up].
-        self.in_proj = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=False)
-        self.out_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.in_proj = nn.Linear(cfg.d_model, (2 if self.gated else 1) * d_ff, bias=False)
+        self.out_proj = nn.Linear(d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.in_proj(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
@@ -362,8 +369,19 @@ class LMHead(nn.Linear):
         return linear_cross_entropy(flat, self.weight, targets.flatten(), z_loss=z_loss, kernel=kernel)
 
 
+def feed_forward(cfg: ModelConfig, layer_index: int) -> nn.Module:
+    """A block's feed-forward: the dense SwiGLU, or from `model.moe.dense_layers` on a mixture of
+    experts (pretrain/model/moe.py) with its shared experts' SwiGLU."""
+    moe = cfg.moe
+    if moe is None or layer_index < moe.dense_layers:
+        return FeedForward(cfg)
+    shared = FeedForward(cfg, moe.shared_experts * moe.expert_ffn_dim) if moe.shared_experts else None
+    return MoE(cfg, shared)
+
+
 class Block(nn.Module):
-    """pre: x + f(norm(x)) (Llama, GPT-2+); post: norm(x + f(x)) (Vaswani et al.)."""
+    """pre: x + f(norm(x)) (Llama, GPT-2+); post: norm(x + f(x)) (Vaswani et al.). With experts, f
+    also gives the routing's auxiliary loss, which the block returns beside its output."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int = 0):
         super().__init__()
@@ -371,7 +389,8 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer_index)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = FeedForward(cfg)
+        self.mlp = feed_forward(cfg, layer_index)
+        self.routed = isinstance(self.mlp, MoE)
 
     def forward(
         self,
@@ -380,16 +399,22 @@ class Block(nn.Module):
         need_weights: bool = False,
         cache: KVCache | None = None,
         mask=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(x, attention probabilities when asked, the experts' auxiliary loss or None)."""
         if self.pre_norm:
             a, probs = self.attn(self.attn_norm(x), rope, need_weights, cache, mask)
             x = x + a
-            x = x + self.mlp(self.mlp_norm(x))
+            m, aux = self.feed_forward(self.mlp_norm(x))
+            x = x + m
         else:
             a, probs = self.attn(x, rope, need_weights, cache, mask)
             x = self.attn_norm(x + a)
-            x = self.mlp_norm(x + self.mlp(x))
-        return x, probs
+            m, aux = self.feed_forward(x)
+            x = self.mlp_norm(x + m)
+        return x, probs, aux
+
+    def feed_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.mlp(x) if self.routed else (self.mlp(x), None)
 
 
 class Transformer(nn.Module):
@@ -416,6 +441,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.register_buffer("pos_table", torch.empty(0), persistent=False)
+        # The experts' auxiliary losses of the last forward (training mode; `hidden_states`),
+        # which `forward` adds to the loss given targets: None for a dense model
+        self.aux_loss: torch.Tensor | None = None
         # How document_ids become an attention mask (MASK_KINDS): "auto" takes FlexAttention on
         # CUDA and a dense mask elsewhere; tests set "flex" to run the GPU's path on a CPU.
         self.masked_attention = "auto"
@@ -435,8 +463,11 @@ class Transformer(nn.Module):
         for layer in self.layers:
             nn.init.normal_(layer.attn.qkv_proj.weight, std=std)
             nn.init.normal_(layer.attn.o_proj.weight, std=residual_std)
-            nn.init.normal_(layer.mlp.in_proj.weight, std=std)
-            nn.init.normal_(layer.mlp.out_proj.weight, std=residual_std)
+            if layer.routed:
+                layer.mlp.reset_parameters(std, residual_std)
+            else:
+                nn.init.normal_(layer.mlp.in_proj.weight, std=std)
+                nn.init.normal_(layer.mlp.out_proj.weight, std=residual_std)
             layer.attn_norm.reset_parameters()
             layer.mlp_norm.reset_parameters()
             if layer.attn.q_norm is not None:
@@ -529,10 +560,13 @@ class Transformer(nn.Module):
                 else torch.arange(start, start + T, device=tokens.device)
             )
             h = h + self.pos_embeddings(where)
-        attentions = []
+        attentions, auxes = [], []
         for layer in self.layers:
-            h, probs = layer(h, rope, need_weights, cache, mask)
+            h, probs, aux = layer(h, rope, need_weights, cache, mask)
             attentions.append(probs)
+            if aux is not None:
+                auxes.append(aux)
+        self.aux_loss = torch.stack(auxes).sum() if auxes else None
         if cache is not None:
             cache.length += T
         return (self.norm(h) if final_norm else h), (tuple(attentions) if need_weights else None)
@@ -572,4 +606,7 @@ class Transformer(nn.Module):
         held = [h]
         del h  # (head_loss takes the only reference: the states are freed once normed)
         z_loss = self.z_loss if self.training else 0.0
-        return ModelOutput(None, self.head_loss(held, targets, z_loss), attentions)
+        loss = self.head_loss(held, targets, z_loss)
+        if self.aux_loss is not None:  # (training mode only, as the z-loss)
+            loss = loss + self.aux_loss
+        return ModelOutput(None, loss, attentions)

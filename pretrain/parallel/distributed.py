@@ -8,13 +8,16 @@ run, and are unit-tested, in a plain Python process.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
 import signal
 import socket
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +36,10 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls) -> DistEnv:
-        """Launchers set these; one plain process gets defaults (and a free rendezvous port)."""
+        """Launchers set these; one plain process gets defaults, and no rendezvous port: a group of
+        one meets in memory (`init_distributed`)."""
         if "WORLD_SIZE" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
         return cls(
             int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
         )
@@ -46,27 +49,84 @@ class DistEnv:
         return self.rank == 0
 
 
+PORT_LEASE_SECONDS = 1800.0
+# Where free_port leases ports: the same for every process of this user on the machine, whatever
+# its TMPDIR (a Slurm job's, or a test's, is its own).
+PORT_LEASES = Path("/tmp") / f"pretrain-ports-{os.getuid()}"
+
+
 def free_port() -> int:
-    """A port to listen on (a rendezvous store, the monitoring service): free now, and below the
-    range the kernel hands to outgoing connections (ip_local_port_range), so no client socket
-    (ssh, pdsh, Slurm's daemons, HTTP) takes it before the listener binds it, as one did."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    pick = random.SystemRandom()  # not the training's seeded generator: every process would pick alike
-    tries = 100 if low > 21_000 else 0  # (a range that leaves no room below it: the kernel's choice)
-    for _ in range(tries):
-        port = pick.randrange(20_000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
+    """A port to listen on (a rendezvous store, an sshd), which no other caller on this machine is
+    handed for PORT_LEASE_SECONDS: the job it is for binds it seconds or minutes later, and in
+    between the port is free, so a bind test alone gave two jobs started together the same port
+    (EADDRINUSE in one). Each port handed out is leased (a file named for it, written under a lock
+    in /tmp/pretrain-ports-UID); a leased port, or one something listens on, is never handed
+    out. Ports come from below the range the kernel hands to outgoing connections
+    (ip_local_port_range), so no client socket (ssh, pdsh, Slurm's daemons, HTTP) takes one before
+    its listener binds it, as one did."""
+    low = _first_outgoing_port()
+    if low > 21_000:  # (a range that leaves no room below it: the kernel's choice)
+        with _port_leases() as leases:
+            port = _leased_port(leases, low)
+            if port is not None:
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _first_outgoing_port() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    """Whether nothing holds `port` now (a listener, a connection, one closing: no SO_REUSEADDR)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _port_leases() -> Iterator[Path | None]:
+    """The lease directory, locked for this caller (None where it cannot be made: bind tests only)."""
+    leases = PORT_LEASES
+    try:
+        leases.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(leases / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield None
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield leases
+    finally:
+        os.close(fd)
+
+
+def _leased_port(leases: Path | None, low: int) -> int | None:
+    """(Under the leases' lock.) A random port in [20000, low) neither leased nor bound, leased now."""
+    pick = random.SystemRandom()  # not the training's seeded generator: every process would pick alike
+    now = time.time()
+    for _ in range(100):
+        port = pick.randrange(20_000, low)
+        lease = leases / str(port) if leases is not None else None
+        with contextlib.suppress(OSError):
+            if lease is not None and now - lease.stat().st_mtime < PORT_LEASE_SECONDS:
+                continue
+        if not _bindable(port):
+            continue
+        if lease is not None:
+            with contextlib.suppress(OSError):
+                lease.touch()
+                os.utime(lease, (now, now))
+        return port
+    return None
 
 
 def cpu_threads_per_rank() -> int | None:
@@ -87,7 +147,9 @@ def usable_cores() -> int:
 
 
 def init_distributed(env: DistEnv) -> None:
-    """The process group (NCCL on GPUs, gloo on CPU), for training and fine-tuning alike.
+    """The process group (NCCL on GPUs, gloo on CPU), for training and fine-tuning alike. A group
+    of one process meets in memory: no port is bound, so none can be taken by another job first
+    (a plain process's rendezvous port, chosen free, once was: EADDRINUSE).
 
     On CPU, DeepSpeed's shared-memory all-reduce, which training never uses, is neither built nor
     loaded (`pretrain.parallel.deepspeed_ops`). Where DeepSpeed builds it anyway (another layout), it makes
@@ -107,7 +169,10 @@ def init_distributed(env: DistEnv) -> None:
         announced_builds(say_once_per_node(env)),
         without_shm_all_reduce() as skipped,
     ):
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        backend = "nccl" if on_gpu else "gloo"
+        if env.world_size == 1 and not dist.is_initialized():  # (DeepSpeed adopts a group it finds)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend)
     if on_gpu:
         torch.cuda.set_device(env.local_rank)
         return

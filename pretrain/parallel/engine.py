@@ -26,6 +26,7 @@ from pretrain.optim import muon as optimizers
 from pretrain.optim.muon import LR_RATIOS
 from pretrain.parallel.deepspeed_ops import announced_builds
 from pretrain.parallel.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
+from pretrain.parallel.experts import expert_param_groups, split_experts
 from pretrain.parallel.norm_gate import NormGate, gated
 from pretrain.parallel.sequence import split_attention
 
@@ -37,6 +38,7 @@ class BatchPlan:
     world_size: int  # data-parallel ranks: the processes / sequence_parallel
     seq_len: int
     sequence_parallel: int = 1  # S: ranks sharing each window (parallel.sequence)
+    expert_parallel: int = 1  # E: ranks splitting each MoE block's experts (parallel.expert)
 
     @property
     def global_batch_size(self) -> int:  # windows per optimizer step, all ranks
@@ -47,12 +49,22 @@ class BatchPlan:
         return self.global_batch_size * self.seq_len
 
 
-def plan_batches(train: TrainConfig, seq_len: int, world_size: int, sequence_parallel: int = 1) -> BatchPlan:
+def plan_batches(
+    train: TrainConfig, seq_len: int, world_size: int, sequence_parallel: int = 1, expert_parallel: int = 1
+) -> BatchPlan:
     """The batch sizes of `world_size` processes, S = `sequence_parallel` of them sharing each
     window: world_size / S data-parallel ranks (`pretrain.pretraining.preflight` checks that S
-    divides the processes)."""
+    divides the processes); E = `expert_parallel` of them splitting the experts (all of them
+    data-parallel ranks)."""
+    if world_size % expert_parallel:
+        raise ConfigError(
+            f"parallel.expert={expert_parallel} but the job has {world_size} process(es): each group of "
+            f"{expert_parallel} ranks splits the experts, so run a multiple of {expert_parallel} processes"
+        )
     data_parallel = world_size // sequence_parallel
-    plan = BatchPlan(train.micro_batch_size, train.grad_accum, data_parallel, seq_len, sequence_parallel)
+    plan = BatchPlan(
+        train.micro_batch_size, train.grad_accum, data_parallel, seq_len, sequence_parallel, expert_parallel
+    )
     wanted = train.global_batch_size
     ranks = (
         f"{world_size} processes"
@@ -124,6 +136,8 @@ def deepspeed_config(
     ds.setdefault("steps_per_print", 10**9)  # the trainer does its own logging
     if plan.sequence_parallel > 1 and zero_stage(ds) == 3:
         ds["zero_optimization"] = zero3_sequence_parallel(path, ds["zero_optimization"])
+    if plan.expert_parallel > 1:
+        check_expert_parallel_zero(path, ds, plan.expert_parallel)
     if optim is not None:
         check_optimizer(optim, ds)
     return ds
@@ -145,6 +159,27 @@ def zero3_sequence_parallel(path: Path, zero: dict[str, Any]) -> dict[str, Any]:
                 f"{str(wanted).lower()} or remove it"
             )
     return zero | {"reduce_scatter": False, "contiguous_gradients": True}
+
+
+def check_expert_parallel_zero(path: Path, ds: dict[str, Any], size: int) -> None:
+    """What experts split across ranks need of the DeepSpeed JSON (pretrain/parallel/experts.py):
+    ZeRO-1 or 2, the path proven against one rank (DeepSpeed's engine refuses its MoE groups under
+    ZeRO-3; ZeRO-0 reduces them on another path), with the settings its MoE groups assert on, and
+    a load that restores each rank's own experts from its fp32 partition."""
+    stage = zero_stage(ds)
+    if stage not in (1, 2):
+        raise ConfigError(
+            f"{path}: ZeRO stage {stage} with parallel.expert={size}: experts split across ranks train "
+            "under ZeRO-1 or ZeRO-2 (DeepSpeed refuses its expert groups under ZeRO-3); use zero1.json or "
+            "zero2.json, or parallel.expert=1"
+        )
+    zero = ds.get("zero_optimization", {})
+    for key in ("reduce_scatter", "contiguous_gradients", "load_from_fp32_weights"):
+        if zero.get(key, True) is False:
+            raise ConfigError(
+                f"{path}: zero_optimization.{key}=false with parallel.expert={size}: DeepSpeed's expert groups "
+                "need it true; set it to true or remove it"
+            )
 
 
 def check_zero3_buckets(ds: dict[str, Any], largest_parameter: int) -> None:
@@ -208,7 +243,7 @@ def make_optimizer(
     `pretrain.optim.muon.muon_groups`, its AdamW half `_adamw_class`'s, each group's learning-rate
     ratio kept for `set_lr`. `on_gpu`: where the parameters will train (default: on a GPU when
     there is one)."""
-    groups = param_groups(model, optim.weight_decay)
+    groups = expert_param_groups(param_groups(model, optim.weight_decay))
     adamw, adamw_kwargs = _adamw_class(ds, on_gpu)
     if optim.name == "adamw":
         return adamw(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **adamw_kwargs)
@@ -247,10 +282,16 @@ def compile_blocks(model: nn.Module, fullgraph: bool = False) -> None:
 def compile_model(model: nn.Module, engine: EngineConfig, ds: dict[str, Any]) -> None:
     """`engine.compile`: each block, and with `engine.compile_head` the final norm, the LM head and
     the loss (`Transformer.head_loss`), each one graph. Where DeepSpeed itself runs inside a block
-    — ZeRO-3's parameter gathers, sequence parallelism's all-to-all: graph breaks — the blocks are
-    compiled around them as before and the head stays eager; so are other models' blocks (the
-    benchmark's Transformers model)."""
-    whole = isinstance(model, Transformer) and zero_stage(ds) < 3 and ds.get("sequence_parallel_size", 1) == 1
+    — ZeRO-3's parameter gathers, sequence parallelism's all-to-all: graph breaks — and for a
+    mixture of experts (its routing and dispatch, not held to one graph), the blocks are compiled
+    around them as before and the head stays eager; so are other models' blocks (the benchmark's
+    Transformers model)."""
+    whole = (
+        isinstance(model, Transformer)
+        and model.cfg.moe is None
+        and zero_stage(ds) < 3
+        and ds.get("sequence_parallel_size", 1) == 1
+    )
     compile_blocks(model, fullgraph=whole)
     if whole and engine.compile_head:
         model.head_loss = torch.compile(model.head_loss, fullgraph=True)
@@ -269,24 +310,29 @@ def build(
     optim: OptimConfig,
     make_model: Callable[[], nn.Module],
     ds: dict[str, Any],
+    expert_parallel: int = 1,
 ):
     """Every rank: the model (built after seeding with `run.seed`, so every rank builds the same
     one) in its engine; returns (engine, optimizer). The optimizer is checked against the DeepSpeed
-    JSON first (`check_optimizer`: bad input, before the model is built)."""
+    JSON first (`check_optimizer`: bad input, before the model is built). `expert_parallel`:
+    `parallel.expert`."""
     check_optimizer(optim, ds)
     torch.manual_seed(run.seed)
-    return initialize(make_model(), engine, optim, ds)
+    return initialize(make_model(), engine, optim, ds, expert_parallel)
 
 
-def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: dict[str, Any]):
+def initialize(
+    model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: dict[str, Any], expert_parallel: int = 1
+):
     """Wrap the model in a DeepSpeed engine, as `engine` says; returns (engine, optimizer)."""
     import deepspeed
 
     if engine.activation_checkpointing:
         apply_activation_checkpointing(model)
     # parallel.sequence: attention across each window's ranks; DeepSpeed's groups as its mpu
-    sequence = ds.get("sequence_parallel_size", 1)
-    mpu = split_attention(model, sequence) if sequence > 1 else None
+    sequence_parallel = ds.get("sequence_parallel_size", 1)
+    mpu = split_attention(model, sequence_parallel) if sequence_parallel > 1 else None
+    split_experts(model, expert_parallel)  # (the experts' dispatch; with E > 1, each rank's share)
     if engine.compile:
         compile_model(model, engine, ds)
     prefer_attention(engine.attention)
@@ -297,6 +343,9 @@ def initialize(model: nn.Module, engine: EngineConfig, optim: OptimConfig, ds: d
         wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=mpu)
     if ds.get("bf16", {}).get("check_grad_overflow") is False:  # (deepspeed_config: gated)
         NormGate.arm(wrapped)  # the scan is off: the gate decides, or nothing would
+    # DeepSpeed's MoE checkpoint files name experts after its own layer's modules and leave ours out
+    # of the model file: ours are saved as a dense model's are (pretrain/checkpoint/universal.py)
+    wrapped.has_moe_layers = False
     if ratios is not None:
         setattr(optimizer, LR_RATIOS, ratios)  # on DeepSpeed's ZeRO optimizer, which set_lr is given
     return wrapped, optimizer

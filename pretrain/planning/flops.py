@@ -3,7 +3,8 @@
 FLOPs per token follow PaLM (appendix B) and torchtitan: 6·N + 12·L·nh·hd·T, where N counts the
 parameters that take part in matrix products: every parameter except the input embeddings
 (token, and learned positions), with the LM head counted once whether or not it is tied to the
-token embedding. 6 = 2 FLOPs per multiply-add × (forward + 2× backward). The attention term
+token embedding. With experts (`model.moe`) N counts what one token uses, its active parameters:
+the router, its top_k routed experts and the shared ones, not the other routed experts. 6 = 2 FLOPs per multiply-add × (forward + 2× backward). The attention term
 counts QK^T and AV over the full T×T (as PaLM does; causal kernels skip about half of it).
 
 MFU = achieved FLOPs/s ÷ the device's peak dense bf16 FLOPs/s. It never counts recomputation
@@ -28,38 +29,68 @@ PEAK_FLOPS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParamCounts:
     embedding: int  # token embedding
     positions: int  # learned position embedding (0 for rope / sinusoidal)
     attention: int  # q, k, v and output projections, all layers
-    feed_forward: int  # all layers
+    feed_forward: int  # all layers: dense, shared experts and every routed expert
     norms: int  # every norm's weights (and biases for LayerNorm)
     lm_head: int  # 0 when tied: the head is the embedding matrix
     total: int  # unique parameters
     non_embedding: int  # total - embedding - positions (Kaplan et al.'s N)
+    router: int = 0  # the MoE blocks' routers (d_model × experts each)
+    experts: int = 0  # the routed experts, all of them (in feed_forward)
+    active: int = 0  # what one token uses: total less the routed experts it is not routed to
+
+
+@dataclass(frozen=True)
+class FeedForwardCounts:
+    """The feed-forward parameters of all blocks, and of the routed experts among them."""
+
+    total: int  # dense blocks, shared and routed experts
+    router: int
+    routed: int  # every routed expert
+    idle: int  # the routed experts a token is not sent to (routed × (E − K) / E)
+
+
+def feed_forward_counts(cfg: ModelConfig) -> FeedForwardCounts:
+    d, L, moe = cfg.d_model, cfg.n_layers, cfg.moe
+    matrices = 3 if cfg.activation == "swiglu" else 2
+    if moe is None:
+        return FeedForwardCounts(L * matrices * d * cfg.d_ff, 0, 0, 0)
+    routed_blocks = L - moe.dense_layers
+    expert = 3 * d * moe.expert_ffn_dim
+    routed = routed_blocks * moe.experts * expert
+    shared = routed_blocks * moe.shared_experts * expert
+    total = moe.dense_layers * matrices * d * cfg.d_ff + shared + routed
+    idle = routed_blocks * (moe.experts - moe.top_k) * expert
+    return FeedForwardCounts(total, routed_blocks * d * moe.experts, routed, idle)
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
     d, L = cfg.d_model, cfg.n_layers
     attention = L * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + cfg.n_heads * cfg.head_dim * d)
-    feed_forward = L * (3 if cfg.activation == "swiglu" else 2) * d * cfg.d_ff
+    ffn = feed_forward_counts(cfg)
     per_norm = d * (2 if cfg.norm == "layernorm" else 1)
     norms = per_norm * (2 * L + (1 if cfg.norm_placement == "pre" else 0))
     norms += 2 * L * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0  # each layer's query and key norm
     embedding = cfg.vocab_size * d
     positions = cfg.max_seq_len * d if cfg.positions == "learned" else 0
     lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    total = embedding + positions + attention + feed_forward + norms + lm_head
+    total = embedding + positions + attention + ffn.total + ffn.router + norms + lm_head
     return ParamCounts(
         embedding=embedding,
         positions=positions,
         attention=attention,
-        feed_forward=feed_forward,
+        feed_forward=ffn.total,
         norms=norms,
         lm_head=lm_head,
         total=total,
         non_embedding=total - embedding - positions,
+        router=ffn.router,
+        experts=ffn.routed,
+        active=total - ffn.idle,
     )
 
 
@@ -72,15 +103,20 @@ def largest_parameter(cfg: ModelConfig) -> int:
         cfg.max_seq_len * d if cfg.positions == "learned" else 0,
         (cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d,
         (2 if cfg.activation == "swiglu" else 1) * cfg.d_ff * d,
+        2 * cfg.moe.experts * cfg.moe.expert_ffn_dim * d if cfg.moe else 0,  # every expert's [gate; up]
     )
 
 
 def describe_model(cfg: ModelConfig) -> str:
     """How the console names a model: its size and shape (a preset's name may no longer fit it
     once fields are overridden)."""
-    total = param_counts(cfg).total
-    size = f"{total / 1e9:.1f}B" if total >= 1e9 else f"{total / 1e6:.1f}M"
-    return f"a {size}-parameter model ({cfg.n_layers} layers, d_model {cfg.d_model})"
+    counts = param_counts(cfg)
+    active = f", {_size(counts.active)} active" if cfg.moe else ""
+    return f"a {_size(counts.total)}-parameter model ({cfg.n_layers} layers, d_model {cfg.d_model}{active})"
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
 @dataclass(frozen=True)
@@ -90,9 +126,10 @@ class FlopsBreakdown:
     attention_projections: int
     attention_scores: int  # QK^T
     attention_weighted_sum: int  # AV
-    feed_forward: int
+    feed_forward: int  # the parameters a token uses: dense, shared, its top_k routed experts
     lm_head: int
     norms: int
+    router: int = 0
 
     @property
     def total(self) -> int:
@@ -102,20 +139,24 @@ class FlopsBreakdown:
 def flops_per_token(cfg: ModelConfig, seq_len: int, counts: ParamCounts | None = None) -> FlopsBreakdown:
     counts = counts or param_counts(cfg)
     attention_matmul = 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len  # each of QK^T and AV
+    idle = counts.total - counts.active  # the routed experts a token is not sent to
     return FlopsBreakdown(
         attention_projections=6 * counts.attention,
         attention_scores=attention_matmul,
         attention_weighted_sum=attention_matmul,
-        feed_forward=6 * counts.feed_forward,
+        feed_forward=6 * (counts.feed_forward - idle),
         lm_head=6 * cfg.vocab_size * cfg.d_model,
         norms=6 * counts.norms,
+        router=6 * counts.router,
     )
 
 
 def matmul_params(cfg: ModelConfig, counts: ParamCounts | None = None) -> int:
-    """N in 6·N: non-embedding parameters, plus the LM head when it is tied (counted once)."""
+    """N in 6·N: non-embedding parameters a token uses (with experts, its active ones), plus the
+    LM head when it is tied (counted once)."""
     counts = counts or param_counts(cfg)
-    return counts.non_embedding + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+    idle = counts.total - counts.active
+    return counts.non_embedding - idle + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
 
 
 def newton_schulz_flops(cfg: ModelConfig, method: str = "gram", steps: int = 5) -> int:
@@ -188,6 +229,7 @@ def flops_report(
     breakdown = flops_per_token(cfg, seq_len, counts)
     report = {
         "params": counts.total,
+        "active_params": counts.active,
         "non_embedding_params": counts.non_embedding,
         "matmul_params": matmul_params(cfg, counts),
         "seq_len": seq_len,
@@ -209,7 +251,13 @@ def format_report(report: dict) -> str:
     total = report["flops_per_token"]
     lines = [
         f"model {report['model']}: {report['params'] / 1e6:.1f}M params "
-        f"({report['non_embedding_params'] / 1e6:.1f}M non-embedding), seq_len {report['seq_len']}",
+        f"({report['non_embedding_params'] / 1e6:.1f}M non-embedding"
+        + (
+            f", {report['active_params'] / 1e6:.1f}M active"
+            if report["active_params"] != report["params"]
+            else ""
+        )
+        + f"), seq_len {report['seq_len']}",
         f"training FLOPs per token: {total / 1e6:.1f}M  (6·N with N = {report['matmul_params'] / 1e6:.1f}M, plus attention)",
     ]
     lines += [

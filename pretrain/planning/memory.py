@@ -16,10 +16,17 @@ DeepSpeed ZeRO (the fp32 master weights and AdamW's two moments in the optimizer
   optimizer's part and the fp32 gradients leave the GPU (and under ZeRO-3 with `offload_param`,
   the parameters' 2Ψ/N too). ZeRO partitions over all N ranks, sequence-parallel ones included:
   DeepSpeed's engine gives its ZeRO optimizer the sequence-data-parallel group.
+- **experts** (`model.moe`, `parallel.expert: E`): each GPU holds the dense parameters and 1/E of
+  the routed experts Ψₑ (bf16: 2(Ψ − Ψₑ + Ψₑ/E), and so ZeRO-1's bf16 gradients); the gradients'
+  and optimizer states' partitions hold Ψ/N either way (the experts' over the N/E ranks holding
+  the same ones: Ψₑ/E / (N/E)), as DeepSpeed's ZeRO-1/2 keep them.
 - **activations**, measured from this model's autograd graph (`pretrain/model/transformer.py`, eager, bf16):
   per layer and token 22h + 6·kv + 8f + 4·nh + 8 bytes (h = d_model, kv = n_kv_heads·head_dim,
   f = d_ff: the RMSNorms' fp32 inputs, the fused qkv and SwiGLU projections, the rotated q and k,
-  the attention output and its fp32 log-sum-exp; SDPA/flash keeps no T×T scores); the fused LM
+  the attention output and its fp32 log-sum-exp; SDPA/flash keeps no T×T scores); a routed block
+  keeps 8Kf + K(6h + 32) + 2h + 5E + 4 in place of 8f (K top_k, f expert_ffn_dim, E experts: each
+  token's K copies, bf16 in and fp32 out, the router's fp32 input and scores), + 8Sf + 2h with
+  shared experts of S·f, + 4 with a balancing loss, + 4E + 4 with the router z-loss; the fused LM
   head (`pretrain/model/loss.py`) adds 10h per token, its fp32 weight gradient 4Vh, and while a chunk
   is computed 6 bytes per logit of the chunk and 6Vh. With activation checkpointing each layer
   keeps only its 2h input, and one layer is recomputed at a time (its activations plus 4f + 2h
@@ -31,6 +38,7 @@ DeepSpeed ZeRO (the fp32 master weights and AdamW's two moments in the optimizer
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -103,6 +111,7 @@ class Setting:
     micro_batch_size: int
     grad_accum: int
     sequence_parallel: int  # S: each window's tokens are split over S ranks
+    expert_parallel: int = 1  # E: each MoE block's experts are split over E ranks
 
     def overrides(self) -> list[str]:
         """The dotted overrides that select this setting."""
@@ -112,7 +121,8 @@ class Setting:
             f"train.micro_batch_size={self.micro_batch_size}",
             f"train.grad_accum={self.grad_accum}",
         ]
-        return words + ([f"parallel.sequence={self.sequence_parallel}"] if self.sequence_parallel > 1 else [])
+        words += [f"parallel.sequence={self.sequence_parallel}"] if self.sequence_parallel > 1 else []
+        return words + ([f"parallel.expert={self.expert_parallel}"] if self.expert_parallel > 1 else [])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,33 +167,60 @@ def largest_layer(cfg: ModelConfig) -> int:
     """Λ: the most parameters any one module holds itself (DeepSpeed's `largest_layer_params`)."""
     d, hd = cfg.d_model, cfg.head_dim
     ffn_in = (2 if cfg.activation == "swiglu" else 1) * cfg.d_ff
+    experts = 3 * cfg.moe.experts * cfg.moe.expert_ffn_dim * d if cfg.moe else 0  # one Experts module
     return max(
-        cfg.vocab_size * d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d, cfg.n_heads * hd * d, ffn_in * d
+        cfg.vocab_size * d,
+        (cfg.n_heads + 2 * cfg.n_kv_heads) * hd * d,
+        cfg.n_heads * hd * d,
+        ffn_in * d,
+        experts,
     )
 
 
-def model_states(params: int, largest: int, gpus: int, zero: ZeroSettings) -> tuple[float, float, float]:
+def model_states(
+    params: int, largest: int, gpus: int, zero: ZeroSettings, experts: int = 0, expert_parallel: int = 1
+) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) in bytes per GPU, as DeepSpeed's estimators count
     them (module docstring): bf16 parameters and gradients, fp32 gradients, master weights and
-    AdamW's two moments (12 bytes per parameter) in the optimizer's partition."""
+    AdamW's two moments (12 bytes per parameter) in the optimizer's partition. `experts` of the
+    `params` are split over `expert_parallel` ranks: each GPU holds its share of them."""
     share = params / (gpus if zero.stage else 1)  # ZeRO-0: nothing partitioned
+    held = params - experts + experts / expert_parallel  # the parameters this GPU holds
     if zero.stage >= 3:
         parameters = (0 if zero.offload_params else BF16 * share) + 2 * BF16 * largest
     else:
-        parameters = BF16 * params
+        parameters = BF16 * held
     if zero.offload_optimizer:
-        return parameters, (BF16 * params if zero.stage <= 1 else 0.0), 0.0
+        return parameters, (BF16 * held if zero.stage <= 1 else 0.0), 0.0
     if zero.stage >= 3:  # DeepSpeed's 18Ψ/N less the optimizer's 12 (module docstring)
         gradients = FP32 * share
     else:  # the bf16 gradients (whole under ZeRO-0/1, a partition under ZeRO-2), the fp32 partition
-        gradients = (BF16 * params if zero.stage <= 1 else BF16 * share) + FP32 * share
+        gradients = (BF16 * held if zero.stage <= 1 else BF16 * share) + FP32 * share
     return parameters, gradients, 3 * FP32 * share
 
 
-def layer_activation_bytes(cfg: ModelConfig) -> int:
-    """What one block's autograd graph keeps per token (eager, bf16; module docstring)."""
+def layer_activation_bytes(cfg: ModelConfig, routed: bool = False) -> int:
+    """What one block's autograd graph keeps per token (eager, bf16; module docstring): a dense
+    block's, or a `routed` one's (its feed-forward a mixture of experts)."""
     h, kv, f = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
-    return 22 * h + 6 * kv + 8 * f + FP32 * cfg.n_heads + 2 * FP32
+    feed_forward = moe_activation_bytes(cfg) if routed else 8 * f
+    return 22 * h + 6 * kv + feed_forward + FP32 * cfg.n_heads + 2 * FP32
+
+
+def moe_activation_bytes(cfg: ModelConfig) -> int:
+    """A routed feed-forward's bytes per token (measured on this model: module docstring)."""
+    moe, h = cfg.moe, cfg.d_model
+    K, f, E = moe.top_k, moe.expert_ffn_dim, moe.experts
+    kept = 8 * K * f + K * (6 * h + 32) + 2 * h + 5 * E + 4
+    kept += 8 * moe.shared_experts * f + 2 * h if moe.shared_experts else 0
+    kept += 4 if moe.uses_aux_loss else 0
+    return kept + (4 * E + 4 if moe.router_z_loss > 0 else 0)
+
+
+def layer_kinds(cfg: ModelConfig) -> list[tuple[int, bool]]:
+    """(blocks, routed) for the dense and the routed blocks."""
+    dense = cfg.moe.dense_layers if cfg.moe else cfg.n_layers
+    return [(n, routed) for n, routed in ((dense, False), (cfg.n_layers - dense, True)) if n]
 
 
 def activation_bytes(
@@ -195,29 +232,38 @@ def activation_bytes(
     """Peak activation bytes for `tokens` tokens per GPU (micro-batch × seq_len / S): the layers'
     saved tensors and the fused LM head's, at the larger of the end of the forward pass (the
     head's chunk in flight) and, with checkpointing, one layer's recompute and backward."""
-    h, V, L, f = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.d_ff
-    per_layer = layer_activation_bytes(cfg)
+    h, V, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
+    layers = sum(n * layer_activation_bytes(cfg, routed) for n, routed in layer_kinds(cfg))
     chunk = min(max(16, chunk_logits // V), tokens) * V  # logits of one chunk of rows
     head = tokens * (10 * h + 8) + FP32 * V * h
     head_in_flight = head + 6 * chunk + 6 * V * h
     if not checkpointing:
-        return tokens * L * per_layer + head_in_flight
-    return tokens * L * BF16 * h + max(head_in_flight, tokens * (per_layer + 4 * f + 2 * h))
+        return tokens * layers + head_in_flight
+    recompute = max(
+        layer_activation_bytes(cfg, routed) + 4 * (hidden_per_token(cfg) if routed else cfg.d_ff) + 2 * h
+        for _, routed in layer_kinds(cfg)
+    )
+    return tokens * L * BF16 * h + max(head_in_flight, tokens * recompute)
+
+
+def hidden_per_token(cfg: ModelConfig) -> int:
+    """A routed block's hidden width per token: its K experts' and its shared ones'."""
+    return (cfg.moe.top_k + cfg.moe.shared_experts) * cfg.moe.expert_ffn_dim
 
 
 def muon_share(cfg: ModelConfig) -> float:
     """The fraction of the parameters Muon trains (the blocks' matrices: one momentum buffer, not two)."""
     counts = param_counts(cfg)
-    return (counts.attention + counts.feed_forward) / counts.total
+    return (counts.attention + counts.feed_forward - counts.experts) / counts.total  # (experts: 3-D, AdamW's)
 
 
 def plan(
     cfg: ModelConfig, seq_len: int, setting: Setting, hardware: Hardware, optimizer: str = "adamw"
 ) -> Plan:
     """One setting's memory per GPU and expected tokens/s."""
-    params = param_counts(cfg).total
+    counts = param_counts(cfg)
     parameters, gradients, optimizer_states = model_states(
-        params, largest_layer(cfg), hardware.gpus, setting.zero
+        counts.total, largest_layer(cfg), hardware.gpus, setting.zero, counts.experts, setting.expert_parallel
     )
     if optimizer == "muon":  # master weights (4) + one moment (4) where Muon trains, two (8) elsewhere
         share = muon_share(cfg)
@@ -251,12 +297,32 @@ def throughput(cfg: ModelConfig, seq_len: int, setting: Setting, hardware: Hardw
         moved = micro_tokens / gpus * BF16 * (2 * cfg.d_model + 2 * kv) * (S - 1) / S
         passes = 3 if setting.activation_checkpointing else 2
         step += setting.grad_accum * cfg.n_layers * passes * moved / hardware.interconnect.bus_bandwidth(S)
+    step += setting.grad_accum * all_to_all_seconds(cfg, setting, hardware, micro_tokens / gpus)
     share = param_counts(cfg).total / gpus
     if setting.zero.offload_optimizer:  # bf16 gradients down, bf16 parameters up, Adam on the CPU
         step += 2 * BF16 * share / PCIE_BYTES_PER_SEC + share / CPU_ADAM_PARAMS_PER_SEC
     if setting.zero.offload_params:  # the partition up for each forward and backward
         step += setting.grad_accum * 2 * BF16 * share / PCIE_BYTES_PER_SEC
     return setting.grad_accum * micro_tokens / step
+
+
+def all_to_all_seconds(cfg: ModelConfig, setting: Setting, hardware: Hardware, tokens: float) -> float:
+    """Experts across E ranks, one micro-step: each routed block sends each of a GPU's `tokens`
+    K copies to their experts and takes them back, in the forward and the backward pass (and the
+    recompute), (E − 1)/E of them to other ranks, not overlapped."""
+    E = setting.expert_parallel
+    if E == 1:
+        return 0.0
+    routed = cfg.n_layers - cfg.moe.dense_layers
+    moved = tokens * cfg.moe.top_k * BF16 * cfg.d_model * (E - 1) / E
+    passes = 3 if setting.activation_checkpointing else 2
+    return routed * passes * 2 * moved / hardware.interconnect.bus_bandwidth(E)
+
+
+def held_params(cfg: ModelConfig, expert_parallel: int) -> float:
+    """The parameters one GPU holds: the dense ones and its share of the routed experts."""
+    counts = param_counts(cfg)
+    return counts.total - counts.experts + counts.experts / expert_parallel
 
 
 def zero_step_seconds(
@@ -267,7 +333,7 @@ def zero_step_seconds(
     micro-batch's backward and gathers the parameters once; ZeRO-3 gathers and reduces at every
     micro-batch."""
     mfu = hardware.mfu / (RECOMPUTE_FACTOR if setting.activation_checkpointing else 1)
-    args = (param_counts(cfg).total, flops_per_token(cfg, seq_len).total, hardware.gpus)
+    args = (held_params(cfg, setting.expert_parallel), flops_per_token(cfg, seq_len).total, hardware.gpus)
     stage, accum = setting.zero.stage, setting.grad_accum
     common = {"interconnect": hardware.interconnect, "zero_stage": max(stage, 1)}
     if stage <= 1:
@@ -285,26 +351,46 @@ def candidate_settings(
 ) -> list[Setting]:
     """Every setting that keeps the global batch (`global_windows` per step): each packaged ZeRO
     config, checkpointing off and on, micro-batches of powers of two, S dividing the GPUs, the
-    window and the heads."""
+    window and the heads, E dividing the GPUs and the experts."""
     found = []
     for S in (s for s in _powers_of_two(gpus) if gpus % s == 0 and seq_len % s == 0 and cfg.n_heads % s == 0):
         ranks = gpus // S  # windows in flight at once
         for micro in _powers_of_two(global_windows):
             if global_windows % (micro * ranks):
                 continue
-            for path, zero in zero_configs.items():
-                for checkpointing in (False, True):
-                    found.append(
-                        Setting(
-                            deepspeed_config=path,
-                            zero=zero,
-                            activation_checkpointing=checkpointing,
-                            micro_batch_size=micro,
-                            grad_accum=global_windows // (micro * ranks),
-                            sequence_parallel=S,
-                        )
+            for E, (path, zero), checkpointing in itertools.product(
+                expert_degrees(cfg, gpus), zero_configs.items(), (False, True)
+            ):
+                found.append(
+                    Setting(
+                        deepspeed_config=path,
+                        zero=zero,
+                        activation_checkpointing=checkpointing,
+                        micro_batch_size=micro,
+                        grad_accum=global_windows // (micro * ranks),
+                        sequence_parallel=S,
+                        expert_parallel=E,
                     )
+                )
     return found
+
+
+def expert_degrees(cfg: ModelConfig, gpus: int) -> list[int]:
+    """The E a run may split its experts over: powers of two dividing the GPUs and the experts."""
+    if cfg.moe is None:
+        return [1]
+    return [e for e in _powers_of_two(gpus) if gpus % e == 0 and cfg.moe.experts % e == 0]
+
+
+def runs_with(cfg: ModelConfig, setting: Setting, compiled: bool) -> bool:
+    """Whether a run takes the setting's S and E (pretraining's preflight, the config's checks,
+    engine.check_zero3_buckets and check_expert_parallel_zero): experts split only under ZeRO-1/2,
+    never with S > 1; and `runs_with_sequence_parallel`."""
+    if setting.expert_parallel > 1 and setting.zero.stage not in (1, 2):
+        return False
+    if cfg.moe is not None and setting.sequence_parallel > 1:
+        return False
+    return runs_with_sequence_parallel(cfg, setting, compiled)
 
 
 def runs_with_sequence_parallel(cfg: ModelConfig, setting: Setting, compiled: bool) -> bool:
@@ -352,6 +438,7 @@ class JobShape:
     sequence_parallel: int
     global_windows: int  # windows per optimizer step, all GPUs
     compiled: bool = False  # engine.compile: refused with parallel.sequence > 1, so none is offered
+    expert_parallel: int = 1  # parallel.expert
 
 
 def memory_plan(
@@ -365,14 +452,16 @@ def memory_plan(
         micro_batch_size=job.micro_batch_size,
         grad_accum=job.grad_accum,
         sequence_parallel=job.sequence_parallel,
+        expert_parallel=job.expert_parallel,
     )
     mine = plan(cfg, seq_len, own, hardware, optimizer)
     options = candidate_settings(cfg, seq_len, job.global_windows, hardware.gpus, packaged_zero_configs())
-    options = [s for s in options if runs_with_sequence_parallel(cfg, s, job.compiled)]
+    options = [s for s in options if runs_with(cfg, s, job.compiled)]
     feasible = ranked([plan(cfg, seq_len, s, hardware, optimizer) for s in options])
     return {
         "model": cfg.preset,
         "params": param_counts(cfg).total,
+        "active_params": param_counts(cfg).active,
         "seq_len": seq_len,
         "global_batch_windows": job.global_windows,
         "assumptions": {
@@ -455,6 +544,9 @@ def run_plan(
     )
     if gpus % S:
         raise UserError(f"--gpus {gpus} is not a multiple of parallel.sequence={S}: use a multiple of {S}")
+    E = getattr(getattr(cfg, "parallel", None), "expert", 1)
+    if gpus % E:
+        raise UserError(f"--gpus {gpus} is not a multiple of parallel.expert={E}: use a multiple of {E}")
     train = cfg.train
     job = JobShape(
         deepspeed_config=cfg.engine.deepspeed_config,
@@ -465,6 +557,7 @@ def run_plan(
         sequence_parallel=S,
         global_windows=train.global_batch_size or train.micro_batch_size * train.grad_accum * gpus // S,
         compiled=cfg.engine.compile,
+        expert_parallel=E,
     )
     return memory_plan(cfg.model, cfg.data.seq_len, job, hardware, cfg.optim.name)
 
@@ -480,7 +573,9 @@ def format_plan(report: dict, top: int = 10) -> str:
         f"{report['global_batch_windows']} windows per step on {a['gpus']} GPU(s) of {a['gpu_memory_gib']:.0f} GiB",
         f"this config ({own['zero']}, activation checkpointing "
         f"{'on' if own['setting']['activation_checkpointing'] else 'off'}, micro-batch "
-        f"{own['setting']['micro_batch_size']}, S={own['setting']['sequence_parallel']}), per GPU:",
+        f"{own['setting']['micro_batch_size']}, S={own['setting']['sequence_parallel']}"
+        + (f", E={own['setting']['expert_parallel']}" if report["active_params"] != params else "")
+        + "), per GPU:",
     ]
     for name, key in (
         ("parameters", "parameters"),

@@ -14,6 +14,8 @@ the directory holding its event files, so `--logdir RUN_DIR/tensorboard` shows t
     monitor/<series>_in_band (the value judged)  monitor/<series>_level  monitor/<series>_threshold
     (TensorBoard's Margin chart refuses value, lower and upper tags whose steps differ)
     monitor/rollbacks (text)
+    with experts (model.moe; pretrain/train/moe_hook.py): moe/load_max  moe/load_min  moe/top_share
+    moe/aux_loss  moe/load_max/layer_N (every step)  moe/loads/layer_N (a histogram, logged steps)
 
 With logging.wandb.project set, the same scalars and text (but the config, which is the run's W&B
 config) also go to Weights & Biases (pretrain/reporting/wandb_sink.py).
@@ -116,6 +118,11 @@ class MetricsWriter:
             self.writer.add_text(tag, text, step)
         if self.wandb is not None:
             self.wandb.text(tag, text, step)
+
+    def histogram(self, tag: str, values, step: int) -> None:
+        """A TensorBoard histogram of `values` (a 1-D tensor)."""
+        if self.writer is not None:
+            self.writer.add_histogram(tag, values, step)
 
     def image(self, tag: str, image, step: int) -> None:
         """An RGB image, (height, width, 3)."""

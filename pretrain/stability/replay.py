@@ -39,7 +39,13 @@ class GradientTally:
         self.handles = [p.register_hook(self._seen) for p in module.parameters() if p.requires_grad]
 
     def _seen(self, grad: torch.Tensor) -> None:
-        self.norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        # On a CPU, in the gradient's own dtype (the kernel accumulates in fp32 and rounds the
+        # result): the two passes are equal bit for bit, so the rounding hides no fault a GPU's
+        # GPU_RTOL would show, and a bf16 gradient's norm with dtype=float32 converts it through a
+        # slow path first (60x the time on an AVX2 CPU). On a GPU in fp32: two passes may differ
+        # in the last bits, and a bf16 rounding could move one norm by 2^-8, past GPU_RTOL.
+        dtype = torch.float32 if grad.is_cuda else None
+        self.norms.append(torch.linalg.vector_norm(grad, dtype=dtype))
 
     def take(self) -> torch.Tensor:
         """The norm so far (a float64 device scalar), and start over."""

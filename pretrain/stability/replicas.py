@@ -45,10 +45,11 @@ def replica_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def differing(digests: Sequence[Mapping[str, Sequence[int]]]) -> list[str]:
-    """Every rank's digests by parameter name → the parameters (held by every rank) whose digests
-    are not the same on every rank, in the first rank's order."""
-    shared = [name for name in digests[0] if all(name in d for d in digests)]
-    return [name for name in shared if len({tuple(d[name]) for d in digests}) > 1]
+    """Every rank's digests by parameter name → the parameters whose digests are not the same on
+    every rank holding them (every rank; for experts split across ranks, named by the experts
+    they hold, the ranks holding the same ones), in the order of first appearance."""
+    names = list(dict.fromkeys(name for d in digests for name in d))
+    return [name for name in names if len({tuple(d[name]) for d in digests if name in d}) > 1]
 
 
 def odd_ranks(
@@ -57,17 +58,17 @@ def odd_ranks(
     """The ranks whose copies of the parameters `names` are wrong: `wrong[r]` is rank r's own
     finding against the fp32 master weights (None: it could not read them). Where no rank found
     itself wrong, the ranks outside a strict majority of each parameter's digests; where there is
-    none, every rank."""
+    none, every rank holding it."""
     found = [r for r, w in enumerate(wrong) if w]
     if found:
         return found
     odd: set[int] = set()
     for name in names:
-        copies = [tuple(d[name]) for d in digests]
-        value, votes = Counter(copies).most_common(1)[0]
+        copies = {r: tuple(d[name]) for r, d in enumerate(digests) if name in d}  # (its holders')
+        value, votes = Counter(copies.values()).most_common(1)[0]
         if 2 * votes <= len(copies):
-            return list(range(len(copies)))
-        odd |= {r for r, c in enumerate(copies) if c != value}
+            return sorted(copies)  # (every rank holding it)
+        odd |= {r for r, c in copies.items() if c != value}
     return sorted(odd)
 
 

@@ -12,6 +12,8 @@ were given), at these points:
                                 number, or a 1-D float32 tensor on the engine's device (one slot
                                 per rank, each rank filling its own, is how a value of every rank
                                 reaches every rank)
+    agreed(step, vote)          right after the step's one all-reduce: its own vote summed over
+                                the ranks, as a device tensor (no host read)
     before_update(step, mean_loss, batch)
                                 after the step's last backward pass, before its update lands:
                                 the step's mean loss over every rank (a device scalar) and this
@@ -37,6 +39,9 @@ The priorities, and why each hook comes where it does:
                                  is inside what the straggler hook times
     10  DataTrace                the windows of every step, whatever the later hooks answer
     20  InstabilityPrecursors    before the monitor's: its report carries them
+    25  ExpertBalance            before the monitor's: its report carries the experts' loads; it
+                                 moves the bias after the update, whatever the skip guard decided
+                                 (it reads whether the update landed)
     30  SkipBadUpdates           before the monitor's: its report says whether the update landed
     40  StragglerWatch           before the monitor's: its report carries the ranks' times
     50  (a hook that declares none)
@@ -124,6 +129,9 @@ class StepHook:
 
     def vote(self) -> float | torch.Tensor:
         return 0.0
+
+    def agreed(self, step: int, vote: torch.Tensor) -> None:
+        pass
 
     def before_update(self, step: int, mean_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         pass

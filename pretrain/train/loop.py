@@ -284,6 +284,8 @@ class Trainer:
                 if every and step % every == 0:
                     layer_squares = layer_grad_squares(self.engine.module)
                 agreed, vote_sizes = self.agree(loss_sum, stop)
+                for hook, vote in zip(self.hooks, votes_on_device(agreed, vote_sizes), strict=True):
+                    hook.agreed(step, vote)
                 for hook in self.hooks:
                     hook.before_update(step, agreed[0] / self.env.world_size, batch)
                 joined = read.join(agreed), {g: read.join(v) for g, v in layer_squares.items()}
@@ -408,6 +410,16 @@ def votes_of_hooks(numbers: list[float], sizes: list[int | None]) -> list[float 
     votes, at = [], 0
     for size in sizes:
         votes.append(numbers[at] if size is None else numbers[at : at + size])
+        at += 1 if size is None else size
+    return votes
+
+
+def votes_on_device(agreed: torch.Tensor, sizes: list[int | None]) -> list[torch.Tensor]:
+    """Each hook's slice of the agreed tensor (after the loss and the stop flag): a 0-d tensor for
+    a number, a 1-D one for a tensor vote."""
+    votes, at = [], 2
+    for size in sizes:
+        votes.append(agreed[at] if size is None else agreed[at : at + size])
         at += 1 if size is None else size
     return votes
 

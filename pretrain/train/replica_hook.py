@@ -99,7 +99,8 @@ class ReplicaCheck(StepHook):
             return CONTINUE
         if bad:
             mine = dict(named)
-            wrong = all_gather_objects(copy_is_wrong([mine[name] for name in bad]))
+            # (each rank its own copies: ranks holding the same experts go through them alike)
+            wrong = all_gather_objects(copy_is_wrong([mine[name] for name in bad if name in mine]))
             ranks = sorted(set(odd_ranks(digests, bad, wrong)) | set(off_master))
         else:
             ranks = off_master
@@ -148,8 +149,9 @@ class ReplicaCheck(StepHook):
 
     def replicated(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters every rank holds whole: all of them, but under ZeRO-3 only the persistent
-        ones (the others are shards, held by one rank each)."""
-        named = list(self.engine.module.named_parameters())
+        ones (the others are shards, held by one rank each). Experts split across ranks are named
+        with the experts each rank holds (`[experts 0-3]`): only ranks holding the same ones compare."""
+        named = [(held_name(n, p), p) for n, p in self.engine.module.named_parameters()]
         if self.engine.zero_optimization_stage() < 3:
             return named
         return [(n, p) for n, p in named if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel]
@@ -166,6 +168,12 @@ class ReplicaCheck(StepHook):
         """A checkpoint's train_state.json says its replicas were found consistent as it was saved."""
         record = train_state.get("hooks", {}).get(cls.name) or {}
         return record.get("checked_at") == train_state.get("step")
+
+
+def held_name(name: str, param: torch.nn.Parameter) -> str:
+    """A parameter's name, with the experts this rank holds of it when they are split across ranks."""
+    held = getattr(param, "held_experts", None)  # (pretrain/parallel/experts.py sets it)
+    return name if held is None else f"{name}[experts {held[0]}-{held[1] - 1}]"
 
 
 def copy_is_wrong(params: list[torch.nn.Parameter]) -> bool | None:

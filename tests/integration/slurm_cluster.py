@@ -53,6 +53,8 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.parallel.distributed import free_port
+
 NODE = "node0"
 ABSENT = "node1"  # declared DOWN, never started
 PAIR = "pair"  # the partition of NODE and ABSENT
@@ -78,12 +80,6 @@ _Completed = subprocess.CompletedProcess[str]
 _COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SlurmCluster:
     """The running cluster: `env` runs Slurm's commands against it (SLURM_CONF is its slurm.conf;
     jobs inherit it from sbatch, so `scontrol requeue` works inside a job), `node` is its one node."""
@@ -93,7 +89,7 @@ class SlurmCluster:
         self.node = NODE
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self.ctld_port = _free_port()
+        self.ctld_port = free_port()
         self.started_at = 0.0  # time.time() when slurmctld started (its time-limit tests count from it)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -155,7 +151,7 @@ class SlurmCluster:
 ClusterName=pytest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={self.ctld_port}
-SlurmdPort={_free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.parallel.distributed import free_port
+
 SSHD, SSH = "/usr/sbin/sshd", "/usr/bin/ssh"
 TAG = "PRETRAIN_SSH_HOSTS"  # set by sshd in each remote command; inherited by what it starts
 
@@ -84,9 +86,7 @@ class SshHosts:
     def extra_host(self, name: str) -> Iterator[ExtraHost]:
         """One more host name for this machine, `name`, served by an sshd of its own on another port,
         which `stop()` takes down with everything started through it: a node that dies."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         tag = f"{self.root}/{name}"
         config = self.root / f"sshd_config.{name}"
         config.write_text(_sshd_config(self.root, port, self.env["PATH"], tag, pid_file=f"sshd.{name}.pid"))
@@ -154,7 +154,7 @@ def _client_block(root: Path, hosts: str, port: int) -> str:
 def _start_sshd(config: Path, log: Path, port: int) -> subprocess.Popen:
     with log.open("w") as out:
         sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", config], stdout=out, stderr=out)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # (a safety net: sshd listens within 0.1 s here)
     while f"listening on 127.0.0.1 port {port}" not in log.read_text():
         if sshd.poll() is not None or time.monotonic() > deadline:
             sshd.kill()
@@ -181,10 +181,10 @@ def _serve(root: Path) -> Iterator[SshHosts]:
         )
     (root / "authorized_keys").write_text((root / "id_ed25519.pub").read_text())
     (root / "bin").mkdir()
-    with socket.socket() as s, socket.socket() as closed:
-        s.bind(("127.0.0.1", 0))
-        closed.bind(("127.0.0.1", 0))  # never listened on: connections to it are refused
-        port, closed_port = s.getsockname()[1], closed.getsockname()[1]
+    port = free_port()  # (not one the kernel would give a client socket before sshd binds it)
+    closed = socket.socket()  # bound, never listened on, held to the end: connections to it are refused
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
     hosts = ["localhost", socket.gethostname()]
     if hosts[1] == hosts[0]:
         pytest.skip("ssh hosts: this machine's hostname is localhost: no second host name")
@@ -220,7 +220,8 @@ def _serve(root: Path) -> Iterator[SshHosts]:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
         sshd.terminate()
-        sshd.wait(timeout=10)
+        sshd.wait(timeout=60)
+        closed.close()
 
 
 @pytest.fixture(scope="session")

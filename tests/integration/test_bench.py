@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from pretrain.bench.profile import classify
 from pretrain.bench.train import table
 from tests.integration.test_commands import run
 
@@ -90,12 +91,20 @@ def test_bench_profile_summarises_the_training_step(tmp_path):
     shares = {name: c["share"] for name, c in r["categories"].items()}
     assert all(0 <= s <= 1 for s in shares.values()) and sum(shares.values()) == pytest.approx(1.0)
     assert r["matmul_share"] == shares["matmul"] and r["attention_share"] == shares["attention"]
-    # The step's work is there: matrix products (aten::mm), SDPA, the AdamW step, the elementwise rest.
-    assert shares["matmul"] > 0.02 and shares["attention"] > 0.02 and shares["elementwise"] > 0.05
-    assert shares["optimizer"] > 0
-    assert shares["other"] < 0.2  # names the classifier does not know stay few
+    # The step's work is there, each kind of op in its category. Not their shares: those are the
+    # machine's (matmul 78% and elementwise 4% in CI's run, on a CPU whose bf16 products are slow;
+    # 44% and 46% here with its 2 cores shared by a load of 10).
+    assert r["trace"] == str(trace)
+    ops = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "cpu_op"}
+    for category, op in (
+        ("matmul", "aten::mm"),  # the linear layers
+        ("attention", "aten::scaled_dot_product_attention"),
+        ("norm", "aten::rsqrt"),  # RMSNorm
+        ("elementwise", "aten::mul"),  # SwiGLU, RoPE, AdamW
+        ("optimizer", "aten::linalg_vector_norm"),  # the gradient norm
+    ):
+        assert op in ops and classify(op) == category and shares[category] > 0, (category, op)
     assert r["host_gaps"] is None and "CPU" in r["host_gaps_reason"]
-    assert r["trace"] == str(trace) and json.loads(trace.read_text())["traceEvents"]
 
 
 def test_bench_ablation_runs_both_arms_and_writes_the_curves(tmp_path):

@@ -10,8 +10,10 @@ import pytest
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """(`timeout`: a safety net against a hang, as every job's in the suite; `bench ablation`, which
+    trains two arms, ran past 300 s on a loaded machine.)"""
     return subprocess.run(
-        [sys.executable, "-m", "pretrain", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+        [sys.executable, "-m", "pretrain", *args], capture_output=True, text=True, cwd=cwd, timeout=600
     )
 
 

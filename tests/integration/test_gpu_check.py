@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from pretrain.config import REPO_CONFIG_DIR
 
 SCRIPT = REPO_CONFIG_DIR.parent / "scripts" / "gpu_check.sh"
@@ -21,7 +23,7 @@ def test_the_cpu_mode_runs_every_part_and_writes_the_gpu_runs_files(tmp_path):
         ["bash", str(SCRIPT), "--cpu", str(out), "--work", str(work)],
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=2100,  # (a safety net past the CPU mode's own 1800 s budget, which only a hang uses)
         env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -137,3 +139,23 @@ def test_a_part_over_its_budget_is_stopped_with_its_processes_and_the_check_goes
     assert json.loads((tmp_path / "summary.json").read_text())["parts"] == check.summary["parts"]
     leftover = subprocess.run(["pgrep", "-f", "sleep 61.(25|5)"], capture_output=True, text=True)
     assert leftover.stdout == "", leftover.stdout  # the background sleep too: the whole group
+
+
+def test_on_a_cpu_each_budget_stretches_with_the_slowdown_the_finished_parts_measured(tmp_path):
+    """A CPU shared with other work runs every part slower by a factor that changes: the budgets
+    follow what the parts before measured (the slowest ratio to what they are expected to take),
+    and a part that took less than expected does not shrink them."""
+    gpu_check = load_gpu_check()
+    check = gpu_check.Check(gpu_check.CPU, tmp_path, tmp_path, started=time.time())
+    expected, budgets = gpu_check.CPU.expected, gpu_check.CPU.budgets
+    assert check.budget_of("launch") == budgets["launch"] >= 5 * expected["launch"]
+    check.summary["parts"] += [
+        {"name": "versions", "status": "ok", "seconds": 3 * expected["versions"]},
+        {"name": "pytest", "status": "ok", "seconds": 0.5 * expected["pytest"]},
+    ]
+    assert check.budget_of("launch") == pytest.approx(3 * budgets["launch"])
+    check.summary["parts"].append({"name": "launch", "status": "failed", "seconds": 4 * expected["launch"]})
+    assert check.budget_of("bench tiny") == pytest.approx(4 * budgets["bench tiny"])
+    gpu = gpu_check.Check(gpu_check.GPU, tmp_path, tmp_path, started=time.time())
+    gpu.summary["parts"] = check.summary["parts"]
+    assert gpu.budget_of("launch") == gpu_check.GPU.budgets["launch"]  # a lease's budgets are fixed

@@ -132,10 +132,10 @@ def test_service_orders_rollbacks_and_reports_them(service):
 
 def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_stalls(service, train_data):
     """Spikes at steps 10 and 15 of a 2-process run. For the second, the service is stopped
-    (SIGSTOP) for 3 s, six times the client's timeout, from the report of step 13 on: training
-    goes on meanwhile, and when the service is back it judges every step in order; the rollback
-    is decided then, applied before the last checkpoint, and no checkpoint holding the spike is
-    its target or is loaded."""
+    (SIGSTOP) from the report of step 13 on, for 3 s (six times the client's timeout) at least
+    and until the trainer has gone two steps further: training goes on meanwhile, and when the
+    service is back it judges every step in order; the rollback is decided then, applied before
+    the last checkpoint, and no checkpoint holding the spike is its target or is loaded."""
     from pretrain.data import WindowStream
     from pretrain.evaluation.inference import load_trained
 
@@ -157,7 +157,15 @@ def test_two_spikes_are_rolled_back_and_the_run_finishes_also_when_the_service_s
     _wait_for_step(run_dir, 13, runner)  # (reported once: on the timeline after the first rollback)
     os.kill(pid, signal.SIGSTOP)
     stalled = time.time()
-    time.sleep(3)
+    reported = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    judged = max(e["step"] for e in reported if e["type"] == "step")
+    # Stopped until the trainer has written two more steps on its own (the report of the first went
+    # into the stall a step before the second), then 1 s more (twice the client's timeout), and 3 s
+    # at least: on a loaded machine a step can take longer than a fixed stall, which no report saw
+    deadline = stalled + 600
+    while max(step_metrics(run_dir), default=0) < judged + 2 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(max(1.0, stalled + 3 - time.time()))
     os.kill(pid, signal.SIGCONT)
     runner.join(timeout=600)
     result = done["result"]

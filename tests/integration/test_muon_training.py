@@ -6,7 +6,9 @@ bit; a resume by one process goes through the universal checkpoint with the mome
 DeepSpeed's four bugs are tests/integration/test_muon.py; rollbacks and lower_lr with Muon are
 tests/unit/test_optimizers.py."""
 
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -118,11 +120,20 @@ def test_its_weights_read_back_and_fine_tuning_starts_from_them(tmp_path, muon_r
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(exported["model.embed_tokens.weight"], masters["tok_embeddings.weight"])
     train_csv, val_csv = sentiment
-    for optimizer in ("adamw", "muon"):
-        run_dir = tmp_path / optimizer
-        args = [f"finetune.init={muon_run}", f"data.train={train_csv}", f"data.validation={val_csv}"]
-        args += [f"run.dir={run_dir}", "train.steps=2", f"optim.name={optimizer}", "train.grad_clip=0"]
-        command = [sys.executable, "-m", "pretrain.finetune", "--config", CLASSIFICATION, *args, *TINY_FT[1:]]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        assert (run_dir / "checkpoints" / "step_00000002" / "complete.json").is_file()
+    # A plain process is a group of one, which meets in memory and binds no port: not even the
+    # MASTER_PORT it inherits, held here by another listener (a rendezvous port chosen free and
+    # taken by another job before it was bound once failed this test in CI: EADDRINUSE)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1])}
+        for optimizer in ("adamw", "muon"):
+            run_dir = tmp_path / optimizer
+            args = [f"finetune.init={muon_run}", f"data.train={train_csv}", f"data.validation={val_csv}"]
+            args += [f"run.dir={run_dir}", "train.steps=2", f"optim.name={optimizer}", "train.grad_clip=0"]
+            command = [sys.executable, "-m", "pretrain.finetune", "--config", CLASSIFICATION, *args]
+            command += TINY_FT[1:]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            assert (run_dir / "checkpoints" / "step_00000002" / "complete.json").is_file()

@@ -99,12 +99,6 @@ def run_block(directory: Path, block: list[list[str]]) -> list[tuple[list[str], 
         result = subprocess.run(
             as_run_here(words), cwd=directory, capture_output=True, text=True, timeout=600
         )
-        if result.returncode != 0 and "EADDRINUSE" in result.stderr:
-            # A rendezvous port it chose free was taken by another test's job before it bound it
-            # (two workers on one machine): a race of the suite, not of the command. Once more.
-            result = subprocess.run(
-                as_run_here(words), cwd=directory, capture_output=True, text=True, timeout=600
-            )
         assert result.returncode == 0, (
             f"$ {shlex.join(words)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )

@@ -60,7 +60,7 @@ def test_a_hostfile_over_ssh_trains_on_both_hosts_and_nothing_outlives_a_killed_
     with ssh_hosts.extra_host("node-s") as spare:
         with (tmp_path / "first.log").open("w") as log:
             supervisor = subprocess.Popen(command, env=ssh_hosts.env, stdout=log, stderr=subprocess.STDOUT)
-        assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=180), (
+        assert wait_for(lambda: len(step_events(run_dir)) >= 3, timeout=600), (
             tmp_path / "first.log"
         ).read_text()
         assert len(ssh_hosts.remote_pids()) >= 4  # on each host: the launcher and its rank (and their shells)
@@ -133,7 +133,12 @@ def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_ho
     with ssh_hosts.slow_to_launch("localhost", seconds=2), ssh_hosts.refuses_launch(second):
         result = subprocess.run(
             launch_command(
-                hostfile, tmp_path / "run", train_data, "train.steps=10", "monitor.max_restarts=0"
+                hostfile,
+                tmp_path / "run",
+                train_data,
+                "train.steps=10",
+                "monitor.max_restarts=0",
+                "monitor.stop_grace_seconds=600",  # (a stop that waits out its grace: the timeout)
             ),
             env=ssh_hosts.env,
             capture_output=True,
@@ -146,7 +151,9 @@ def test_a_host_whose_launcher_fails_ends_the_job_at_once_naming_the_host(ssh_ho
     (line,) = [line for line in result.stdout.splitlines() if "failed: its launcher exited" in line]
     assert line.startswith(f"launch: node 1 ({second}) failed: its launcher exited with status 255: ")
     assert "Connection refused" in line and line.endswith("stopping the job on every node")
-    assert took < 60, f"{took:.0f} s\n{output}"  # not the 30-minute startup limit, nor the stop's grace
+    # Ended by pdsh's report, not by the 30-minute startup limit nor the stop's 600 s grace (both past
+    # the 300 s timeout): 52 s at most here, with the machine loaded (load average 18)
+    assert took < 240, f"{took:.0f} s\n{output}"
     assert not ssh_hosts.remote_pids() and not processes_of(tmp_path / "run")
     print(f"the job ended {took:.1f} s after it was started")
 
@@ -173,7 +180,7 @@ def test_a_host_down_before_the_start_is_named_and_nothing_is_started(ssh_hosts,
     assert line.startswith(f"launch: {ssh_hosts.down} left out: ssh: ") and "Connection refused" in line
     assert "fewer than --min-nodes 2 host(s) can take part" in result.stdout
     assert (tmp_path / "run" / "monitor" / "hosts.json").exists() is False  # (no start: no host set)
-    assert took < 60, f"{took:.0f} s\n{output}"  # the check, not the 30-minute startup limit
+    assert took < 240, f"{took:.0f} s\n{output}"  # the check, not the 30-minute startup limit (23 s loaded)
     assert not ssh_hosts.remote_pids() and not processes_of(tmp_path / "run")
     (excluded,) = [e for e in events(tmp_path / "run") if e["type"] == "node_excluded"]
     assert excluded["host"] == ssh_hosts.down and excluded["ranks"] == []

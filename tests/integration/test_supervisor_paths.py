@@ -45,7 +45,7 @@ def test_a_complete_run_whose_processes_do_not_exit_is_done_not_hung(tmp_path):
     )
     started = time.monotonic()
     assert supervisor.run() == 0
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 120  # past the 1 s hang limit; not the job's 600 s sleep
     assert any("the run is complete but its processes have not exited" in line for line in lines), lines
     assert not any("restart" in line for line in lines), lines
     assert json.loads((monitor_dir(tmp_path) / SUPERVISOR_FILE).read_text())["state"] == "completed"
@@ -105,7 +105,7 @@ def test_a_second_ctrl_c_kills_a_job_that_does_not_stop(tmp_path):
             if running.is_set():
                 os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1.0)
-        time.sleep(15)  # (should the second not end it: the test fails instead of waiting 10 minutes)
+        time.sleep(60)  # (should the second not end it: the test fails instead of waiting 10 minutes)
         for process in jobs:
             with contextlib.suppress(psutil.NoSuchProcess):  # (gone, as it should be)
                 process.kill()
@@ -118,7 +118,9 @@ def test_a_second_ctrl_c_kills_a_job_that_does_not_stop(tmp_path):
     finally:
         running.clear()
     assert code == 128 + signal.SIGINT
-    assert time.monotonic() - started < 10
+    # Ended by the second Ctrl-C, 1 s after the first, and not by the 60 s fallback's kill (a bound
+    # far from both: a loaded machine starts the job and delivers the signals late)
+    assert time.monotonic() - started < 30
     assert any("asking the job to save a checkpoint and stop (again to kill it)" in line for line in lines), (
         lines
     )

@@ -138,7 +138,9 @@ def one_process(plan: RunPlan, device: str = "cpu") -> Trainer | dict:
     return run_builder.start(plan, ONE_PROCESS, setting, functools.partial(fake_engine, device=device))
 
 
-def fake_engine(run, engine, optim, make_model, ds_config: dict, device: str = "cpu"):
+def fake_engine(
+    run, engine, optim, make_model, ds_config: dict, device: str = "cpu", expert_parallel: int = 1
+):
     """`pretrain.parallel.engine.build` with a FakeEngine: (engine, optimizer)."""
     torch.manual_seed(run.seed)
     model = make_model().to(device)

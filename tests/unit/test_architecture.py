@@ -437,6 +437,12 @@ NOT_DEAD = (
     ("monitoring/protocol.py", "rolled_back_to", "ReplicaMismatch's field: asdict writes it to events.jsonl"),
     ("pretrain/data/mixture.py", "source_counts",
      "read by tests/unit/test_mixture.py only: the windows each source served, which the test checks"),
+    ("pretrain/parallel/engine.py", "has_moe_layers", "DeepSpeed's engine's flag, which its checkpoint code reads"),
+    ("pretrain/parallel/experts.py",
+     "expert_groups ep_size num_experts expert_group_name num_local_experts set_deepspeed_parallelism "
+     "use_data_before_expert_parallel_",
+     "DeepSpeed's engine finds its MoE marker among the model's modules, reads its attributes and calls "
+     "set_deepspeed_parallelism by name"),
     ("pretrain/stability/skip_step.py", "global_mean",
      "the module's documented helper for a loop whose all-reduce comes after engine.step(); "
      "tests/integration/test_skip_step.py's loop uses it"),

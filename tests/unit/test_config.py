@@ -309,3 +309,50 @@ def test_qk_norm_and_z_loss_load_from_files_and_overrides_and_default_off(tmp_pa
     saved = json.loads(json.dumps(asdict(default)))["model"]  # a checkpoint's run_config.json
     del saved["qk_norm"]
     assert ModelConfig(**saved) == default.model  # how checkpoint readers build the model
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.moe.top_k=9"], r"model.moe.top_k=9 exceeds model.moe.experts=8"),
+        (["model.moe.experts=0"], r"model.moe.experts=0 must be > 0"),
+        (["model.moe.router=relu"], r"model.moe.router='relu' is not one of softmax, sigmoid"),
+        (["model.moe.balance=none"], r"model.moe.balance='none' is not one of aux_loss, bias, both"),
+        (["model.moe.bias_rate=-1"], r"model.moe.bias_rate=-1.0 must be >= 0"),
+        (["model.moe.dense_layers=4"], r"model.moe.dense_layers=4 leaves no block of model.n_layers=4"),
+        (["model.moe.experts=4", "model.activation=gelu"], r"model.moe with model.activation='gelu'"),
+        (["model.moe.expert=4"], r"unknown key 'model.moe.expert'"),
+        (["parallel.expert=2"], r"parallel.expert=2 but the model has no experts"),
+        (
+            ["model.moe.experts=6", "parallel.expert=4"],
+            r"model.moe.experts=6 is not divisible by parallel.expert=4",
+        ),
+        (["model.moe.experts=4", "parallel.sequence=2"], r"model.moe with parallel.sequence=2: .*not proven"),
+        (["model.d_model=100", "model.n_heads=3"], r"or set model.head_dim"),
+    ],
+)
+def test_bad_moe_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(REPO_CONFIG_DIR / "train" / "tiny.yaml", overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_moe_and_head_dim_load_derive_and_round_trip(tmp_path):
+    """`model.moe` is null unless set (a dense run's config is as before); set, its expert size
+    defaults to model.d_ff; `model.head_dim` is derived (d_model / n_heads) unless set; both
+    written back by to_yaml and read back from a checkpoint's run_config.json."""
+    import json
+    from dataclasses import asdict
+
+    tiny = REPO_CONFIG_DIR / "train" / "tiny.yaml"
+    assert load_config(tiny).model.moe is None and load_config(tiny).model.head_dim == 32
+    cfg = load_config(tiny, ["model.moe.experts=4", "model.head_dim=48", "parallel.expert=2"])
+    assert (cfg.model.moe.experts, cfg.model.moe.expert_ffn_dim, cfg.model.head_dim) == (4, 512, 48)
+    assert cfg.parallel.expert == 2
+    assert load_config(write(tmp_path, to_yaml(cfg))) == cfg
+    saved = json.loads(json.dumps(asdict(cfg)))["model"]
+    assert ModelConfig(**saved) == cfg.model
+    with pytest.raises(ConfigError, match=r"model.moe: unknown key 'routers'"):
+        ModelConfig(**saved | {"moe": saved["moe"] | {"routers": 2}})
+    wider = load_config(tiny, ["model.d_model=256"])
+    assert wider.model.head_dim == 64  # derived again from the override, not kept from the preset

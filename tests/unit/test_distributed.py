@@ -17,7 +17,31 @@ def test_one_plain_process_is_rank_0_of_1(monkeypatch):
         monkeypatch.delenv(name)  # (left behind, every later process of this worker would inherit them)
     env = DistEnv.from_environ()
     assert env == DistEnv(0, 0, 1) and env.is_main
-    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+    assert "MASTER_PORT" not in os.environ  # (a group of one meets in memory: no port to collide)
+
+
+def test_a_port_handed_out_is_never_handed_out_again_while_its_lease_lasts(monkeypatch, tmp_path):
+    """Two jobs started together each get a port none other has: one handed out is free until its
+    job binds it, so the bind test alone would hand it out again (EADDRINUSE in one of them)."""
+    import random
+
+    from pretrain.parallel import distributed
+
+    picks = iter([25_000, 25_000, 25_001, 25_000])
+
+    class Picker:
+        def randrange(self, low, high):
+            return next(picks)
+
+    monkeypatch.setattr(random, "SystemRandom", Picker)
+    monkeypatch.setattr(distributed, "PORT_LEASES", tmp_path)
+    monkeypatch.setattr(distributed, "_first_outgoing_port", lambda: 32_768)
+    monkeypatch.setattr(distributed, "_bindable", lambda port: True)  # (whatever else runs here)
+    assert distributed.free_port() == 25_000
+    assert distributed.free_port() == 25_001  # 25000 is free, and leased
+    monkeypatch.setattr(distributed, "PORT_LEASE_SECONDS", 0.0)
+    assert distributed.free_port() == 25_000  # its lease over
 
 
 def test_a_launchers_variables_say_who_a_process_is(monkeypatch):

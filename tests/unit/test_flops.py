@@ -129,3 +129,39 @@ def test_llama3_presets_match_the_released_models(name):
     N = LLAMA3_PUBLISHED[name] - cfg.vocab_size * cfg.d_model
     attention = 12 * cfg.n_layers * cfg.d_model * 8192
     assert flops_per_token(cfg, 8192).total == 6 * N + attention
+
+
+# The released mixtures of experts: parameters and the active parameters per token, to the
+# parameter (OLMoE's QK-norm covers the whole projections, ours each head: 61,440 fewer weights).
+MOE_PUBLISHED = {
+    "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+    "olmoe-1b-7b": (6_919_161_856 - 61_440, 1_281_955_840),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_PUBLISHED))
+def test_moe_presets_count_what_the_released_models_hold(name):
+    """Every expert in `params`, a token's own in `active_params` (the router, its top_k experts),
+    and FLOPs per token 6·N over the active parameters N (all but the input embedding) plus attention."""
+    cfg = load_model_config(REPO_CONFIG_DIR / "model" / f"{name}.yaml")
+    total, active = MOE_PUBLISHED[name]
+    report = flops_report(cfg, 4096)
+    assert (report["params"], report["active_params"]) == (total, active)
+    N = active - cfg.vocab_size * cfg.d_model
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 4096
+    assert report["flops_per_token"] == 6 * N + attention
+    assert report["breakdown"]["router"] == 6 * cfg.n_layers * cfg.d_model * cfg.moe.experts
+
+
+def test_tiny_moe_uses_tinys_active_parameters_and_a_router():
+    """The packaged tiny-moe: 3 of 8 routed experts of 128 and one shared, each token's feed-forward
+    4 × 128 = tiny's d_ff; its active parameters are tiny's plus 3 routers of 128 × 8."""
+    from pretrain.config import load_config
+
+    tiny = load_config(REPO_CONFIG_DIR / "train" / "tiny.yaml").model
+    moe = load_config(REPO_CONFIG_DIR / "train" / "tiny-moe.yaml").model
+    assert param_counts(moe).active == param_counts(tiny).total + 3 * 128 * 8
+    assert param_counts(moe).total == param_counts(moe).active + 3 * 5 * 3 * 128 * 128
+    with torch.device("meta"):
+        model = Transformer(moe)
+    assert sum(p.numel() for p in model.parameters()) == param_counts(moe).total

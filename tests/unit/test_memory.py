@@ -236,3 +236,54 @@ def test_the_plan_offers_no_sequence_parallel_setting_a_run_would_refuse():
         parallel = [s for s in offered if s["sequence_parallel"] > 1]
         assert bool(parallel) is not compiled and len(offered) > len(parallel)
         assert all(s["zero"]["stage"] != 3 for s in parallel)
+
+
+def test_the_activation_model_of_experts_against_the_measured_peak():
+    """A routed model (a dense first block, then top-2 of 8 experts with a shared one, a balancing
+    loss and a router z-loss): the model's figure within 1% of the peak torch's profiler measures."""
+    from pretrain.config import MoEConfig
+
+    moe = MoEConfig(
+        experts=8,
+        top_k=2,
+        expert_ffn_dim=128,
+        shared_experts=1,
+        dense_layers=1,
+        balance="both",
+        router_z_loss=1e-3,
+    )
+    cfg = ModelConfig(
+        vocab_size=4096, d_model=256, n_layers=3, n_heads=4, n_kv_heads=1, max_seq_len=512, moe=moe
+    )
+    predicted = memory.activation_bytes(cfg, 2 * 512, False, chunk_logits=2**20)
+    assert predicted == pytest.approx(measured_peak(cfg, 2, 512, False), rel=0.01)
+
+
+def test_experts_split_over_e_ranks_hold_a_share_of_the_parameters_and_the_same_states():
+    """qwen3-30b-a3b on 64 GPUs under ZeRO-2: at E = 8 each GPU holds the dense parameters and an
+    eighth of the experts (bf16); the gradients' and optimizer states' partitions are Ψ/N at any E
+    (each expert's over the N/E ranks holding it)."""
+    cfg = load_model_config(REPO_CONFIG_DIR / "model" / "qwen3-30b-a3b.yaml")
+    counts = param_counts(cfg)
+    whole = memory.model_states(counts.total, 0, 64, zero(2))
+    split = memory.model_states(counts.total, 0, 64, zero(2), counts.experts, 8)
+    assert split[0] == 2 * (counts.total - counts.experts + counts.experts / 8)
+    assert whole[0] == 2 * counts.total and split[1:] == whole[1:]
+    assert split[2] == 12 * counts.total / 64
+
+
+def test_the_plan_of_a_mixture_offers_expert_parallelism_under_zero_1_and_2_only():
+    cfg = load_config(REPO_CONFIG_DIR / "train" / "qwen3-30b-a3b.yaml")
+    report = memory.run_plan(
+        cfg, json.loads((REPO_CONFIG_DIR / "deepspeed" / "zero2.json").read_text()), 64, 80
+    )
+    assert report["plan"]["fits"] and report["active_params"] == param_counts(cfg.model).active
+    degrees = {p["setting"]["expert_parallel"] for p in report["feasible"]}
+    assert degrees > {1} and all(
+        p["setting"]["zero"]["stage"] in (1, 2)
+        for p in report["feasible"]
+        if p["setting"]["expert_parallel"] > 1
+    )
+    assert any(
+        f"parallel.expert={e}" in p["setting"]["overrides"] for p in report["feasible"] for e in degrees - {1}
+    )

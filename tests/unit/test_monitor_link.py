@@ -69,6 +69,19 @@ def wait_for(predicate, timeout=10.0):
         time.sleep(0.01)
 
 
+def said(capsys, text: str, timeout: float = 60.0) -> str:
+    """Stderr up to the moment it says `text`: the reporter's thread prints its lines on its own
+    schedule (after it has woken a waiting drain(), say), so one read right after may miss them."""
+    err = []
+
+    def says() -> bool:
+        err.append(capsys.readouterr().err)
+        return text in "".join(err)
+
+    wait_for(says, timeout)
+    return "".join(err)
+
+
 def test_the_reporter_posts_in_the_background_and_keeps_the_answers(service, tmp_path):
     reporter = Reporter(tmp_path)
     try:
@@ -102,7 +115,7 @@ def test_reports_wait_for_a_service_that_is_away_and_are_all_judged_when_it_is_b
                 StepMetrics(step=step, loss=3.0, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=step * 100)
             )
         assert not reporter.drain(0.5) and reporter.waiting() == 3  # kept, not dropped
-        err = capsys.readouterr().err
+        err = said(capsys, "monitor unreachable")
         assert err.count("monitor unreachable") == 1 and "at step 1" in err  # warned once
         server, _ = serve(tmp_path, MonitorConfig())  # (re)started: a new endpoint file is read
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -110,7 +123,7 @@ def test_reports_wait_for_a_service_that_is_away_and_are_all_judged_when_it_is_b
             reporter.report(StepMetrics(step=4, loss=3.0, grad_norm=1.0, lr=1e-3, step_time=0.1, tokens=400))
             assert reporter.drain(10)
             assert [e.step for e in read_events(tmp_path) if e.type == "step"] == [1, 2, 3, 4]
-            assert "monitor reachable again: every step since 1 judged" in capsys.readouterr().err
+            said(capsys, "monitor reachable again: every step since 1 judged")
         finally:
             server.shutdown()
             server.server_close()

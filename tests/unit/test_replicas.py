@@ -32,6 +32,19 @@ def test_the_digests_name_the_parameters_that_differ():
     assert differing([same, {"a": [1, 2]}]) == []  # (a parameter one rank does not hold whole: not compared)
 
 
+def test_experts_split_across_ranks_are_compared_among_the_ranks_holding_them():
+    """Four ranks, experts split in two (parallel.expert=2): ranks 0 and 2 hold experts 0-1,
+    ranks 1 and 3 experts 2-3, and the dense weights are everyone's."""
+    low, high = "w[experts 0-1]", "w[experts 2-3]"
+    ranks = [{"d": [1, 1], low: [5, 5]}, {"d": [1, 1], high: [7, 7]}, {"d": [1, 1], low: [5, 5]}]
+    ranks.append({"d": [1, 1], high: [7, 7]})
+    assert differing(ranks) == []  # (experts 0-1 differ from 2-3: never compared)
+    ranks[3] = {"d": [1, 1], high: [8, 8]}
+    assert differing(ranks) == [high]
+    assert odd_ranks(ranks, [high], [None] * 4) == [1, 3]  # two holders, no master: both
+    assert odd_ranks(ranks, [high], [False, False, False, True]) == [3]
+
+
 @pytest.mark.parametrize(
     ("digests", "names", "wrong", "expected"),
     [

@@ -63,6 +63,24 @@ def test_a_run_recorded_before_a_key_was_added_is_the_same_run_at_the_keys_old_v
         claim(run_dir, identity | {"model.qk_norm": True}, now, "auto")
 
 
+def test_a_run_recorded_before_head_dim_and_moe_is_the_same_dense_run(tmp_path, capsys):
+    """`model.head_dim` (derived: d_model / n_heads) and `model.moe` (null) came later: a dense run
+    recorded without them resumes with no "changed" line; experts make it another run."""
+    run_dir = tmp_path / "run"
+    identity = {"model.d_model": 64, "model.n_heads": 4}
+    config = {"model": {"d_model": 64, "n_heads": 4}}
+    claim(run_dir, identity, config, "auto")
+    (ck.checkpoints_dir(run_dir) / "step_00000010").mkdir(parents=True)
+    capsys.readouterr()
+    now = identity | {"model.head_dim": 16, "model.moe": None}
+    claim(run_dir, now, {"model": {"d_model": 64, "n_heads": 4, "head_dim": 16, "moe": None}}, "auto")
+    assert capsys.readouterr().out.strip() == ""
+    with pytest.raises(UserError, match=r"model.head_dim 16 → 32"):
+        claim(run_dir, identity | {"model.head_dim": 32}, config, "auto")
+    with pytest.raises(UserError, match=r"model.moe None → \{'experts': 8\}"):
+        claim(run_dir, now | {"model.moe": {"experts": 8}}, config, "auto")
+
+
 def test_fresh_moves_the_earlier_run_aside_and_deletes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     claim(run_dir, {"model.d_model": 64}, {}, "auto")

@@ -161,15 +161,71 @@ def test_closing_a_cache_stops_its_prefetcher_even_while_it_waits_to_retry(tmp_p
     once, and a closed cache asks no run to stop."""
     import time
 
-    cache = ShardCache(tmp_path / "cache", 1 << 20, retries=5, backoff=30.0)
+    cache = ShardCache(tmp_path / "cache", 1 << 20, retries=5, backoff=600.0)
     missing = Entry(url="memory://no-such-bucket/shard.bin", size=10, sha256="0" * 64)
     cache.hint([missing])
     said, deadline = "", time.monotonic() + 60
-    while "trying again in 30 s" not in said:  # the prefetcher is in its 30 s wait
+    while "trying again in 600 s" not in said:  # the prefetcher is in its 600 s wait
         assert time.monotonic() < deadline, said
         said += capsys.readouterr().err
         time.sleep(0.01)
     cache.close()
-    cache._thread.join(timeout=10)  # a third of the wait it was in
+    cache._thread.join(timeout=60)  # a tenth of the wait it was in (a loaded machine wakes it late)
     assert not cache._thread.is_alive()
     assert "stopping at the next step boundary" not in said + capsys.readouterr().err
+
+
+def test_a_read_counts_a_hit_only_when_the_shard_was_there_as_it_asked(tmp_path):
+    """`pretrain bench data`'s hits and misses: a read that waits for the prefetcher's download
+    still in flight is a miss, as one that downloads itself is; one that finds the file, a hit.
+    Each file downloaded once, by whichever thread took its lock first, and verified."""
+    import hashlib
+    import threading
+    import time
+
+    fs = fsspec.filesystem("memory")
+    entries = []
+    for i in range(3):
+        data = bytes([i]) * 1000
+        fs.pipe_file(f"/counts/{i}.bin", data)
+        entries.append(Entry(f"memory://counts/{i}.bin", 1000, hashlib.sha256(data).hexdigest()))
+    cache = ShardCache(tmp_path, 10**6)
+    release, get = threading.Event(), cache._get
+
+    def held_get(url, target):  # the prefetcher's download of 1.bin waits for `release`
+        if url.endswith("1.bin"):
+            release.wait(60)
+        get(url, target)
+
+    class Turns:
+        """1.bin's lock, which says when the read waits on it (it has looked for the file by then)."""
+
+        lock, waiting = threading.Lock(), threading.Event()
+
+        def __enter__(self):
+            if threading.current_thread().name == "read":
+                self.waiting.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    cache._get, cache._fetching[entries[1].sha256] = held_get, Turns()
+    cache.fetch(entries[0])  # prefetched before the read asks: a hit
+    cache.fetch(entries[0], reading=True)
+    prefetch = threading.Thread(target=cache.fetch, args=(entries[1],))
+    prefetch.start()
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(f"shards/.{entries[1].sha256}.*.part")):  # its download has begun
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    read = threading.Thread(target=cache.fetch, args=(entries[1],), kwargs={"reading": True}, name="read")
+    read.start()
+    assert Turns.waiting.wait(60)
+    release.set()
+    read.join(60)
+    prefetch.join(60)
+    cache.fetch(entries[2], reading=True)  # nothing in flight: its own download, a miss
+    assert (cache.stats["hits"], cache.stats["misses"]) == (1, 2)
+    assert cache.stats["fetched_bytes"] == cache.stats["verified_bytes"] == 3000
+    fs.rm("/counts", recursive=True)

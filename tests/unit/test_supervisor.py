@@ -37,6 +37,23 @@ def test_hang_watch():
     assert watch.limit() == 12 and watch.overdue(173)
 
 
+def test_the_ranks_are_told_what_the_supervisor_got_only_where_they_get_another_signal():
+    """Slurm's time-limit warning reaches every process of the step, the ranks as well as the
+    supervisor, which passes it on as itself: a note would make a rank that hears the supervisor's
+    copy first say something else than one that hears Slurm's first (the CI failure of
+    test_slurm_launch), so none is written and both say `SIGUSR1 received`."""
+    import signal
+
+    assert sv.stop_note(signal.SIGUSR1, signal.SIGUSR1, over_ssh=False) is None
+    assert sv.stop_note(signal.SIGTERM, signal.SIGTERM, over_ssh=False) is None  # (scancel, likewise)
+    note = sv.stop_note(signal.SIGINT, signal.SIGTERM, over_ssh=False)  # a Ctrl-C: the ranks get SIGTERM
+    assert note == "SIGINT to pretrain launch, passed on as SIGTERM"
+    # over ssh the launcher passes SIGTERM to every host, whatever the supervisor got
+    assert sv.stop_note(signal.SIGUSR1, signal.SIGUSR1, over_ssh=True) == (
+        "SIGUSR1 to pretrain launch, passed on as SIGTERM"
+    )
+
+
 def test_launch_refuses_bad_input_before_starting_anything(tmp_path, train_data, cli):
     run_dir = tmp_path / "run"
     common = ["--config", TINY, f"run.dir={run_dir}", f"data.dir={train_data}", *FAST]
