@@ -216,7 +216,8 @@ def test_the_run_configs_two_ratios_reach_the_guard_each_in_its_place(tmp_path):
     def guard(*overrides):
         settings = [f"run.dir={tmp_path}", "monitor.skip_step=true", "logging.precursors_every=0"]
         cfg = load_config(TINY, [*settings, *overrides])
-        parts = SimpleNamespace(env=ONE_PROCESS, engine=None, writer=None, task=None, checkpointer=None)
+        dense = SimpleNamespace(module=SimpleNamespace(layers=[]))  # (no experts: no balancing hook)
+        parts = SimpleNamespace(env=ONE_PROCESS, engine=dense, writer=None, task=None, checkpointer=None)
         cadence = SimpleNamespace(logged=lambda step: True)
         (hook,) = [h for h in step_hooks(cfg, cadence, parts) if isinstance(h, SkipBadUpdates)]
         return hook.guard.ratio, hook.guard.grad_norm_ratio
