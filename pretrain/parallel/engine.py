@@ -332,7 +332,8 @@ def initialize(
     # parallel.sequence: attention across each window's ranks; DeepSpeed's groups as its mpu
     sequence_parallel = ds.get("sequence_parallel_size", 1)
     mpu = split_attention(model, sequence_parallel) if sequence_parallel > 1 else None
-    split_experts(model, expert_parallel)  # (the experts' dispatch; with E > 1, each rank's share)
+    if isinstance(model, Transformer):  # (not the benchmark's Transformers model: no experts)
+        split_experts(model, expert_parallel)  # (the experts' dispatch; with E > 1, each rank's share)
     if engine.compile:
         compile_model(model, engine, ds)
     prefer_attention(engine.attention)
