@@ -28,6 +28,7 @@ from pretrain.data.views import local_sources
 from pretrain.errors import UserError
 from pretrain.evaluation.held_out import attention_probe, continuations, validation_loss
 from pretrain.initial_model import InitialModel, find_initial
+from pretrain.model.loss import usable_kernel
 from pretrain.model.transformer import Transformer
 from pretrain.monitor_link import MonitorLink
 from pretrain.optim.schedules import schedule_for
@@ -415,12 +416,12 @@ def first_model(cfg: RunConfig, initial: InitialModel | None) -> Transformer:
 
 def build_model(cfg: RunConfig, initial: InitialModel | None = None) -> Transformer:
     """The model pretraining trains: `cfg.model`, with the objective's z-loss coefficient
-    (`loss.z_loss`, added to the loss in training mode only; evaluation reports plain cross-entropy);
-    randomly initialized, or with the weights of `checkpoint.init` (`initial`)."""
-    if initial is None:
-        return Transformer(cfg.model, z_loss=cfg.loss.z_loss)
-    model = initial.load_model(cfg.model)
+    (`loss.z_loss`, added to the loss in training mode only; evaluation reports plain cross-entropy)
+    and the loss's kernel (`loss.kernel`, as it can run here: `usable_kernel`); randomly
+    initialized, or with the weights of `checkpoint.init` (`initial`)."""
+    model = Transformer(cfg.model) if initial is None else initial.load_model(cfg.model)
     model.z_loss = cfg.loss.z_loss
+    model.loss_kernel, _ = usable_kernel(cfg.loss.kernel)
     return model
 
 
@@ -464,12 +465,14 @@ def first_line(cfg: RunConfig, plan: BatchPlan, parts: RunParts, initial: Initia
         start = f" (resumed from {parts.resume.tag})"
     elif initial is not None:
         start = f" (weights from {initial.source}, checkpoint.init)"
+    _, fallback = usable_kernel(cfg.loss.kernel)
     return (
         f"training {describe_model(cfg.model)} on {parts.env.world_size} process(es), ZeRO-{parts.zero} bf16"
         + (f", sequence parallel {plan.sequence_parallel}" if plan.sequence_parallel > 1 else "")
         + ": "
         f"global batch {plan.global_batch_size} × {plan.seq_len} tokens, steps {parts.state.step + 1}..{cfg.train.steps}"
         + start
+        + (f" ({fallback})" if fallback else "")
     )
 
 

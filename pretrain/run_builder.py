@@ -34,6 +34,7 @@ from pretrain.config import FaultsConfig, FinetuneConfig, RunConfig, config_hash
 from pretrain.lifeline import watch_supervisor
 from pretrain.parallel.distributed import DistEnv, barrier
 from pretrain.parallel.engine import BatchPlan, build, set_determinism_and_connect
+from pretrain.parallel.norm_gate import step_read
 from pretrain.planning.flops import current_device_peak_flops
 from pretrain.reporting.metrics import MetricsWriter
 from pretrain.run_dir import owning_run_dir
@@ -184,6 +185,7 @@ def build_trainer(plan: RunPlan, env: DistEnv, engine, optimizer, resume: Resume
         peak_flops=cfg.engine.peak_flops or current_device_peak_flops(),
         state=state,
         summary={"world_size": env.world_size, "zero_stage": zero} | plan.summary,
+        read=step_read(engine),
     )
 
 

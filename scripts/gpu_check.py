@@ -12,6 +12,7 @@ Files written to OUT (at most 8: what the device tool brings back):
     bench-MODEL.json  `pretrain bench train --json` of each model, as printed
     launch.json       the supervised run: the spike's rollback, the kill's restart, the resume
     profile.json      `pretrain bench profile --json` of each profiled model
+    variants.json     the step's variants (`--parts variants`): each one's figures, and the one chosen
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class Mode:
     bench: dict[str, str]  # config → arguments of `pretrain bench train`
     profile: dict[str, str]  # config → arguments of `pretrain bench profile`
     drill: Drill
+    variants: str  # the `bench train` arguments every variant shares (the part `variants`)
+    variant_batches: dict[str, tuple[int, int]]  # config → (its micro-batch, the larger one)
+    variant_timeout: float  # seconds for each variant's process
+    on_request: tuple[str, ...] = ("variants",)  # parts run only when --parts names them
     # Where set (a CPU, shared with whatever else runs there): the seconds each part takes on a
     # machine as fast as the one measured; a part's budget is then its own times the slowdown
     # measured so far (`Check.slowdown`), so that a busy or slow machine stretches every budget and
@@ -82,6 +87,7 @@ GPU = Mode(
         "bench gpt3-1.3b": 150,
         "profile": 150,
         "bench gpt3-350m": 120,
+        "variants": 440,
     },
     order=(
         "versions",
@@ -115,6 +121,10 @@ GPU = Mode(
         vocab_size=8192,
         workers=8,
     ),
+    variants="--seq-len 2048 --zero-stage 1 --compile --steps 10 --warmup 2",
+    # the micro-batch of the first H200 run, and the largest `pretrain plan` fits in 80 GB
+    variant_batches={"gpt3-125m": (16, 64), "gpt3-1.3b": (4, 8)},
+    variant_timeout=150.0,
 )
 
 # On a CPU the check is a test of the script (tests/integration/test_gpu_check.py) on a machine
@@ -126,7 +136,10 @@ CPU_EXPECTED = {"versions": 6, "fused_adam": 1, "pytest": 9, "launch": 91, "benc
 CPU = Mode(
     name="cpu",
     budget=1800.0,
-    budgets={part: max(60.0, 5 * seconds) for part, seconds in CPU_EXPECTED.items()},
+    budgets={part: max(60.0, 5 * seconds) for part, seconds in CPU_EXPECTED.items()}
+    # on request only (not in `order`, so never stretched by the parts before it): three processes
+    # of ~15 s of CPU each, 146 s in all at load 17 on 2 cores
+    | {"variants": 360.0},
     expected=CPU_EXPECTED,
     order=("versions", "fused_adam", "pytest", "launch", "bench tiny", "profile"),
     # the GPU tier's file only: collecting the whole suite to deselect it costs the check (itself a
@@ -148,6 +161,9 @@ CPU = Mode(
         vocab_size=512,
         workers=2,
     ),
+    variants="--seq-len 64 --no-compile --steps 1 --warmup 0",
+    variant_batches={"tiny": (1, 2)},
+    variant_timeout=150.0,
 )
 
 
@@ -535,21 +551,52 @@ def drill_line(result: dict) -> str:
     )
 
 
+def variants(check: Check, budget: float) -> dict:
+    """Each variant of the step (`pretrain/bench/variants.py`) in a `bench train --ours-only`
+    process of its own, with its own timeout; variants.json rewritten after each, so a call cut
+    short keeps what ran. The part fails only when no baseline ran."""
+    from pretrain.bench.variants import choose, entry, planned
+
+    mode, deadline, rows = check.mode, time.time() + budget, []
+    for variant in planned(mode.variant_batches, cpu=mode.name == "cpu"):
+        left = deadline - time.time()
+        if variant.skipped is not None or left < MINIMUM:
+            rows.append(
+                entry(variant, None, None if variant.skipped else "no time left in the part's budget")
+            )
+        else:
+            command = [*PRETRAIN, "bench", "train", variant.model, *mode.variants.split()]
+            command += ["--micro-batch-size", str(variant.micro_batch_size), "--ours-only", "--json"]
+            finished = check.run([*command, *variant.overrides], min(mode.variant_timeout, left))
+            if finished.returncode == 0:
+                rows.append(entry(variant, json.loads(finished.stdout.strip().splitlines()[-1])))
+            else:
+                rows.append(entry(variant, None, str(failed_command(finished, variant.label))))
+        check.write_json("variants.json", {"variants": rows, "chosen": choose(rows)})
+    chosen = choose(rows)
+    ran = sum(r["tokens_per_second"] is not None for r in rows)
+    if not any(chosen.values()):
+        raise PartFailed(f"no baseline ran ({ran} of {len(rows)} variants ran: variants.json)")
+    return {"line": f"{ran} of {len(rows)} variants ran; chosen: " + ", ".join(filter(None, chosen.values()))}
+
+
 # --------------------------------------------------------------------------- the check
 
 
 def parts(mode: Mode) -> list[tuple[str, Callable[[Check, float], dict]]]:
     """The mode's parts in its order: the GPU tests and the drill (correctness) before the
-    benchmarks, and the benchmarks the targets name (125m, 1.3b) before the others."""
+    benchmarks, and the benchmarks the targets name (125m, 1.3b) before the others; then the
+    parts run only on request (`variants`)."""
     named = {
         "versions": versions,
         "fused_adam": fused_adam,
         "pytest": pytest,
         "launch": launch,
         "profile": profile,
+        "variants": variants,
     }
     named |= {f"bench {model}": bench(model, arguments) for model, arguments in mode.bench.items()}
-    return [(name, named[name]) for name in mode.order]
+    return [(name, named[name]) for name in mode.order + mode.on_request]
 
 
 def repo_path() -> str:
@@ -582,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         selected = [(name, part) for name, part in selected if name in wanted]
+    else:
+        selected = [(name, part) for name, part in selected if name not in mode.on_request]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_check-"))

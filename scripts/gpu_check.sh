@@ -6,7 +6,8 @@
 # Installs what the machine lacks (DeepSpeed, omegaconf, datasets and their needs) from the wheels
 # in .whl/ of this checkout (the machine has no network), then runs scripts/gpu_check.py: the GPU
 # tests, `pretrain bench train` for gpt3-125m/350m/1.3b at 2048 tokens, a one-GPU `pretrain launch`
-# with a spike, a kill and a resume, and profiler captures, each part in its own time budget.
+# with a spike, a kill and a resume, and profiler captures, each part in its own time budget; and
+# with --parts variants, the training step's variants (issue 55's levers) against its baseline.
 # JSON and logs go to OUT (default: $OUT, the device tool's folder). `--cpu` runs the same
 # sequence on a CPU with the tiny config, no wheels and no kernels (the integration tier runs it).
 set -uo pipefail

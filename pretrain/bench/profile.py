@@ -364,7 +364,7 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
         build_model(cfg),
         cfg.engine,
         cfg.optim,
-        deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size),
+        deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size, cfg.engine.one_host_read),
     )
     batch = torch.randint(
         0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device

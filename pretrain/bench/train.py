@@ -4,13 +4,20 @@ Both models are built from the same `ModelConfig` (the Hugging Face one through 
 `llama_config_dict`, with `attn_implementation="sdpa"`) and start from the same weights, so the
 first step's losses must agree: that is checked and printed, and is what makes the ratio a
 comparison of implementations rather than of workloads. Each is wrapped by the trainer's own
-`engine.initialize` (the same DeepSpeed engine, ZeRO stage, optimizer, dtype and compile switch)
-and trained on the same random batch. After warm-up the two alternate step by step, in the order
-A B B A, so drift on a shared machine falls on both; the figures are medians.
+`engine.initialize` (the same DeepSpeed ZeRO stage, optimizer, dtype and compile switch) and
+trained on the same random batch. Ours takes the trainer's step as the run config sets it up
+(`engine.one_host_read`: the norm gate, the step's one host read, which also reads its loss;
+`loss.kernel`, `engine.attention`, `engine.compile_head`; KEY=VALUE overrides change them: the GPU
+check's variants), Transformers' model DeepSpeed's own engine settings (its overflow scan on).
+Each model's first steps count the host's waits for the device (`host_syncs_per_step`,
+`pretrain/bench/host_syncs.py`); after warm-up, blocks of BLOCK steps are timed, synchronized at
+their ends only (as a training run, where the host runs ahead of the device between its reads),
+the two models' blocks alternating A B B A so that drift on a shared machine falls on both; the
+figures are medians. `--ours-only` leaves Transformers out (and the matrix-product timing).
 
 Reported: tokens/s each and the ratio; the memory a step holds for its backward pass (saved
 activations, measured with autograd's saved-tensor hooks, on any device); on a GPU also the
-peak allocated during a step above what was resident before it, and the MFU against the device's
+peak allocated during a block above what was resident before it, and the MFU against the device's
 nominal bf16 peak and against a bf16 matrix product measured here in the same process.
 """
 
@@ -27,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.bench.host_syncs import HostSyncs
 from pretrain.config import (
     ModelConfig,
     RunConfig,
@@ -38,13 +46,14 @@ from pretrain.config import (
     resolve_config,
 )
 from pretrain.errors import UserError
+from pretrain.parallel.norm_gate import gated, step_read
 from pretrain.planning.flops import current_device_peak_flops, flops_per_token, param_counts
 
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchSettings:
     dtype: str = "bf16"
     zero_stage: int = 1
@@ -53,18 +62,21 @@ class BenchSettings:
     steps: int = 20  # measured steps per model
     warmup: int = 3  # unmeasured steps per model first (compilation, allocator, caches)
     compile: bool | None = None  # default: the run config's engine.compile (off for model presets)
+    overrides: tuple[str, ...] = ()  # KEY=VALUE on the run config (the variants' levers)
+    reference: bool = True  # also Transformers' model (`--ours-only`: not)
 
 
 def load_run_config(path: str | Path, settings: BenchSettings) -> RunConfig:
     """A model preset (configs/model/*.yaml) on top of the defaults, or a run config as it is; by
-    path, or by a packaged config's name (`gpt3-125m` is the run config, `model/gpt3-125m` the preset)."""
+    path, or by a packaged config's name (`gpt3-125m` is the run config, `model/gpt3-125m` the preset);
+    then `settings.overrides`."""
     path = resolve_config(path)
     if is_model_preset(read_yaml(path)):
-        cfg = load_defaults()
-        cfg.model = load_model_config(path)
+        cfg = load_defaults([o for o in settings.overrides if not o.startswith("model.")])
+        cfg.model = load_model_config(path, [o for o in settings.overrides if o.startswith("model.")])
         seq_len, micro_batch_size = min(cfg.model.max_seq_len, 2048), 8
     else:
-        cfg = load_config(path)
+        cfg = load_config(path, settings.overrides)
         seq_len, micro_batch_size = cfg.data.seq_len, cfg.train.micro_batch_size
     seq_len = settings.seq_len if settings.seq_len is not None else seq_len
     if not 1 <= seq_len <= cfg.model.max_seq_len:
@@ -80,8 +92,10 @@ def load_run_config(path: str | Path, settings: BenchSettings) -> RunConfig:
     return cfg
 
 
-def deepspeed_json(settings: BenchSettings, micro_batch_size: int, world_size: int) -> dict:
-    return {
+def deepspeed_json(settings: BenchSettings, micro_batch_size: int, world_size: int, one_read: bool) -> dict:
+    """The engine's DeepSpeed JSON; `one_read`: the norm gate decides (DeepSpeed's bf16 overflow
+    scan off, as the trainer's `engine.one_host_read`), else DeepSpeed's own checks."""
+    ds = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro_batch_size * world_size,
@@ -90,6 +104,9 @@ def deepspeed_json(settings: BenchSettings, micro_batch_size: int, world_size: i
         "bf16": {"enabled": settings.dtype == "bf16"},
         "steps_per_print": 10**9,
     }
+    if one_read and gated(ds):
+        ds["bf16"]["check_grad_overflow"] = False
+    return ds
 
 
 def hf_model(cfg: ModelConfig, ours: torch.nn.Module) -> torch.nn.Module:
@@ -169,33 +186,46 @@ def _sync(device: torch.device) -> None:
 class Contender:
     """One model in its DeepSpeed engine, with a step function and its timings."""
 
-    def __init__(self, name: str, engine, loss_of: Callable, batch: torch.Tensor):
+    def __init__(self, name: str, engine, loss_of: Callable, batch: torch.Tensor, reads_loss: bool):
         self.name, self.engine, self.loss_of = name, engine, loss_of
         self.inputs, self.targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        self.times: list[float] = []
+        # ours reads its loss every step as the trainer does, in the step's one read (the norm
+        # gate's, inside the optimizer step; without a gate, after it); Transformers' loop reads
+        # it at its logging steps only
+        self.read, self.reads_loss = step_read(engine), reads_loss
+        self.loss: float | None = None  # the last step's, when read
+        self.times: list[float] = []  # per step, of each timed block
         self.step_memory: list[int] = []
 
     def forward(self) -> torch.Tensor:
         return self.loss_of(self.engine, self.inputs, self.targets)
 
-    def step(self, measure: bool) -> float:
-        """One optimizer step; returns its loss."""
+    def step(self) -> torch.Tensor:
+        """One optimizer step, nothing synchronized but what the step itself reads; its loss."""
+        self.read.begin()
+        loss = self.forward()
+        self.engine.backward(loss)
+        joined = self.read.join(loss) if self.reads_loss else None
+        self.engine.step()
+        if joined is not None:
+            (self.loss,) = self.read.values(joined)
+        return loss
+
+    def block(self, steps: int) -> None:
+        """`steps` steps timed together, synchronized at both ends only (as a run is): each step's
+        time is the block's share; on a GPU also the peak memory above what was resident."""
         device = self.engine.device
         _sync(device)
         if device.type == "cuda":
             resident = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        loss = self.forward()
-        self.engine.backward(loss)
-        self.engine.step()
+        for _ in range(steps):
+            self.step()
         _sync(device)
-        elapsed = time.perf_counter() - start
-        if measure:
-            self.times.append(elapsed)
-            if device.type == "cuda":
-                self.step_memory.append(torch.cuda.max_memory_allocated(device) - resident)
-        return loss.item()
+        self.times.append((time.perf_counter() - start) / steps)
+        if device.type == "cuda":
+            self.step_memory.append(torch.cuda.max_memory_allocated(device) - resident)
 
 
 def check_settings(settings: BenchSettings) -> None:
@@ -241,44 +271,77 @@ def run(config_path: str | Path, settings: BenchSettings = BenchSettings(), as_j
     return result
 
 
+BLOCK = 5  # measured steps timed together: one synchronization per block, none inside
+COUNTED = 2  # each model's first steps, whose waits for the device are counted (the last one's kept)
+
+
+def contenders(cfg: RunConfig, settings: BenchSettings, env, device: torch.device) -> list[Contender]:
+    """Ours (the trainer's step: `engine.one_host_read`'s norm gate) and, with `settings.reference`,
+    Transformers' Llama in DeepSpeed's own engine settings; the same weights and random batch (made
+    on the host from the seed, so a larger micro-batch starts with the same windows)."""
+    from pretrain.parallel.engine import initialize
+    from pretrain.pretraining import build_model
+
+    torch.manual_seed(cfg.run.seed)
+    ours = build_model(cfg)
+    hf = hf_model(cfg.model, ours) if settings.reference else None
+    shape = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
+    batch = torch.randint(
+        0, cfg.model.vocab_size, shape, generator=torch.Generator().manual_seed(cfg.run.seed)
+    )
+    batch = batch.to(device)
+    mb, world = cfg.train.micro_batch_size, env.world_size
+    ours_engine, _ = initialize(
+        ours, cfg.engine, cfg.optim, deepspeed_json(settings, mb, world, cfg.engine.one_host_read)
+    )
+    made = [Contender("ours", ours_engine, lambda e, x, y: e(x, y).loss, batch, reads_loss=True)]
+    if hf is not None:
+        hf_engine, _ = initialize(
+            _HFBlocks(hf), cfg.engine, cfg.optim, deepspeed_json(settings, mb, world, False)
+        )
+        loss_of = lambda e, x, y: e(input_ids=x, labels=y, shift_labels=y).loss  # noqa: E731
+        made.append(Contender("hf", hf_engine, loss_of, batch, reads_loss=False))
+    return made
+
+
+def first_steps(models: list[Contender], device: torch.device) -> tuple[dict, dict]:
+    """Each model's first COUNTED steps, its waits for the device counted
+    (`pretrain/bench/host_syncs.py`, from the first step: it makes the optimizer's state); the
+    first step's loss and the last counted step's waits (their call sites), by model."""
+    first_losses, sites = {}, {}
+    with HostSyncs(device) as syncs:
+        for c in models:
+            for index in range(COUNTED):
+                syncs.new_step()
+                loss = c.step()
+                syncs.end_step()
+                if index == 0:
+                    first_losses[c.name] = c.loss if c.reads_loss else loss.item()
+            sites[c.name] = syncs.steps[-1]
+    return first_losses, sites
+
+
 def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
     import deepspeed
     import transformers
 
     from pretrain.parallel.distributed import DistEnv, init_distributed
-    from pretrain.parallel.engine import initialize
-    from pretrain.pretraining import build_model
 
     env = DistEnv.from_environ()
     init_distributed(env)
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    ds = deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size)
-
-    torch.manual_seed(cfg.run.seed)
-    ours = build_model(cfg)
-    hf = hf_model(cfg.model, ours)
-    batch = torch.randint(
-        0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device
-    )
-    ours_engine, _ = initialize(ours, cfg.engine, cfg.optim, dict(ds))
-    hf_engine, _ = initialize(_HFBlocks(hf), cfg.engine, cfg.optim, dict(ds))
-    contenders = [
-        Contender("ours", ours_engine, lambda e, x, y: e(x, y).loss, batch),
-        Contender("hf", hf_engine, lambda e, x, y: e(input_ids=x, labels=y, shift_labels=y).loss, batch),
-    ]
+    models = contenders(cfg, settings, env, device)
     # Activation memory first, before any step has changed the weights.
     activations = {
-        c.name: saved_activation_bytes(c.forward, list(c.engine.module.parameters())) for c in contenders
+        c.name: saved_activation_bytes(c.forward, list(c.engine.module.parameters())) for c in models
     }
-    first_losses = {c.name: c.step(measure=False) for c in contenders}
+    first_losses, sites = first_steps(models, device)
     for _ in range(settings.warmup):
-        for c in contenders:
-            c.step(measure=False)
-    for i in range(settings.steps):
-        for c in contenders if i % 2 == 0 else reversed(contenders):
-            c.step(measure=True)
-
-    tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len  # per rank
+        for c in models:
+            c.step()
+    for i, size in enumerate(block_sizes(settings.steps)):
+        for c in models if i % 2 == 0 else reversed(models):
+            c.block(size)
     result: dict = what_ran(cfg, settings, env, device) | {
         "params": param_counts(cfg.model).total,
         "versions": {
@@ -286,14 +349,30 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
             "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__,
         },
+        "one_host_read": cfg.engine.one_host_read,
+        "loss_kernel": cfg.loss.kernel,
+        "attention": cfg.engine.attention,
+        "compile_head": cfg.engine.compile_head,
+        "block_steps": BLOCK,
+        "host_syncs_per_step": {name: len(found) for name, found in sites.items()},
+        "host_sync_sites": sites,
     }
+    return result | figures(cfg, settings, device, models, first_losses, activations)
+
+
+def block_sizes(steps: int) -> list[int]:
+    """`steps` measured steps as blocks of BLOCK (the last one shorter)."""
+    return [min(BLOCK, steps - start) for start in range(0, steps, BLOCK)]
+
+
+def figures(cfg, settings, device, models: list[Contender], first_losses: dict, activations: dict) -> dict:
+    """Tokens/s, MFU, losses and memory per model; the ratio of ours to Transformers'."""
+    tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len  # per rank
     flops = flops_per_token(cfg.model, cfg.data.seq_len).total
     peak = current_device_peak_flops() if settings.dtype == "bf16" else None
-    measured = matmul_flops(DTYPES[settings.dtype], device)
-    result["flops_per_token"] = flops
-    result["nominal_peak_flops"] = peak
-    result["measured_matmul_flops"] = measured
-    for c in contenders:
+    measured = matmul_flops(DTYPES[settings.dtype], device) if settings.reference else None
+    result = {"flops_per_token": flops, "nominal_peak_flops": peak, "measured_matmul_flops": measured}
+    for c in models:
         step_time = statistics.median(c.times)
         tokens_per_sec = tokens_per_step / step_time  # per rank
         result[f"{c.name}_step_ms"] = step_time * 1000
@@ -302,9 +381,10 @@ def measure(cfg: RunConfig, settings: BenchSettings) -> dict:
         result[f"{c.name}_activation_bytes"] = activations[c.name]
         result[f"{c.name}_step_peak_memory_bytes"] = max(c.step_memory) if c.step_memory else None
         result[f"{c.name}_mfu"] = tokens_per_sec * flops / peak if peak else None
-        result[f"{c.name}_mfu_of_measured_matmul"] = tokens_per_sec * flops / measured
-    result["ratio"] = result["ours_tokens_per_sec"] / result["hf_tokens_per_sec"]
-    result["first_loss_difference"] = abs(first_losses["ours"] - first_losses["hf"])
+        result[f"{c.name}_mfu_of_measured_matmul"] = tokens_per_sec * flops / measured if measured else None
+    if len(models) > 1:
+        result["ratio"] = result["ours_tokens_per_sec"] / result["hf_tokens_per_sec"]
+        result["first_loss_difference"] = abs(first_losses["ours"] - first_losses["hf"])
     return result
 
 
@@ -331,6 +411,7 @@ def _percent(value: float | None) -> str:
 
 
 def table(r: dict) -> str:
+    names = ["ours"] + (["hf"] if "hf_tokens_per_sec" in r else [])
     rows = [
         ("tokens/s (per rank)", lambda n: f"{r[f'{n}_tokens_per_sec']:,.0f}"),
         ("step time, median", lambda n: f"{r[f'{n}_step_ms']:,.1f} ms"),
@@ -338,6 +419,7 @@ def table(r: dict) -> str:
         ("step peak above resident", lambda n: _bytes(r[f"{n}_step_peak_memory_bytes"])),
         ("MFU of nominal peak", lambda n: _percent(r[f"{n}_mfu"])),
         ("MFU of measured matmul", lambda n: _percent(r[f"{n}_mfu_of_measured_matmul"])),
+        ("host syncs per step", lambda n: str(r["host_syncs_per_step"][n])),
         ("first-step loss", lambda n: f"{r[f'{n}_first_loss']:.4f}"),
     ]
     zero = f"ZeRO-{r['zero_stage']}"
@@ -346,16 +428,24 @@ def table(r: dict) -> str:
         f"per rank x {r['world_size']} rank(s), {r['dtype']}, DeepSpeed {zero}, "
         f"compile {'on' if r['compile'] else 'off'}, {r['steps']} interleaved steps each, on {r['device']}",
         "",
-        f"{'':<26}{'ours':>14}{'transformers':>16}",
+        f"{'':<26}{'ours':>14}" + (f"{'transformers':>16}" if len(names) > 1 else ""),
     ]
-    lines += [f"{label:<26}{cell('ours'):>14}{cell('hf'):>16}" for label, cell in rows]
-    peak = r["nominal_peak_flops"]
+    widths = (14, 16)[: len(names)]
     lines += [
-        "",
-        f"ours / transformers: {r['ratio']:.2f}x tokens/s",
-        f"matrix product here: {r['measured_matmul_flops'] / 1e12:.2f} TFLOP/s {r['dtype']}"
-        + (f" (nominal peak {peak / 1e12:.0f})" if peak else ""),
-        f"versions: torch {r['versions']['torch']}, deepspeed {r['versions']['deepspeed']}, "
-        f"transformers {r['versions']['transformers']}",
+        f"{label:<26}" + "".join(f"{cell(n):>{w}}" for n, w in zip(names, widths, strict=True))
+        for label, cell in rows
     ]
+    peak, measured = r["nominal_peak_flops"], r["measured_matmul_flops"]
+    lines.append("")
+    if len(names) > 1:
+        lines.append(f"ours / transformers: {r['ratio']:.2f}x tokens/s")
+    if measured:
+        lines.append(
+            f"matrix product here: {measured / 1e12:.2f} TFLOP/s {r['dtype']}"
+            + (f" (nominal peak {peak / 1e12:.0f})" if peak else "")
+        )
+    lines.append(
+        f"versions: torch {r['versions']['torch']}, deepspeed {r['versions']['deepspeed']}, "
+        f"transformers {r['versions']['transformers']}"
+    )
     return "\n".join(lines)

@@ -63,6 +63,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         compile=args.compile,
+        overrides=tuple(args.overrides),
+        reference=not args.ours_only,
     )
     run(args.config, settings, as_json=args.json)
     return 0
@@ -222,8 +224,13 @@ def register(sub) -> None:
         "train",
         help="training tokens/s of our model vs transformers' LlamaForCausalLM, same engine and batch",
     )
-    add_step_arguments(train)
+    add_step_arguments(train, overrides=True)
     train.add_argument("--steps", type=int, default=20, help="measured steps per model (default 20)")
+    train.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="our model only, without Transformers' (the GPU check's variants)",
+    )
     train.add_argument("--warmup", type=int, default=3, help="unmeasured steps per model first")
     train.add_argument("--json", action="store_true", help="print one JSON object")
     train.set_defaults(handler=cmd_bench_train)
@@ -333,11 +340,12 @@ def add_stability_parser(whats) -> None:
     stability.set_defaults(handler=cmd_bench_stability)
 
 
-def add_step_arguments(parser) -> None:
+def add_step_arguments(parser, overrides: bool = False) -> None:
     """What `bench train` and `bench profile` share: the config and the step they run."""
     add_config_argument(
         parser,
         "a packaged config's name (tiny, gpt3-125m, model/gpt3-1.3b), a run config or a model preset file",
+        overrides=overrides,
     )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)

@@ -461,6 +461,10 @@ class FinetuneOptimConfig(OptimConfig):
         self._check_all_but_lr()
 
 
+ATTENTION_FIRST = ("cudnn", "flash")  # engine.attention
+LOSS_KERNELS = ("chunked", "compiled", "liger")  # loss.kernel
+
+
 @dataclass(kw_only=True)
 class LossConfig:
     """The pretraining objective beyond next-token cross-entropy (evaluation reports plain CE)."""
@@ -468,9 +472,14 @@ class LossConfig:
     # z-loss coefficient c: adds c · mean over valid tokens of (log Z)², log Z = logsumexp of the
     # output logits (PaLM uses 1e-4, OLMo 2 1e-5); 0 disables it
     z_loss: float = 0.0
+    # the fused LM head + cross-entropy (pretrain/model/loss.py): chunked (eager chunks, every
+    # device) | compiled (each chunk's arithmetic one compiled function) | liger (Liger-Kernel's
+    # fused linear cross-entropy, CUDA only: elsewhere chunked, said once)
+    kernel: str = "chunked"
 
     def __post_init__(self) -> None:
         _positive("loss.z_loss", self.z_loss, allow_zero=True)
+        _choice("loss.kernel", self.kernel, LOSS_KERNELS)
 
 
 @dataclass(kw_only=True)
@@ -495,10 +504,19 @@ class ScheduleConfig:
 class EngineConfig:
     deepspeed_config: str = "configs/deepspeed/zero2.json"  # a standard DeepSpeed JSON file
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile the blocks
+    compile: bool = False  # torch.compile each block (one graph, no graph break)
+    # with compile: the final norm, the LM head and the loss as one compiled region too
+    compile_head: bool = True
+    # the SDPA backend tried first on CUDA: cudnn (then flash, memory-efficient, math) | flash
+    # (torch's own order); FlexAttention for document masking either way; no effect on a CPU
+    attention: str = "cudnn"
+    # the step reads the host once, inside DeepSpeed's optimizer step (pretrain/parallel/norm_gate.py);
+    # false: DeepSpeed's bf16 overflow scan and checks, four more reads per step under ZeRO-1/2
+    one_host_read: bool = True
     peak_flops: float | None = None  # per-device peak for MFU; None: looked up from the device name
 
     def __post_init__(self) -> None:
+        _choice("engine.attention", self.attention, ATTENTION_FIRST)
         if self.peak_flops is not None:
             _positive("engine.peak_flops", self.peak_flops)
 
@@ -762,6 +780,11 @@ class RunConfig:
                 "raise model.max_seq_len or shorten data.seq_len"
             )
         self.parallel.check(self.model, self.data.seq_len)
+        if self.monitor.skip_step and not self.engine.one_host_read:
+            raise ConfigError(
+                "monitor.skip_step=true needs engine.one_host_read=true: the skip guard decides "
+                "inside the step's one host read (pretrain/parallel/norm_gate.py)"
+            )
 
 
 RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pretrain.config import ModelConfig, RopeScaling
 from pretrain.model.loss import linear_cross_entropy
@@ -198,18 +199,50 @@ def flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
+# SDPA's backends in the order tried on CUDA (`engine.attention`, `prefer_attention`): cuDNN's first
+# (on Hopper training shapes 1.7-2.3x FlashAttention-2: transformers PR #48163), then flash,
+# memory-efficient and math, each where it supports the call; "flash": torch's own order. A
+# process-wide choice, as torch's own backend switches are; CPU kernels are not affected.
+SDPA_ORDERS = {
+    "cudnn": (
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ),
+    "flash": None,
+}
+_sdpa_order = SDPA_ORDERS["cudnn"]
+
+
+def prefer_attention(first: str) -> None:
+    """Which SDPA backend CUDA tries first from now on (a key of SDPA_ORDERS)."""
+    global _sdpa_order
+    _sdpa_order = SDPA_ORDERS[first]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order=None, **kwargs) -> torch.Tensor:
+    """scaled_dot_product_attention with its backends tried in `order` (None: torch's own). The
+    context manager compiles into the graph (0 graph breaks: tests/unit/test_compiled_path.py)."""
+    if order is None:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(list(order), set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal: bool = True):
     """The attention core of `Attention` (its `core`, which sequence parallelism swaps for DeepSpeed's
     Ulysses around this one: `pretrain/parallel/sequence.py`). q (B, nh, T, hd); k, v (B, nkv, S,
     hd) → (B, nh, T, hd). `mask`: None (causal when `causal`), a dense boolean mask or a block mask
     (`document_mask`)."""
     gqa = k.shape[1] != q.shape[1]
+    order = _sdpa_order if q.is_cuda else None
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return sdpa(q, k, v, order, attn_mask=mask, enable_gqa=gqa)
     if mask is not None:
         return flex_attention(q, k, v, mask, gqa)
-    # Fused kernels (flash / memory-efficient on GPU); the T×T matrix never exists.
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    # Fused kernels (cuDNN / flash / memory-efficient on GPU); the T×T matrix never exists.
+    return sdpa(q, k, v, order, is_causal=causal, enable_gqa=gqa)
 
 
 class KVCache:
@@ -321,14 +354,19 @@ class LMHead(nn.Linear):
     """The output projection. Given targets it returns the loss straight from the hidden states
     (`pretrain/model/loss.py`: chunked, no full-vocabulary logits); otherwise the logits. The weight is
     used only inside this module's forward, so ZeRO-3 gathers it here like any layer's. `z_loss`:
-    the z-loss coefficient added to the loss (`linear_cross_entropy`)."""
+    the z-loss coefficient added to the loss; `kernel`: the loss's (`linear_cross_entropy`)."""
 
     def forward(
-        self, h: torch.Tensor, targets: torch.Tensor | None = None, z_loss: float = 0.0
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        z_loss: float = 0.0,
+        kernel: str = "chunked",
     ) -> torch.Tensor:
         if targets is None:
             return super().forward(h)
-        return linear_cross_entropy(h.flatten(0, -2), self.weight, targets.flatten(), z_loss=z_loss)
+        flat = h.flatten(0, -2)
+        return linear_cross_entropy(flat, self.weight, targets.flatten(), z_loss=z_loss, kernel=kernel)
 
 
 def feed_forward(cfg: ModelConfig, layer_index: int) -> nn.Module:
@@ -385,6 +423,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         # loss.z_loss: c · mean (log Z)² added to the training loss (training mode only; see the top)
         self.z_loss = z_loss
+        # loss.kernel: how the fused head and loss compute (pretrain/model/loss.py KERNELS)
+        self.loss_kernel = "chunked"
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = (
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
@@ -478,8 +518,10 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        final_norm: bool = True,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """tokens (B, T) → final-norm hidden states (B, T, d), and per-layer attention if asked.
+        """tokens (B, T) → final-norm hidden states (B, T, d) (`final_norm=False`: the last block's,
+        before the norm), and per-layer attention if asked.
         With a cache, tokens continue the cached sequence (positions start at cache.length). With
         document_ids (B, T), attention stays inside each document and positions restart at its start.
         `positions` (B, T) or (T,), when given, are the tokens' positions (`forward`)."""
@@ -527,7 +569,14 @@ class Transformer(nn.Module):
         self.aux_loss = torch.stack(auxes).sum() if auxes else None
         if cache is not None:
             cache.length += T
-        return self.norm(h), (tuple(attentions) if need_weights else None)
+        return (self.norm(h) if final_norm else h), (tuple(attentions) if need_weights else None)
+
+    def head_loss(self, held: list[torch.Tensor], targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+        """The final norm, the LM head and the loss of the last block's hidden states: one region,
+        which `engine.compile_head` compiles as one graph. `held` is a one-element list the states
+        are taken out of, so that nothing keeps them through the head once normed (the memory plan,
+        `pretrain/planning/memory.py`, counts only the normed ones, as `hidden_states` returns)."""
+        return self.lm_head(self.norm(held.pop()), targets, z_loss, self.loss_kernel)
 
     def forward(
         self,
@@ -549,11 +598,15 @@ class Transformer(nn.Module):
         window ((T,); (B, T) under document masking, restarting at each document's first token),
         and `document_ids` the whole window's (B, T·S), which the mask, and the attention core
         that sees the whole window's keys, need."""
-        h, attentions = self.hidden_states(tokens, need_weights, cache, document_ids, positions)
-        if targets is not None:
-            z_loss = self.z_loss if self.training else 0.0
-            loss = self.lm_head(h, targets, z_loss)
-            if self.aux_loss is not None:  # (training mode only, as the z-loss)
-                loss = loss + self.aux_loss
-            return ModelOutput(None, loss, attentions)
-        return ModelOutput(self.lm_head(h), None, attentions)
+        h, attentions = self.hidden_states(
+            tokens, need_weights, cache, document_ids, positions, final_norm=False
+        )
+        if targets is None:
+            return ModelOutput(self.lm_head(self.norm(h)), None, attentions)
+        held = [h]
+        del h  # (head_loss takes the only reference: the states are freed once normed)
+        z_loss = self.z_loss if self.training else 0.0
+        loss = self.head_loss(held, targets, z_loss)
+        if self.aux_loss is not None:  # (training mode only, as the z-loss)
+            loss = loss + self.aux_loss
+        return ModelOutput(None, loss, attentions)

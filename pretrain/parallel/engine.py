@@ -21,11 +21,13 @@ from torch import nn
 
 from pretrain.config import EngineConfig, OptimConfig, RunSection, TrainConfig, config_dir
 from pretrain.errors import ConfigError
+from pretrain.model.transformer import Transformer, prefer_attention
 from pretrain.optim import muon as optimizers
 from pretrain.optim.muon import LR_RATIOS
 from pretrain.parallel.deepspeed_ops import announced_builds
 from pretrain.parallel.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.parallel.experts import expert_param_groups, split_experts
+from pretrain.parallel.norm_gate import NormGate, gated
 from pretrain.parallel.sequence import split_attention
 
 
@@ -126,8 +128,11 @@ def deepspeed_config(
             raise ConfigError(f"{path}: remove {key!r}: the optimizer and schedule come from the run config")
     if ds.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{path}: fp16 is enabled; this project trains in bf16: remove the fp16 section")
-    # check_grad_overflow: a step whose gradients hold NaN/Inf is skipped, never applied.
-    ds["bf16"] = {**ds.get("bf16", {}), "enabled": True, "check_grad_overflow": True}
+    # A step whose gradients hold NaN/Inf is skipped, never applied: by the norm gate where it
+    # applies (`norm_gate.gated`, with engine.one_host_read: the step's one host read), by
+    # DeepSpeed's own overflow scan (check_grad_overflow, its host reads) elsewhere.
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": True}
+    ds["bf16"]["check_grad_overflow"] = not (engine.one_host_read and gated(ds))
     ds.setdefault("steps_per_print", 10**9)  # the trainer does its own logging
     if plan.sequence_parallel > 1 and zero_stage(ds) == 3:
         ds["zero_optimization"] = zero3_sequence_parallel(path, ds["zero_optimization"])
@@ -266,10 +271,30 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """torch.compile each block in place (same parameter names; one graph reused by all blocks)."""
+def compile_blocks(model: nn.Module, fullgraph: bool = False) -> None:
+    """torch.compile each block in place (same parameter names; one graph reused by all blocks);
+    `fullgraph`: as one graph, or an error (tests/unit/test_compiled_path.py holds ours to 0
+    graph breaks)."""
     for block in model.layers:
-        block.compile()
+        block.compile(fullgraph=fullgraph)
+
+
+def compile_model(model: nn.Module, engine: EngineConfig, ds: dict[str, Any]) -> None:
+    """`engine.compile`: each block, and with `engine.compile_head` the final norm, the LM head and
+    the loss (`Transformer.head_loss`), each one graph. Where DeepSpeed itself runs inside a block
+    — ZeRO-3's parameter gathers, sequence parallelism's all-to-all: graph breaks — and for a
+    mixture of experts (its routing and dispatch, not held to one graph), the blocks are compiled
+    around them as before and the head stays eager; so are other models' blocks (the benchmark's
+    Transformers model)."""
+    whole = (
+        isinstance(model, Transformer)
+        and model.cfg.moe is None
+        and zero_stage(ds) < 3
+        and ds.get("sequence_parallel_size", 1) == 1
+    )
+    compile_blocks(model, fullgraph=whole)
+    if whole and engine.compile_head:
+        model.head_loss = torch.compile(model.head_loss, fullgraph=True)
 
 
 def set_determinism_and_connect(run: RunSection, env: DistEnv) -> None:
@@ -307,14 +332,18 @@ def initialize(
     # parallel.sequence: attention across each window's ranks; DeepSpeed's groups as its mpu
     sequence_parallel = ds.get("sequence_parallel_size", 1)
     mpu = split_attention(model, sequence_parallel) if sequence_parallel > 1 else None
-    split_experts(model, expert_parallel)  # (the experts' dispatch; with E > 1, each rank's share)
+    if isinstance(model, Transformer):  # (not the benchmark's Transformers model: no experts)
+        split_experts(model, expert_parallel)  # (the experts' dispatch; with E > 1, each rank's share)
     if engine.compile:
-        compile_blocks(model)
+        compile_model(model, engine, ds)
+    prefer_attention(engine.attention)
     with announced_builds(say_once_per_node(DistEnv.from_environ())):  # fused / CPU Adam: a JIT build
         optimizers.import_deepspeed_muon_compiling_lazily()
         optimizer = make_optimizer(model, optim, ds)
         ratios = getattr(optimizer, LR_RATIOS, None)
         wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=mpu)
+    if ds.get("bf16", {}).get("check_grad_overflow") is False:  # (deepspeed_config: gated)
+        NormGate.arm(wrapped)  # the scan is off: the gate decides, or nothing would
     # DeepSpeed's MoE checkpoint files name experts after its own layer's modules and leave ours out
     # of the model file: ours are saved as a dense model's are (pretrain/checkpoint/universal.py)
     wrapped.has_moe_layers = False

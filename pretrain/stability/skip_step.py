@@ -4,25 +4,14 @@ A step whose global mean loss or global gradient norm is non-finite, or above `r
 running level, does not update anything on any rank: not the bf16 weights, not the fp32 master
 weights, not Adam's `exp_avg`, `exp_avg_sq` or `step`. Training goes on with the next step.
 
-How it works inside DeepSpeed (0.19)
-------------------------------------
-With bf16 and ZeRO stage 1 or 2 the engine's optimizer is `DeepSpeedZeroOptimizer`
-(`runtime/zero/stage_1_and_2.py`), with stage 3 `DeepSpeedZeroOptimizer_Stage3` (`stage3.py`);
-`BF16_Optimizer` is only used for ZeRO-1 with fp32 gradient accumulation (`data_types`), which
-`arm` refuses. Both ZeRO optimizers compute the global gradient norm inside `step()` — stage 1/2 in
-`scaled_global_norm()`, stage 3 from `_get_norm_groups()` combined by `combine_grad_norm_groups` —
-and then test it with `is_invalid_grad_norm`: a non-finite norm sets `overflow`, and the step
-returns before the wrapped (basic) optimizer is called, after only dropping the gradients. The
-engine then counts `skipped_steps += 1`, sets its `get_global_grad_norm()` to `inf` and does not
-step its lr scheduler. That overflow path is what DeepSpeed already takes for a NaN gradient
-(tests/integration/test_nonfinite_engine.py proves it changes nothing).
-
-`SkipGuard.arm(engine)` wraps that one norm method on the optimizer instance. The wrapper lets
-DeepSpeed compute the real norm, decides on the device (`decide`: the norm, the loss given by
-`set_loss`, the running levels), and hands DeepSpeed `torch.where(skip, inf, norm)` (stage 3:
-each group norm so). When the decision is "skip", DeepSpeed sees an invalid norm and takes its own
-overflow path; otherwise it gets back the same tensor values, bit for bit, and the step is
-exactly the step it would have been without the guard.
+Where it decides
+----------------
+Inside DeepSpeed's bf16 ZeRO-1/2/3 optimizer step, through the norm gate
+(`pretrain/parallel/norm_gate.py`): the gate lets DeepSpeed compute the global gradient norm,
+asks the guard (`judge`, given the real, unscaled norm and the loss given by `set_loss`, against
+the running levels) and reads its verdict with the norm in the step's one host read; a skip takes
+DeepSpeed's own overflow path (no basic-optimizer `step()`: the gradients are dropped, the engine
+counts `skipped_steps`, reports the norm as inf and does not step its lr scheduler).
 
 Why the skip is bit-exact: on that path nothing writes the master weights, the moments, the step
 count or the bf16 weights — the basic optimizer's `step()` (torch AdamW, FusedAdam, CPU Adam: any
@@ -35,11 +24,9 @@ steps alone end without the guard. FusedAdam (GPU) is not tested here: no GPU.
 
 What it costs
 -------------
-* No host read of its own. DeepSpeed itself reads the validity of the norm on the host at every
-  step (`bool(...)` in `is_invalid_grad_norm`; stage 1/2 also `.item()` on the overflow flag);
-  the guard only changes the value of the tensor DeepSpeed reads anyway. The decision and the
-  levels are device tensors; `outcome()` is a device vector the loop appends to its own one read.
-  `state_dict()` reads the levels (2 × window numbers) — call it when saving a checkpoint only.
+* No host read of its own: the gate reads the verdict and `outcome()` (a device vector) with the
+  gradient norm, in the step's one read. `state_dict()` reads the levels (2 × window numbers) —
+  call it when saving a checkpoint only.
 * No collective of its own, given the global mean loss. The norm is DeepSpeed's, already reduced
   over the ranks. The loss must be the same on every rank (every rank must decide the same, or
   one rank would step while another skips); the loop gets it from its one all-reduce if that runs
@@ -61,12 +48,12 @@ JSON-able dict for the checkpoint; every rank must load the same one.
 Use (the loop)
 --------------
     guard = SkipGuard(ratio=3.0)                 # once; guard.load_state_dict(saved) on resume
-    guard.arm(engine)                            # after deepspeed.initialize (again if rebuilt)
+    gate = gate_of(engine)                       # the engine's norm gate (engine.initialize arms it)
+    gate.judge = guard                           # from now on every optimizer step is judged
     ... per step, after the last micro-batch's backward, before its engine.step():
     guard.set_loss(mean_loss_over_ranks)         # a device scalar, identical on every rank
-    engine.step()
-    numbers = guard.outcome()                    # device float64 vector, read with the step's values
-    result = SkipOutcome.of(numbers.tolist())    # on the host, in the loop's one read
+    engine.step()                                # the gate reads the verdict with the norm
+    result = SkipOutcome.of(gate.outcome)        # on the host already
 
 `act=False` decides and reports (`outlier`) but never skips (calibration). A skipped step's data
 is consumed and the loop's step and the lr schedule move on as usual; Adam's own step count does
@@ -89,14 +76,13 @@ REASONS = {
     LOSS_SPIKE: "loss_spike",
     NORM_SPIKE: "grad_norm_spike",
 }
-_ARMED = "_skip_guard_original"  # the attribute an armed optimizer keeps its own method under
 
 
 MIN_COUNT = 16  # values a signal needs before `monitor.skip_step` judges it against its level
 
 
 class SkipUnsupported(RuntimeError):
-    """The engine's optimizer is not one the guard knows how to skip inside."""
+    """The engine has no norm gate to decide inside (`pretrain/parallel/norm_gate.py`)."""
 
 
 class RunningLevel:
@@ -223,7 +209,6 @@ class SkipGuard:
         self._loss: torch.Tensor | None = None
         self._decided = False  # a decision since the last outcome()
         self._outcome = torch.full((OUTCOME_SIZE,), math.nan, dtype=torch.float64, device=device)
-        self._optimizer = None
 
     @classmethod
     def for_run(
@@ -260,7 +245,7 @@ class SkipGuard:
         decision = decide(values, given, level, count, self._ratios, self.min_count)
         self.levels.push(values, decision.keep)
         skip = decision.skip if self.act else torch.zeros_like(decision.skip)
-        # skipped: the guard's skip, or DeepSpeed's own for a non-finite norm (act or not).
+        # skipped: the guard's skip, or the gate's for a non-finite norm (act or not).
         skipped = skip | ~torch.isfinite(norm)
         self._outcome = torch.cat(
             [torch.stack([skipped.double(), decision.skip.double(), decision.reasons]), values, level]
@@ -269,9 +254,9 @@ class SkipGuard:
         return skip
 
     def outcome(self) -> torch.Tensor:
-        """After the step's engine.step(): the device float64 vector `SkipOutcome.of` reads. A step
-        that DeepSpeed skipped before computing the norm (stage 1/2: a non-finite gradient) is
-        judged here with an infinite norm, so its loss still counts and its reason is recorded."""
+        """After `judge`: the device float64 vector `SkipOutcome.of` reads (the gate reads it with
+        the norm). A step never judged (no norm computed) is judged here with an infinite norm, so
+        its loss still counts and its reason is recorded."""
         if not self._decided:
             self.judge(torch.full((), math.inf, device=self.levels.buffer.device))
         self._decided = False
@@ -284,70 +269,6 @@ class SkipGuard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.levels.load_state_dict(state)
-
-    # ------------------------------------------------------------------ the hook
-
-    def arm(self, target) -> None:
-        """Hook the guard into `target` (a DeepSpeed engine, or its ZeRO optimizer): from now on
-        every optimizer step is judged, and skipped when the verdict says so."""
-        optimizer = zero_optimizer(target)
-        if getattr(optimizer, _ARMED, None) is not None:
-            raise SkipUnsupported("this optimizer already has a skip guard: disarm it first")
-        from deepspeed.runtime.utils import combine_grad_norm_groups
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-        if isinstance(optimizer, DeepSpeedZeroOptimizer):
-            if not optimizer.check_grad_overflow or not optimizer.compute_grad_norm:
-                # Without both, bf16 ZeRO-1/2 clips by an invalid norm instead of skipping.
-                raise SkipUnsupported(
-                    "ZeRO-1/2 skips a step only with bf16.check_grad_overflow=true and "
-                    "zero_optimization.compute_grad_norm=true"
-                )
-            name, original = "scaled_global_norm", optimizer.scaled_global_norm
-
-            def scaled_global_norm(*args, **kwargs):
-                norm = original(*args, **kwargs)
-                skip = self.judge(norm / optimizer.loss_scale)
-                return torch.where(skip, torch.full_like(norm, math.inf), norm)
-
-            replacement = scaled_global_norm
-        elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-            name, original = "_get_norm_groups", optimizer._get_norm_groups
-
-            def get_norm_groups():
-                groups = original()
-                skip = self.judge(combine_grad_norm_groups(groups) / optimizer.loss_scale)
-                return [torch.where(skip, torch.full_like(g, math.inf), g) for g in groups]
-
-            replacement = get_norm_groups
-        else:
-            raise SkipUnsupported(
-                f"skipping a step inside {type(optimizer).__name__} is not supported: "
-                "use bf16 with ZeRO stage 1, 2 or 3 (and bf16 gradient accumulation for stage 1)"
-            )
-        setattr(optimizer, _ARMED, (name, vars(optimizer).get(name)))
-        setattr(optimizer, name, replacement)
-        self._optimizer = optimizer
-
-    def disarm(self) -> None:
-        """Give the optimizer its own method back."""
-        optimizer, self._optimizer = self._optimizer, None
-        if optimizer is None:
-            return
-        name, own = getattr(optimizer, _ARMED)
-        if own is None:
-            delattr(optimizer, name)  # (the instance's attribute: the class's method shows through)
-        else:
-            setattr(optimizer, name, own)  # (it had one of its own: put it back)
-        delattr(optimizer, _ARMED)
-
-
-def zero_optimizer(target):
-    """The ZeRO optimizer of an engine (its `.optimizer`), or `target` itself."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    return target.optimizer if isinstance(target, DeepSpeedEngine) else target
 
 
 def global_mean(local: torch.Tensor) -> torch.Tensor:

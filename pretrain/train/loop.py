@@ -37,6 +37,7 @@ from pretrain.checkpoint.checkpointer import Checkpointer, TrainState
 from pretrain.lifeline import note_step, why_the_supervisor_stops
 from pretrain.parallel.distributed import DistEnv, StopRequest, all_gather_objects, all_reduce_sum, barrier
 from pretrain.parallel.engine import set_lr
+from pretrain.parallel.step_read import StepRead
 from pretrain.planning.flops import mfu
 from pretrain.reporting.metrics import MetricsWriter, literal_markdown
 from pretrain.train.hooks import BY_THE_MONITOR, CONTINUE, Answer, Rewind, SaveAndStop, StepHook, Stop
@@ -119,6 +120,7 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     summary: dict = field(default_factory=dict)
     last_saved: int = 0  # the step of the newest checkpoint of this timeline
+    read: StepRead = field(default_factory=StepRead)  # the step's one host read (the engine's gate's)
 
     def train(self) -> dict:
         """Optimizer steps until the last one, a stop request, or the monitor's stop."""
@@ -256,15 +258,17 @@ class Trainer:
         self, step: int, stop: StopRequest
     ) -> tuple[dict[str, float | None], list, bool, list[float | list[float]]]:
         """Micro-batches → backward → optimizer step; the ranks agree on the loss and on stopping.
-        The host reads the step's numbers once, at the end (`read_step_values`)."""
+        The host reads the step's numbers once (`pretrain/parallel/step_read.py`): inside the
+        optimizer step, with the norm gate's decision, or after it (`read_step_values`)."""
         started = time.perf_counter()
         lr = self.lr_at(step)
         for hook in self.hooks:
             lr *= hook.lr_factor(step)  # (1.0 but for the monitor's, after a rollback that scales it)
         set_lr(self.optimizer, lr)
         every = self.cadence.layer_norms_every
-        device = self.engine.device
+        device, read = self.engine.device, self.read
         loss_sum, layer_squares, batch_ids, tokens = torch.zeros((), device=device), {}, [], 0
+        read.begin()
         for micro_batch in range(self.grad_accum):
             batch = self.task.next_batch()
             batch_ids += self.task.last_batch_ids()
@@ -284,9 +288,10 @@ class Trainer:
                     hook.agreed(step, vote)
                 for hook in self.hooks:
                     hook.before_update(step, agreed[0] / self.env.world_size, batch)
-            self.engine.step()
+                joined = read.join(agreed), {g: read.join(v) for g, v in layer_squares.items()}
+            self.engine.step()  # (an engine's norm gate reads what was joined, with its decision)
         readings = {name: value for hook in self.hooks for name, value in hook.readings(step).items()}
-        values = read_step_values(agreed, self.engine.get_global_grad_norm(), layer_squares, readings)
+        values = read_step_values(read, joined, self.engine.get_global_grad_norm(), readings)
         stop_requested = values.stopping > 0 or step == self.cadence.stop_at_step
         # Pretraining's micro-batches have one shape on every rank; fine-tuning pads each rank's to
         # its own longest example, so there this counts rank 0's padded shape for every rank.
@@ -439,36 +444,37 @@ def describe_requesters(requesters: list[dict]) -> str:
 
 
 def read_step_values(
-    agreed: torch.Tensor,
+    read: StepRead,
+    joined: tuple[slice, dict[str, slice]],
     grad_norm: torch.Tensor | float | None,
-    layer_squares: dict[str, torch.Tensor],
-    readings: dict[str, torch.Tensor] | None = None,
+    readings: dict[str, torch.Tensor | float] | None = None,
 ) -> StepValues:
-    """The step's one host read: the agreed numbers, the engine's gradient norm and the per-layer
-    squared norms come back to the host together. Every read makes the host wait for the
-    accelerator (it cannot queue the next kernels meanwhile), so the loop makes only this one
-    (docs/performance.md, "Host reads in the step"). Values are widened to float64 on the device,
-    which is exact: the host sees the bits a read of each tensor would have given."""
-    norm_on_device = isinstance(grad_norm, torch.Tensor)
-    on_device = [agreed.double()]
-    if norm_on_device:
-        on_device.append(grad_norm.detach().double().reshape(1).to(agreed.device))
-    groups, readings = list(layer_squares), readings or {}
-    on_device += [layer_squares[g].reshape(1).to(agreed.device) for g in groups]
-    on_device += [value.detach().double().reshape(1).to(agreed.device) for value in readings.values()]
-    numbers = torch.cat(on_device).tolist()
-    agreed_count = agreed.numel()
-    loss_sum, stopping, *votes = numbers[:agreed_count]
-    if norm_on_device:
-        grad_norm = numbers[agreed_count]
+    """The step's numbers on the host: the agreed vector and the per-layer squared norms the loop
+    joined to `read` before the update, the gradient norm, and the hooks' readings. Every read
+    makes the host wait for the accelerator (it cannot queue the next kernels meanwhile), so they
+    share one (docs/performance.md, "Host reads in the step"): the norm gate's, inside the
+    optimizer step, which also gives the norm (`read.grad_norm`), or else the one here, which
+    the engine's norm joins. A hook's tensor reading joins whichever comes next (after the gate's
+    read, one more: the precursors, measured after the update); a number is taken as it is."""
+    agreed_at, layers_at = joined
+    norm_at = None
+    if read.grad_norm is not None:
+        grad_norm = read.grad_norm
+    elif isinstance(grad_norm, torch.Tensor):
+        norm_at = read.join(grad_norm)
     elif grad_norm is not None:
         grad_norm = float(grad_norm)  # DeepSpeed's overflow: float("inf")
-    squares = numbers[agreed_count + norm_on_device :][: len(groups)]
-    read = numbers[agreed_count + norm_on_device + len(groups) :]
-    layer_norms = {g: math.sqrt(v) for g, v in zip(groups, squares, strict=True)}
-    return StepValues(
-        loss_sum, stopping, votes, grad_norm, layer_norms, dict(zip(readings, read, strict=True))
-    )
+    readings = readings or {}
+    reading_at = {k: read.join(v) for k, v in readings.items() if isinstance(v, torch.Tensor)}
+    read.read()
+    loss_sum, stopping, *votes = read.values(agreed_at)
+    if norm_at is not None:
+        (grad_norm,) = read.values(norm_at)
+    layer_norms = {g: math.sqrt(read.values(at)[0]) for g, at in layers_at.items()}
+    read_values = {
+        k: read.values(reading_at[k])[0] if k in reading_at else float(v) for k, v in readings.items()
+    }
+    return StepValues(loss_sum, stopping, votes, grad_norm, layer_norms, read_values)
 
 
 def layer_grad_squares(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ Each step the loop hands it the step's mean loss over every rank before the upda
 (`before_update`); DeepSpeed's own gradient norm is judged inside the optimizer step, against the
 running medians of both. A step whose loss or gradient norm is non-finite, or above
 `monitor.skip_ratio` × its median (the gradient norm: `monitor.skip_grad_norm_ratio`, when set),
-does not change the weights or the optimizer's state on any rank, and training goes on. What it read joins the step's one host read (`readings`): the step's
+does not change the weights or the optimizer's state on any rank, and training goes on. What it
+decided is read with the gradient norm, in the step's one host read (`readings`): the step's
 metrics get `train/update_skipped` (1 for a skipped step), the real gradient norm (DeepSpeed
 reports inf for a skipped step) and the two levels; rank 0 appends an `update_skipped` event, and
 the monitor is told in the step's report. The levels are kept in every checkpoint (train_state.json
@@ -22,7 +23,8 @@ import torch
 
 from monitoring.protocol import UpdateSkipped, append_event
 from pretrain.parallel.distributed import DistEnv
-from pretrain.stability.skip_step import SkipGuard
+from pretrain.parallel.norm_gate import gate_of
+from pretrain.stability.skip_step import SkipGuard, SkipUnsupported
 from pretrain.train.hooks import CONTINUE, Answer, StepHook
 
 LEVEL_TAGS = {"loss": "train/skip_level/loss", "grad_norm": "train/skip_level/grad_norm"}
@@ -36,16 +38,28 @@ class SkipBadUpdates(StepHook):
 
     def __init__(self, guard: SkipGuard, engine, env: DistEnv, run_dir: Path, writer) -> None:
         self.guard, self.engine, self.env, self.run_dir, self.writer = guard, engine, env, run_dir, writer
+        self.gate = None  # the engine's norm gate, once open
 
     def open(self, stack: contextlib.ExitStack) -> None:
-        self.guard.arm(self.engine)
-        stack.callback(self.guard.disarm)
+        gate = gate_of(self.engine)
+        if gate is None:
+            raise SkipUnsupported(
+                "monitor.skip_step decides inside the engine's norm gate, and this engine has none: "
+                "use bf16 with ZeRO stage 1, 2 or 3 and engine.one_host_read=true"
+            )
+        gate.judge = self.guard
+        stack.callback(setattr, gate, "judge", None)
+        self.gate = gate
 
     def before_update(self, step: int, mean_loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         self.guard.set_loss(mean_loss)
 
-    def readings(self, step: int) -> dict[str, torch.Tensor]:
-        skipped, _, _, _, grad_norm, loss_level, grad_norm_level = self.guard.outcome().unbind()
+    def readings(self, step: int) -> dict[str, float]:
+        """What the gate read with this step's decision (host numbers: no read of their own)."""
+        outcome, self.gate.outcome = self.gate.outcome, None
+        if outcome is None:  # (no decision this step)
+            return {}
+        skipped, _, _, _, grad_norm, loss_level, grad_norm_level = outcome
         return {
             "train/update_skipped": skipped,
             "train/grad_norm": grad_norm,

@@ -65,3 +65,26 @@ def test_a_document_masked_forward_through_flex_attention_equals_the_dense_path(
     assert len(calls) == model.cfg.n_layers  # every layer took the FlexAttention path
     assert (flex - dense).abs().max().item() <= 1e-5
     assert (unmasked - dense).abs().max().item() > 1e-2  # the documents do change the result
+
+
+def test_the_compiled_loss_kernel_matches_the_reference():
+    """`loss.kernel=compiled` (each chunk's arithmetic one compiled function) against torch's
+    cross-entropy on fp32 logits, with the z-loss and ignored rows on chunk boundaries, with the
+    eager kernel's tolerances (tests/unit/test_loss.py). The norm, head and loss compiled as one
+    graph trace with 0 breaks in tests/unit/test_compiled_path.py; compiled against eager on a GPU
+    in test_gpu.py (compiling the whole head here costs minutes of the suite)."""
+    import torch
+
+    from pretrain.model.loss import linear_cross_entropy
+    from tests.unit.test_loss import boundary_inputs, reference
+
+    hidden, weight, targets = boundary_inputs(torch.float32)
+    expected = reference(hidden, weight, targets, 1e-2)
+    want = torch.autograd.grad(expected * 2.0, (hidden, weight))
+    loss = linear_cross_entropy(hidden, weight, targets, rows=8, z_loss=1e-2, kernel="compiled")
+    got = torch.autograd.grad(loss * 2.0, (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    ignored = targets == -100
+    assert got[0][ignored].abs().max() == 0

@@ -1,7 +1,8 @@
-"""The GPU paths, each against a reference: flash attention (forced) against SDPA's math kernel,
-compiled blocks against eager, FlexAttention document masking against dense SDPA, the fused loss
-against plain cross-entropy, the host synchronizations of a training step, and `pretrain bench
-train` reporting MFU. Skipped (by tests/conftest.py, one reason line each) without a CUDA GPU;
+"""The GPU paths, each against a reference: flash attention (forced) and cuDNN attention (tried
+first, and which backend ran) against SDPA's math kernel, compiled blocks and the compiled head +
+loss against eager, FlexAttention document masking against dense SDPA, the fused loss and its
+kernels (compiled, Liger-Kernel) against plain cross-entropy, the host synchronizations of a
+training step, and `pretrain bench train` reporting MFU and the step's one host sync. Skipped (by tests/conftest.py, one reason line each) without a CUDA GPU;
 `scripts/gpu_check.sh` runs them on a lent one (docs/gpu.md).
 
 Tolerances: in fp32 (TF32 off) two kernels of the same function agree to rounding, so gradients
@@ -21,7 +22,7 @@ import torch
 
 import pretrain
 from pretrain.model.loss import linear_cross_entropy
-from pretrain.model.transformer import Transformer, document_mask, flex_attention
+from pretrain.model.transformer import Transformer, document_mask, flex_attention, prefer_attention
 from tests.conftest import packed_document_ids, small_model_config
 from tests.integration.test_commands import run
 
@@ -60,7 +61,16 @@ def assert_relatively_close(got: dict, want: dict, tolerance: float) -> None:
         assert error <= tolerance, f"{name}: relative error {error:.2e} > {tolerance:g}"
 
 
-def test_forced_flash_attention_computes_what_the_math_kernel_computes():
+@pytest.fixture
+def torchs_attention_order():
+    """The model's SDPA calls in torch's own order (`engine.attention: flash`), so that a test's
+    `sdpa_kernel` decides the backend; the default order (cuDNN first) again after."""
+    prefer_attention("flash")
+    yield
+    prefer_attention("cudnn")
+
+
+def test_forced_flash_attention_computes_what_the_math_kernel_computes(torchs_attention_order):
     """Only the flash kernel allowed (SDPA raises if our strided GQA q/k/v cannot use it): the
     loss and every gradient equal those of SDPA's math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -73,6 +83,36 @@ def test_forced_flash_attention_computes_what_the_math_kernel_computes():
         math_loss, reference = loss_and_grads(model, tokens)
     assert abs(flash_loss.item() - math_loss.item()) <= 1e-2 * abs(math_loss.item())
     assert_relatively_close(flash, reference, BF16_RELATIVE)
+
+
+def attention_ops(model, tokens) -> set[str]:
+    """The SDPA operations a training step of `model` ran (the profiler's op names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss_and_grads(model, tokens)
+    return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+
+
+@pytest.mark.parametrize("first, op", [("cudnn", "cudnn"), ("flash", "flash")])
+def test_the_attention_backend_tried_first_is_the_one_that_runs(first, op, torchs_attention_order):
+    """`engine.attention`: cuDNN's SDPA kernel first (where the GPU and cuDNN take the call), or
+    torch's own order (flash); the profiler names the one that ran. Heads as the GPT-3 presets'
+    (no grouped key/value heads). cuDNN's loss and gradients against the math kernel's, in bf16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = gpu_model(n_kv_heads=4)
+    tokens = torch.randint(0, 97, (2, 257), device="cuda")
+    prefer_attention(first)
+    ran = attention_ops(model, tokens)
+    assert any(f"_scaled_dot_product_{op}_attention" in name for name in ran), ran
+    if first == "cudnn":
+        loss, grads = loss_and_grads(model, tokens)
+        prefer_attention("flash")
+        with sdpa_kernel(SDPBackend.MATH):
+            math_loss, reference = loss_and_grads(model, tokens)
+        assert abs(loss.item() - math_loss.item()) <= 1e-2 * abs(math_loss.item())
+        assert_relatively_close(grads, reference, BF16_RELATIVE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -130,6 +170,56 @@ def test_a_document_masked_training_step_on_flex_attention_matches_the_dense_pat
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-5)
     for name in dense:
         torch.testing.assert_close(flex[name], dense[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "liger"])
+def test_the_loss_kernels_match_plain_cross_entropy_with_the_z_loss_and_ignored_rows(kernel):
+    """`loss.kernel` compiled and liger (Liger-Kernel 0.8.5, from .whl/) against torch's
+    cross-entropy on the fp32 logits plus the z-loss written out; targets ignored on chunk
+    boundaries. Tolerances: the loss to 1e-4 relative (fp32 from the same bf16 logits), each
+    gradient within BF16_RELATIVE by relative norm (bf16 operands, fused sums in another order)."""
+    from pretrain.model.loss import IGNORE_INDEX
+
+    if kernel == "liger":
+        pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (docs/gpu.md: .whl/)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4096, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (0.05 * torch.randn(32000, 256, device="cuda", generator=g)).bfloat16().requires_grad_()
+    targets = torch.randint(0, 32000, (4096,), device="cuda", generator=g)
+    targets[::2048] = IGNORE_INDEX  # (the first row of each 2048-row chunk)
+    targets[2047::2048] = IGNORE_INDEX
+    logits = (hidden @ weight.T).float()
+    valid = targets != IGNORE_INDEX
+    expected = (
+        torch.nn.functional.cross_entropy(logits, targets)
+        + 1e-4 * logits.logsumexp(-1)[valid].square().mean()
+    )
+    want = torch.autograd.grad(expected, (hidden, weight))
+    loss = linear_cross_entropy(hidden, weight, targets, z_loss=1e-4, kernel=kernel)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    names = ("hidden", "weight")
+    assert_relatively_close(
+        {n: t.float() for n, t in zip(names, got, strict=True)},
+        {n: t.float() for n, t in zip(names, want, strict=True)},
+        BF16_RELATIVE,
+    )
+
+
+def test_the_compiled_head_and_loss_match_eager():
+    """`engine.compile_head`: the final norm, the LM head and the loss as one compiled graph
+    (fullgraph), in fp32 against eager."""
+    from pretrain.config import EngineConfig
+    from pretrain.parallel.engine import compile_model
+
+    model = gpu_model(torch.float32)
+    tokens = torch.randint(0, 97, (2, 129), device="cuda")
+    eager_loss, eager = loss_and_grads(model, tokens)
+    compile_model(model, EngineConfig(compile=True), {"zero_optimization": {"stage": 1}})
+    compiled_loss, compiled = loss_and_grads(model, tokens)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-4, atol=1e-5)
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_fused_loss_on_gpu_matches_plain_cross_entropy():
@@ -241,6 +331,9 @@ def test_bench_train_reports_mfu_and_memory_on_gpu(small_preset):
     assert 0 < r["ours_mfu"] < 1 and 0 < r["hf_mfu"] < 1
     assert r["ours_step_peak_memory_bytes"] > 0 and r["hf_step_peak_memory_bytes"] > 0
     assert r["measured_matmul_flops"] > 1e14  # any datacenter GPU in bf16
+    # the step's one host read (the norm gate's); Transformers' in DeepSpeed's own engine: more
+    assert r["host_syncs_per_step"]["ours"] == 1, r["host_sync_sites"]
+    assert r["host_syncs_per_step"]["hf"] > 1, r["host_sync_sites"]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

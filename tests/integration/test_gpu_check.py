@@ -56,6 +56,10 @@ def test_the_cpu_mode_runs_every_part_and_writes_the_gpu_runs_files(tmp_path):
         and bench["ours_tokens_per_sec"] > 0
         and bench["first_loss_difference"] < 1e-2
     )
+    # our step's one host read (the norm gate's); Transformers' model in DeepSpeed's own engine: its
+    # 4 checks under ZeRO-1 (and transformers 5.24's own in its masking)
+    syncs = bench["host_syncs_per_step"]
+    assert syncs["ours"] == 1 and syncs["hf"] >= 4, bench["host_sync_sites"]
     profile = json.loads((out / "profile.json").read_text())["tiny"]
     assert profile["timeline"] == "cpu" and 0 < profile["matmul_share"] < 1
 
@@ -68,6 +72,38 @@ def test_the_cpu_mode_runs_every_part_and_writes_the_gpu_runs_files(tmp_path):
     for part in statuses:
         assert f"===== {part} (budget" in log
     assert result.stdout.splitlines()[-7].startswith("gpu_check (cpu): 6 parts")
+
+
+def test_the_variants_part_runs_what_a_cpu_can_and_chooses(tmp_path):
+    """`scripts/gpu_check.sh --cpu --parts variants`: on the tiny model, the baseline (the step
+    before the levers), all levers together and the larger micro-batch, each its own process; the
+    levers a CPU cannot show skipped with the reason; variants.json as a GPU's call writes it."""
+    from pretrain.bench.variants import FIELDS
+
+    out = tmp_path / "out"
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu", "--parts", "variants", str(out), "--work", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"PYTHON": sys.executable},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"summary.json", "gpu_check.log", "variants.json"}
+    assert [p["status"] for p in json.loads((out / "summary.json").read_text())["parts"]] == ["ok"]
+    variants = json.loads((out / "variants.json").read_text())
+    rows = {r["name"]: r for r in variants["variants"]}
+    assert all(tuple(r) == FIELDS for r in rows.values())
+    ran = [name for name, r in rows.items() if r["skipped"] is None]
+    assert ran == ["tiny/baseline", "tiny/all", "tiny/all_mb2"], rows
+    assert all(r["tokens_per_second"] > 0 for name, r in rows.items() if name in ran)
+    # the step before the levers: DeepSpeed's 4 reads and the loop's; with them, the one read
+    assert rows["tiny/baseline"]["host_syncs_per_step"] == 5 and rows["tiny/all"]["host_syncs_per_step"] == 1
+    assert (
+        rows["tiny/all"]["first_loss"] == rows["tiny/baseline"]["first_loss"]
+    )  # (the same numbers on a CPU)
+    assert "CUDA" in rows["tiny/loss_liger"]["skipped"] and "CUDA" in rows["tiny/cudnn_attention"]["skipped"]
+    assert variants["chosen"]["tiny"] in ran
 
 
 def load_gpu_check():

@@ -3,7 +3,9 @@ trains a small model under bf16 ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-2 and ZeRO-3 wi
 offloaded to DeepSpeed's CPU Adam, one after another in the same processes, and forces a skip on
 chosen steps: a loss spike, a gradient-norm spike, a NaN loss, a NaN gradient. Every tensor that
 a step updates — each rank's bf16 weights (its shards under ZeRO-3), fp32 master partitions and
-Adam's exp_avg, exp_avg_sq and step — is compared, bit for bit, before and after each step.
+Adam's exp_avg, exp_avg_sq and step — is compared, bit for bit, before and after each step; and
+the host's waits for the device during each step are counted (pretrain/bench/host_syncs.py):
+the norm gate's one read (pretrain/parallel/norm_gate.py), with DeepSpeed's overflow scan off.
 
 Run by pytest, this file launches itself: `python -m torch.distributed.run --nproc_per_node 2
 -m tests.integration.test_skip_step OUT_DIR` runs `worker()` on each rank, which writes
@@ -12,6 +14,7 @@ OUT_DIR/rank_N.json for the tests to read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -42,7 +45,8 @@ PLAN = [
     "normal",
     "grad_norm_spike",  # backward of 1000× the loss: 1000× the gradient norm (clipping would hide it)
     "nan_loss",  # the judged loss is NaN, the gradients are finite
-    "nan_grad",  # backward of NaN × the loss: DeepSpeed's own overflow path (stage 1/2: before the norm)
+    "nan_grad",  # backward of NaN × the loss: a non-finite norm, the gate's skip (whatever the guard says)
+    "inf_grad",  # backward of 3e38 × the loss: the bf16 gradients overflow to ±Inf, the same skip
     "normal",
 ]
 EXPECTED_REASONS = {
@@ -51,8 +55,10 @@ EXPECTED_REASONS = {
     "grad_norm_spike": ["grad_norm_spike"],
     "nan_loss": ["loss_nonfinite"],
     "nan_grad": ["grad_norm_nonfinite"],
+    "inf_grad": ["grad_norm_nonfinite"],
 }
 GRAD_ACCUM, MICRO_BATCH, SEQ = 2, 2, 16
+COUNTED = (0, 1, 4, 8)  # PLAN's steps whose host waits are counted: two normal, a spike, a NaN
 CATEGORIES = ("bf16", "fp32", "exp_avg", "exp_avg_sq", "step")
 
 
@@ -135,7 +141,9 @@ def train_step(engine, guard, index: int, kind: str, rank: int) -> None:
         tokens = torch.randint(0, 97, (MICRO_BATCH, SEQ), generator=generator)
         targets = torch.randint(0, 97, (MICRO_BATCH, SEQ), generator=generator)
         loss = engine(tokens=tokens, targets=targets).loss
-        engine.backward(loss * {"grad_norm_spike": 1000.0, "nan_grad": math.nan}.get(kind, 1.0))
+        engine.backward(
+            loss * {"grad_norm_spike": 1000.0, "nan_grad": math.nan, "inf_grad": 3e38}.get(kind, 1.0)
+        )
         loss_sum += loss.detach().float()
         if guard is not None and engine.is_gradient_accumulation_boundary():
             judged = global_mean(loss_sum / GRAD_ACCUM)
@@ -155,18 +163,26 @@ def digest(tensors: dict) -> str:
 def run_variant(variant: str, env, out: Path) -> dict:
     """PLAN with the guard armed, every step compared; then, for reference, PLAN's normal steps
     alone (the same batches) on a fresh engine without a guard."""
+    from pretrain.bench.host_syncs import HostSyncs
+    from pretrain.parallel.norm_gate import gate_of
     from pretrain.stability.skip_step import SkipGuard, SkipOutcome
 
     engine, stage = make_engine(variant, env, out)
     guard = SkipGuard(ratio=3.0, window=8, min_count=3)
-    guard.arm(engine)
+    gate = gate_of(engine)  # (engine.initialize armed it: DeepSpeed's scan is off)
+    gate.judge = guard
     steps = []
     started = time.perf_counter()
     for index, kind in enumerate(PLAN):
         before = state_tensors(engine, stage)
         skipped_before = engine.skipped_steps
-        train_step(engine, guard, index, kind, env.rank)
-        outcome = SkipOutcome.of(guard.outcome().tolist())
+        # the host's waits, counted on the first steps (the first makes AdamW's state) and on a
+        # step skipped by the guard and by a NaN: the counter slows every operation it sees
+        with HostSyncs(engine.device) if index in COUNTED else contextlib.nullcontext() as syncs:
+            if syncs is not None:
+                syncs.new_step()
+            train_step(engine, guard, index, kind, env.rank)
+        outcome = SkipOutcome.of(gate.outcome)
         after = state_tensors(engine, stage)
         steps.append(
             {
@@ -176,33 +192,36 @@ def run_variant(variant: str, env, out: Path) -> dict:
                 "skipped_steps": engine.skipped_steps - skipped_before,
                 "engine_grad_norm": float(engine.get_global_grad_norm()),
                 "adam_steps": sorted({float(t) for n, t in after.items() if n.startswith("step/")}),
+                "host_syncs": syncs.steps[-1] if syncs is not None else None,
             }
         )
     seconds = time.perf_counter() - started
     guarded = digest(state_tensors(engine, stage))
-    guard.disarm()
+    gate.judge = None
     engine.destroy()
 
     engine, stage = make_engine(variant, env, out)
-    deepspeed_own = None
+    gate_own = {}
     for index, kind in enumerate(PLAN):
         if kind == "normal":
             train_step(engine, None, index, kind, env.rank)
-        elif kind == "nan_grad" and deepspeed_own is None:  # without a guard: DeepSpeed's own skip
+        elif kind in ("nan_grad", "inf_grad"):  # without a guard: the gate's own skip
             before, skipped_before = state_tensors(engine, stage), engine.skipped_steps
             train_step(engine, None, index, kind, env.rank)
-            deepspeed_own = {
+            gate_own[kind] = {
                 "compare": compare(before, state_tensors(engine, stage)),
                 "skipped_steps": engine.skipped_steps - skipped_before,
             }
     unguarded = digest(state_tensors(engine, stage))
+    scan = engine._config.bfloat16_config.check_grad_overflow  # DeepSpeed's own: off (the gate decides)
     engine.destroy()
     return {
         "stage": stage,
         "steps": steps,
         "seconds": seconds,
         "levels": guard.state_dict(),
-        "deepspeed_nan_grad": deepspeed_own,
+        "gate_nonfinite_grad": gate_own,
+        "deepspeed_scan": scan,
         "final_sha256": {"guarded": guarded, "unguarded": unguarded},
     }
 
@@ -277,14 +296,35 @@ def test_a_skipped_step_changes_nothing_and_the_next_step_trains(ranks, variant)
 def test_skipped_steps_are_as_if_never_run(ranks, variant):
     """With the guard, PLAN ends where its normal steps alone end without one, bit for bit: a step
     the guard lets through is DeepSpeed's own step, and a skipped one leaves no trace. Without the
-    guard (the default), a NaN gradient is DeepSpeed's own skip, on every variant: it too leaves
+    guard (the default: the norm gate alone, DeepSpeed's overflow scan off), a NaN gradient is the
+    gate's skip through DeepSpeed's overflow path, on every variant: it too leaves
     every weight, master weight and Adam state as it was (test_nonfinite_engine.py follows one
     through the loop's checkpoints)."""
     for rank in ranks:
         final = rank[variant]["final_sha256"]
         assert final["guarded"] == final["unguarded"]
-        own = rank[variant]["deepspeed_nan_grad"]
-        assert own["skipped_steps"] == 1 and all(own["compare"][c]["all_same"] for c in CATEGORIES), own
+        assert rank[variant]["deepspeed_scan"] is False
+        for kind, own in rank[variant]["gate_nonfinite_grad"].items():
+            assert own["skipped_steps"] == 1 and all(own["compare"][c]["all_same"] for c in CATEGORIES), (
+                kind,
+                own,
+            )
+        assert set(rank[variant]["gate_nonfinite_grad"]) == {"nan_grad", "inf_grad"}
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if "offload" not in v])
+def test_a_step_waits_for_the_device_once(ranks, variant):
+    """Every read of a device value during a step, DeepSpeed's and torch's included, counted from
+    outside: the gate's one read (DeepSpeed 0.19.8 makes four more under ZeRO-1/2 and one under
+    ZeRO-3 with its scan on: docs/performance.md). With the optimizer offloaded, DeepSpeed computes
+    the norm on the host, parameter by parameter: not counted here."""
+    for rank in ranks:
+        for number, step in enumerate(rank[variant]["steps"], start=1):
+            if step["host_syncs"] is not None:
+                assert len(step["host_syncs"]) == 1 and "step_read.py" in step["host_syncs"][0], (
+                    number,
+                    step,
+                )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -418,6 +418,7 @@ NOT_DEAD = (
     ("pretrain/parallel/distributed.py", "frame", "a signal handler's parameter"),
     ("pretrain/parallel/distributed.py", "fill_uninitialized_memory benchmark", "torch settings, set for torch to read"),
     ("pretrain/bench/train.py", "use_cache", "a transformers config setting, set for transformers to read"),
+    ("pretrain/parallel/norm_gate.py", "overflow", "DeepSpeed's ZeRO optimizer's flag, set for its step() to read"),
     ("pretrain/tokenizer.py", "encode_special_tokens", "a tokenizers setting, set for tokenizers to read"),
     ("pretrain/tokenizer.py", "mtime_ns", "part of lru_cache's key: a changed file is read again"),
     ("pretrain/checkpoint/background.py", "commit", "DeepSpeed's CheckpointEngine interface, which it calls"),

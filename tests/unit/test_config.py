@@ -299,7 +299,11 @@ def test_qk_norm_and_z_loss_load_from_files_and_overrides_and_default_off(tmp_pa
     assert cfg.model.qk_norm is True and cfg.loss.z_loss == 1e-4
     assert load_config(tiny, ["model.qk_norm=true", "loss.z_loss=0.001"]).loss.z_loss == 0.001
     assert load_config(write(tmp_path, to_yaml(cfg), "again.yaml")) == cfg
-    before = to_yaml(default).replace("loss:\n  z_loss: 0.0\n", "").replace("  qk_norm: false\n", "")
+    before = (
+        to_yaml(default)
+        .replace("loss:\n  z_loss: 0.0\n  kernel: chunked\n", "")
+        .replace("  qk_norm: false\n", "")
+    )
     assert "\nloss:" not in before and "qk_norm" not in before
     assert load_config(write(tmp_path, before, "before.yaml")) == default
     saved = json.loads(json.dumps(asdict(default)))["model"]  # a checkpoint's run_config.json
