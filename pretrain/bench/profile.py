@@ -360,12 +360,8 @@ def capture(cfg, settings: BenchSettings, trace: str | None) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     torch.manual_seed(cfg.run.seed)
-    engine, _ = initialize(
-        build_model(cfg),
-        cfg.engine,
-        cfg.optim,
-        deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size, cfg.engine.one_host_read),
-    )
+    ds = deepspeed_json(settings, cfg.train.micro_batch_size, env.world_size, cfg.engine.one_host_read)
+    engine, _ = initialize(build_model(cfg), cfg.engine, cfg.optim, ds)
     batch = torch.randint(
         0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1), device=device
     )

@@ -171,7 +171,17 @@ def register(sub) -> None:
     )
     register_data(whats)
     register_memory(whats)
+    register_masking(whats)
+    register_monitor(whats)
+    register_detection(whats)
+    register_train(whats)
+    register_profile(whats)
+    register_ablation(whats)
+    add_stability_parser(whats)
+    add_optimizers_parser(whats)
 
+
+def register_masking(whats) -> None:
     masking = whats.add_parser(
         "masking", help="training step time with document masking against without (same model and batch)"
     )
@@ -189,6 +199,8 @@ def register(sub) -> None:
     masking.add_argument("--json", action="store_true", help="print one JSON object")
     masking.set_defaults(handler=cmd_bench_masking)
 
+
+def register_monitor(whats) -> None:
     monitor = whats.add_parser(
         "monitor", help="step time with and without the monitoring service; how fast a spike is acted on"
     )
@@ -202,6 +214,8 @@ def register(sub) -> None:
     )
     monitor.set_defaults(handler=cmd_bench_monitor)
 
+
+def register_detection(whats) -> None:
     detection = whats.add_parser(
         "detection",
         help="the monitor's warnings and rollbacks on real runs, and its detection of injected faults",
@@ -220,6 +234,8 @@ def register(sub) -> None:
     detection.add_argument("--json", action="store_true", help="print one JSON object")
     detection.set_defaults(handler=cmd_bench_detection)
 
+
+def register_train(whats) -> None:
     train = whats.add_parser(
         "train",
         help="training tokens/s of our model vs transformers' LlamaForCausalLM, same engine and batch",
@@ -235,6 +251,8 @@ def register(sub) -> None:
     train.add_argument("--json", action="store_true", help="print one JSON object")
     train.set_defaults(handler=cmd_bench_train)
 
+
+def register_profile(whats) -> None:
     profile = whats.add_parser(
         "profile",
         help="torch.profiler capture of our model's training step, summarised (top kernels, categories, host gaps)",
@@ -246,6 +264,8 @@ def register(sub) -> None:
     profile.add_argument("--json", action="store_true", help="print one JSON object")
     profile.set_defaults(handler=cmd_bench_profile)
 
+
+def register_ablation(whats) -> None:
     ablation = whats.add_parser(
         "ablation", help="Transformer++ vs the original Transformer recipe: compute to reach the same loss"
     )
@@ -260,9 +280,6 @@ def register(sub) -> None:
     ablation.add_argument("--eval-every", type=int, help="steps between evaluations (default: the configs')")
     ablation.add_argument("--json", action="store_true", help="print one JSON object")
     ablation.set_defaults(handler=cmd_bench_ablation)
-
-    add_stability_parser(whats)
-    add_optimizers_parser(whats)
 
 
 def add_optimizers_parser(whats) -> None:

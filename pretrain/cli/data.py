@@ -171,6 +171,30 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    _register_tokenizer(sub)
+    data = sub.add_parser("data", help="prepare token shards")
+    actions = data.add_subparsers(
+        dest="data_command", required=True, parser_class=CommandParser, metavar="ACTION"
+    )
+    _register_prepare(actions)
+
+    verify = actions.add_parser(
+        "verify", help="check every shard's sha256 and that every id fits the vocabulary"
+    )
+    verify.add_argument("dir", help="a prepared dataset directory")
+    verify.set_defaults(handler=cmd_data_verify)
+
+    inspect = actions.add_parser(
+        "inspect",
+        help="the windows a run trained at a step: corpus, documents and text (from its data trace)",
+    )
+    inspect.add_argument("--run-dir", required=True, help="the run directory (run.dir)")
+    inspect.add_argument("--step", type=int, required=True, help="the training step")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(handler=cmd_data_inspect)
+
+
+def _register_tokenizer(sub) -> None:
     tokenizer = sub.add_parser("tokenizer", help="train SentencePiece tokenizers")
     actions = tokenizer.add_subparsers(
         dest="tokenizer_command", required=True, parser_class=CommandParser, metavar="ACTION"
@@ -198,10 +222,8 @@ def register(sub) -> None:
     train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer in --out")
     train.set_defaults(handler=cmd_tokenizer_train)
 
-    data = sub.add_parser("data", help="prepare token shards")
-    actions = data.add_subparsers(
-        dest="data_command", required=True, parser_class=CommandParser, metavar="ACTION"
-    )
+
+def _register_prepare(actions) -> None:
     prep = actions.add_parser("prepare", help="tokenize a corpus into shards + manifest.json")
     prep.add_argument(
         "--source",
@@ -245,18 +267,3 @@ def register(sub) -> None:
     prep.add_argument("--overwrite", action="store_true", help="replace a different dataset in --out")
     prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.set_defaults(handler=cmd_data_prepare)
-
-    verify = actions.add_parser(
-        "verify", help="check every shard's sha256 and that every id fits the vocabulary"
-    )
-    verify.add_argument("dir", help="a prepared dataset directory")
-    verify.set_defaults(handler=cmd_data_verify)
-
-    inspect = actions.add_parser(
-        "inspect",
-        help="the windows a run trained at a step: corpus, documents and text (from its data trace)",
-    )
-    inspect.add_argument("--run-dir", required=True, help="the run directory (run.dir)")
-    inspect.add_argument("--step", type=int, required=True, help="the training step")
-    inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    inspect.set_defaults(handler=cmd_data_inspect)

@@ -147,6 +147,10 @@ def register(sub) -> None:
     )
     flops.set_defaults(handler=cmd_flops)
 
+    _register_plan(sub)
+
+
+def _register_plan(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="memory per GPU (parameters, gradients, optimizer, activations) and the settings that fit",

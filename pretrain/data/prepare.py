@@ -500,20 +500,7 @@ def _write_dataset(
         source.download()  # (files in an object store: here, checked; only once the recipe is new)
         stats["skipped_empty_files"] = len(source.empty_files)
     origins: dict[str, int] = {}
-    if source.kind == "megatron":  # token ids already: converted, not tokenized (pretrain/data/megatron.py)
-        from pretrain.data.megatron import converted
-
-        shown = Progress(source.documents if progress else None, enabled=progress, converting=True)
-        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins)
-    else:
-        records = source.records()
-        first = next(records, None)  # opening the source fails here, before any progress output
-        records = itertools.chain([first] if first is not None else [], records)
-        shown = Progress(count_documents(source) if progress else None, enabled=progress)
-        # Pieces decode back to the document only when encoding adds no dummy prefix to each.
-        piece_chars = PIECE_CHARS if tokenizer.encodes_in_pieces else None
-        batches = _batches(records, wanted["val_fraction"], stats, piece_chars, origins)
-        tokenized = _tokenized(batches, tokenizer, workers)
+    tokenized, shown = _token_batches(source, tokenizer, wanted, stats, origins, workers, progress)
     try:
         for (train, val, n_train, n_val, lengths), batch in tokenized:
             for length, is_val, origin in zip(lengths, batch.held_out, batch.origins, strict=True):
@@ -557,6 +544,33 @@ def _write_dataset(
     manifest["fingerprint"] = fingerprint(manifest)
     atomic.write_json(staging / MANIFEST, manifest)
     return manifest
+
+
+def _token_batches(
+    source: Source,
+    tokenizer: Tokenizer,
+    wanted: dict,
+    stats: dict,
+    origins: dict,
+    workers: int,
+    progress: bool,
+):
+    """The corpus's tokenized batches (a Megatron corpus's ids converted), and the progress shown."""
+    if source.kind == "megatron":  # token ids already: converted, not tokenized (pretrain/data/megatron.py)
+        from pretrain.data.megatron import converted
+
+        shown = Progress(source.documents if progress else None, enabled=progress, converting=True)
+        tokenized = converted(source, tokenizer, wanted["val_fraction"], stats, origins)
+    else:
+        records = source.records()
+        first = next(records, None)  # opening the source fails here, before any progress output
+        records = itertools.chain([first] if first is not None else [], records)
+        shown = Progress(count_documents(source) if progress else None, enabled=progress)
+        # Pieces decode back to the document only when encoding adds no dummy prefix to each.
+        piece_chars = PIECE_CHARS if tokenizer.encodes_in_pieces else None
+        batches = _batches(records, wanted["val_fraction"], stats, piece_chars, origins)
+        tokenized = _tokenized(batches, tokenizer, workers)
+    return tokenized, shown
 
 
 def _replace_dir(staging: Path, out_dir: Path) -> None:

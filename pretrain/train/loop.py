@@ -254,6 +254,28 @@ class Trainer:
 
     # --------------------------------------------------------------------------- step boundary
 
+    def step_metrics(self, values: StepValues, lr: float, tokens: int, step_time: float) -> dict:
+        """The step's train/* metrics (and the task's and the hooks' readings) from what was read."""
+        per_device = tokens / step_time / self.env.world_size
+        metrics = {
+            "train/loss": values.loss_sum / self.env.world_size,
+            "train/lr": lr,
+            "train/grad_norm": values.grad_norm,
+            "train/tokens_per_sec": tokens / step_time,
+            "train/tokens_per_sec_per_device": per_device,
+            "train/mfu": mfu(per_device, self.flops_per_token, self.peak_flops)
+            if self.peak_flops and self.flops_per_token
+            else None,
+            "train/step_time": step_time,
+            "train/memory_gb": _memory_gb(),
+            "train/skipped_steps": float(self.engine.skipped_steps),
+            "train/tokens": float(self.state.tokens),
+        }
+        metrics |= {f"train/grad_norm/{k}": v for k, v in values.layer_norms.items()}
+        metrics |= self.task.scalars() if hasattr(self.task, "scalars") else {}
+        metrics |= values.readings
+        return metrics
+
     def optimizer_step(
         self, step: int, stop: StopRequest
     ) -> tuple[dict[str, float | None], list, bool, list[float | list[float]]]:
@@ -298,24 +320,7 @@ class Trainer:
         tokens *= self.env.world_size
         self.state = TrainState(step, self.state.tokens + tokens)
         step_time = time.perf_counter() - started  # (the read above waited for the step's kernels)
-        per_device = tokens / step_time / self.env.world_size
-        metrics = {
-            "train/loss": values.loss_sum / self.env.world_size,
-            "train/lr": lr,
-            "train/grad_norm": values.grad_norm,
-            "train/tokens_per_sec": tokens / step_time,
-            "train/tokens_per_sec_per_device": per_device,
-            "train/mfu": mfu(per_device, self.flops_per_token, self.peak_flops)
-            if self.peak_flops and self.flops_per_token
-            else None,
-            "train/step_time": step_time,
-            "train/memory_gb": _memory_gb(),
-            "train/skipped_steps": float(self.engine.skipped_steps),
-            "train/tokens": float(self.state.tokens),
-        }
-        metrics |= {f"train/grad_norm/{k}": v for k, v in values.layer_norms.items()}
-        metrics |= self.task.scalars() if hasattr(self.task, "scalars") else {}
-        metrics |= values.readings
+        metrics = self.step_metrics(values, lr, tokens, step_time)
         return metrics, batch_ids, stop_requested, votes_of_hooks(values.votes, vote_sizes)
 
     def agree(self, loss_sum: torch.Tensor, stop: StopRequest) -> tuple[torch.Tensor, list[int | None]]:

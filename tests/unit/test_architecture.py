@@ -22,7 +22,7 @@ COMMAND_LAYER = (
     "pretrain.train.__main__",
     "pretrain.finetune.__main__",
 )
-MAX_FUNCTION_LINES = 100
+MAX_FUNCTION_LINES = 60
 
 
 def module_name(path: Path) -> str:
