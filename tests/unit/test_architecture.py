@@ -398,6 +398,35 @@ def test_the_module_table_names_only_what_exists():
 # test uses is dead in the product) and reports every name nothing uses. Names are matched as
 # strings, so what it reports is unused everywhere. Below: what it reports that is in use in a way
 # it cannot see, with why; each entry is (file, names, why).
+MAX_TABLE_ROW = 400  # characters: two lines on a wide screen
+# A commit as the docs write one: 7 to 40 lowercase hex digits with at least one digit and one
+# letter, so neither a number nor a word matches.
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+
+
+def doc_lines():
+    for path in [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            yield f"{path.relative_to(ROOT)}:{number}", line.lstrip()
+
+
+def test_the_docs_are_a_reference():
+    """The docs say what is true now, in tables a reader can scan: no row over two lines, and a
+    commit named only in the row of the figure measured at it (history is in the commit messages)."""
+    long_rows = [
+        f"{where}: a table row of {len(line)} characters (at most {MAX_TABLE_ROW}): say it tighter or split it"
+        for where, line in doc_lines()
+        if line.startswith("|") and len(line) > MAX_TABLE_ROW
+    ]
+    hashes = [
+        f"{where}: commit {commit} outside a measurement's table row"
+        for where, line in doc_lines()
+        if not line.startswith("|")
+        for commit in COMMIT.findall(line)
+    ]
+    assert not long_rows + hashes, "\n".join(long_rows + hashes)
+
+
 DEAD_CODE_PATHS = ("pretrain", "monitoring", "launch", "scripts")
 NOT_DEAD = (
     ("monitoring/config.py",
