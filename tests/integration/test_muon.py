@@ -237,10 +237,12 @@ def skip_then_step(engine, optimizer, env) -> dict:
     import torch
 
     from pretrain.parallel.engine import set_lr
+    from pretrain.parallel.norm_gate import gate_of
     from pretrain.stability.skip_step import SkipGuard, global_mean
 
     guard = SkipGuard(ratio=3.0, window=8, min_count=3)
-    guard.arm(engine)
+    gate = gate_of(engine)  # (engine.initialize armed it: pretrain/parallel/norm_gate.py)
+    gate.judge = guard
     changed = {}
     for step, judged in ((STEPS + 1, math.nan), (STEPS + 2, None)):
         before = held_state(engine, optimizer)
@@ -260,7 +262,7 @@ def skip_then_step(engine, optimizer, env) -> dict:
             )
             for name in after
         }
-    guard.disarm()
+    gate.judge = None
     return changed
 
 

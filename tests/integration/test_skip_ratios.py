@@ -41,6 +41,7 @@ def worker() -> None:
     import torch
 
     from pretrain.parallel.distributed import DistEnv, init_distributed
+    from pretrain.parallel.norm_gate import gate_of
     from pretrain.stability.skip_step import SkipGuard, SkipOutcome, global_mean
     from tests.integration.test_skip_step import compare, make_engine, state_tensors
 
@@ -49,7 +50,8 @@ def worker() -> None:
     init_distributed(env)
     engine, stage = make_engine("zero2", env, out)
     guard = SkipGuard(LOSS_RATIO, window=8, min_count=3, grad_norm_ratio=GRAD_NORM_RATIO)
-    guard.arm(engine)
+    gate = gate_of(engine)  # (engine.initialize armed it: pretrain/parallel/norm_gate.py)
+    gate.judge = guard
     steps = []
     for index, (kind, loss_factor, grad_factor) in enumerate(PLAN):
         before, skipped_before = state_tensors(engine, stage), engine.skipped_steps
@@ -64,7 +66,7 @@ def worker() -> None:
             if engine.is_gradient_accumulation_boundary():
                 guard.set_loss(global_mean(loss_sum / GRAD_ACCUM) * loss_factor)
             engine.step()
-        outcome = SkipOutcome.of(guard.outcome().tolist())
+        outcome = SkipOutcome.of(gate.outcome)
         steps.append(
             {
                 "kind": kind,
@@ -73,7 +75,7 @@ def worker() -> None:
                 "skipped_steps": engine.skipped_steps - skipped_before,
             }
         )
-    guard.disarm()
+    gate.judge = None
     engine.destroy()
     (out / f"rank_{env.rank}.json").write_text(json.dumps(steps, indent=1))
 
