@@ -130,6 +130,7 @@ def test_the_reports_experts_cross_the_wire_and_malformed_ones_are_refused():
         [{"layer": 1, **STARVED, "typo": 1}],
         [{"layer": -1, **STARVED}],
         [{"layer": 1, **STARVED, "load_min": "nan"}],
+        [{"layer": 1, **STARVED, "top_share": -0.5}],
         [{"layer": 1, **STARVED, "top_expert": 2.5}],
         {"layer": 1},
     ):
