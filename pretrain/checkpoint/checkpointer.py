@@ -36,6 +36,7 @@ from pretrain.checkpoint import background, integrity, layout, retention, rng, u
 from pretrain.checkpoint.mirror import Mirror
 from pretrain.config import CheckpointConfig, FaultsConfig
 from pretrain.errors import ExitCode, UserError
+from pretrain.optim.muon import LR_SCALE
 from pretrain.parallel.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.tokenizer import copy_tokenizer, stored_name, write_special_tokens
 
@@ -508,10 +509,16 @@ class Checkpointer:
     def _load_weights(self, engine, directory: Path, tag: str) -> None:
         """DeepSpeed's load; with experts split across ranks, each rank's experts then put back from
         its own fp32 partitions (ZeRO's `update_lp_params`, as a step does): the module file every
-        rank reads is rank 0's, which holds rank 0's experts only."""
+        rank reads is rank 0's, which holds rank 0's experts only. Each parameter group's learning-
+        rate scale stays the config's (torch's load_state_dict puts the saved groups' keys in place:
+        a changed optim.muon_lr, or a checkpoint saved before groups carried one)."""
+        scales = [group.get(LR_SCALE) for group in engine.optimizer.param_groups]
         engine.load_checkpoint(
             str(directory), tag=tag, load_module_strict=True, load_lr_scheduler_states=False
         )
+        for group, scale in zip(engine.optimizer.param_groups, scales, strict=True):
+            if scale is not None:
+                group[LR_SCALE] = scale
         if self.expert_parallel > 1:
             engine.optimizer.update_lp_params()
 

@@ -394,3 +394,22 @@ def test_a_checkpoint_from_before_the_monitors_hook_kept_the_lr_scale_still_give
     old = Resume("step_00000007", {"step": 7, "tokens": 70, "lr_scale": 0.25}, universal=False)
     assert old.state.hooks == {"monitor": {"lr": {"scale": 0.25}}}
     assert Resume("step_00000007", {"step": 7, "lr_scale": 1.0}, universal=False).state.hooks == {}
+
+
+def test_a_load_keeps_each_groups_learning_rate_scale_from_the_config(tmp_path):
+    """torch's load_state_dict puts the saved parameter groups' keys in place: the scale of each
+    group's learning rate (Muon's muon_lr / lr) stays the config's, also when optim.muon_lr changed
+    or the checkpoint was saved before groups carried one."""
+    from pretrain.checkpoint.checkpointer import TrainState
+    from pretrain.optim.muon import LR_SCALE
+
+    engine, saver = checkpointer(tmp_path, keep=3)
+    group = engine.optimizer.param_groups
+    group[0][LR_SCALE] = 20.0
+    saved_with_20 = saver.save(engine, TrainState(3), {"consumed": 3})
+    del group[0][LR_SCALE]
+    saved_without = saver.save(engine, TrainState(4), {"consumed": 4})
+    engine.optimizer.param_groups[0][LR_SCALE] = 30.0  # (the config now: optim.muon_lr raised)
+    for tag in (saved_with_20, saved_without):
+        saver.load(engine, tag)
+        assert engine.optimizer.param_groups[0][LR_SCALE] == 30.0, tag
