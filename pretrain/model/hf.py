@@ -458,11 +458,6 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
     check_loadable(config, source)
     rope_theta, rope_scaling = rope_scaling_from_llama(config, source)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise UserError(
-            f"{source}: head_dim={head_dim} × {heads} heads != hidden_size={hidden}; not supported"
-        )
     return ModelConfig(
         preset=None,
         vocab_size=config["vocab_size"],
@@ -470,6 +465,7 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
         n_layers=config["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,  # (Qwen3's are wider: 32 × 128 on 2048)
         d_ff=config["intermediate_size"],
         max_seq_len=config.get("max_position_embeddings", 2048),
         norm_eps=config.get("rms_norm_eps", 1e-6),

@@ -18,11 +18,13 @@ transformers = pytest.importorskip("transformers")  # in the `dev` extra; CI ins
 TOLERANCE = 1e-5  # fp32; the differences seen are 0.0 (the same products in the same order)
 
 
-def moe_model(qk_norm: bool, bias_scale: float = 0.0, **moe) -> Transformer:
+def moe_model(qk_norm: bool, bias_scale: float = 0.0, head_dim: int | None = None, **moe) -> Transformer:
     """3 blocks, 4 experts of 16, every weight random; the balancing bias (when the routing has
     one) random × bias_scale, large enough against sigmoid scores near 0.5 to change the choice."""
     settings = {"experts": 4, "top_k": 2, "expert_ffn_dim": 16} | moe
-    model = random_weights_model(n_layers=3, qk_norm=qk_norm, moe=MoEConfig(**settings)).eval()
+    model = random_weights_model(
+        n_layers=3, qk_norm=qk_norm, head_dim=head_dim, moe=MoEConfig(**settings)
+    ).eval()
     with torch.no_grad():
         for layer in model.layers:
             if layer.routed and layer.mlp.router.bias is not None:
@@ -40,6 +42,12 @@ CASES = {  # id: (class, qk_norm, bias scale, model.moe)
     ),
     "qwen3-moe-zero-bias": ("Qwen3MoeForCausalLM", True, 0.0, {"router": "softmax", "balance": "both"}),
     "mixtral": ("MixtralForCausalLM", False, 0.0, {"router": "softmax", "balance": "aux_loss"}),
+    "qwen3-moe-wide-heads": (  # 4 heads × 16 on d_model 32: Qwen3-30B-A3B's kind (32 × 128 on 2048)
+        "Qwen3MoeForCausalLM",
+        True,
+        0.0,
+        {"router": "softmax", "balance": "aux_loss", "head_dim": 16},
+    ),
     "glm4-moe-shared-dense-bias": (
         "Glm4MoeForCausalLM",
         False,
