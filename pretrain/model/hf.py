@@ -196,7 +196,7 @@ def save_hf(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
-        name: t.detach().to(dtype or t.dtype).contiguous().cpu()
+        name: t.detach().to(hf_moe.file_dtype(name, dtype or t.dtype)).contiguous().cpu()
         for name, t in to_llama_state_dict(model).items()
     }
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

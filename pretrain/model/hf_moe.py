@@ -144,6 +144,12 @@ def expert_tensors(cfg: ModelConfig, mlp: torch.nn.Module, prefix: str) -> dict[
     return out
 
 
+def file_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The balancing bias stays fp32 in a bf16 or fp16 export, as in training (and Glm4-MoE's
+    buffer): rounded to bf16's 8 mantissa bits, steps of bias_rate would change the choice."""
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+
+
 # --------------------------------------------------------------------------- reading back
 
 

@@ -105,6 +105,19 @@ def test_the_bias_changes_the_choice_so_the_glm4_comparison_would_see_it_dropped
     assert not torch.equal(biased, plain)
 
 
+def test_a_bf16_export_keeps_the_balancing_bias_in_fp32(tmp_path):
+    from safetensors import safe_open
+
+    model = moe_model(False, 0.1, router="sigmoid")
+    with torch.no_grad():
+        model.layers[0].mlp.router.bias.add_(1e-3 / 3)  # a value bf16 rounds
+    save_hf(model, tmp_path, dtype=torch.bfloat16)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        bias = f.get_tensor("model.layers.0.mlp.gate.e_score_correction_bias")
+        assert f.get_tensor("model.layers.0.mlp.gate.weight").dtype == torch.bfloat16
+    assert torch.equal(bias, model.layers[0].mlp.router.bias)
+
+
 def transformers_model(arch: str) -> torch.nn.Module:
     """A small model built by transformers itself, every weight random (the router bias too)."""
     shape = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4)
