@@ -215,9 +215,12 @@ def test_glm4_moe_settings_we_do_not_compute_are_refused_on_reading(tmp_path, ch
         load_hf(tmp_path)
 
 
-def test_export_hf_of_a_moe_model_is_a_complete_directory_fine_tuning_starts_from(tmp_path, tokenizer_dir):
+def test_export_hf_of_a_moe_model_is_a_complete_directory_fine_tuning_starts_from(
+    tmp_path, tokenizer_dir, cli
+):
     """`pretrain export-hf`'s path (export_trained) with experts, then `finetune.init` on it
-    (find_initial → load_model): the same weights, the bias included."""
+    (find_initial → load_model): the same weights, the bias included; `pretrain export-hf` of the
+    export writes it again, and a setting we do not compute is one line, exit status 2."""
     from pretrain.evaluation.inference import Trained, export_trained, load_trained
     from pretrain.initial_model import find_initial
     from pretrain.tokenizer import Tokenizer
@@ -239,3 +242,13 @@ def test_export_hf_of_a_moe_model_is_a_complete_directory_fine_tuning_starts_fro
     initial = find_initial(str(out)).load_model()
     for name, weight in model.state_dict().items():
         assert torch.equal(initial.state_dict()[name], weight), name
+    result = cli("export-hf", "--checkpoint", out, "--out", tmp_path / "again")
+    assert result.returncode == 0, result.stderr
+    again = (tmp_path / "again" / "model.safetensors").read_bytes()
+    assert again == (out / "model.safetensors").read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"routed_scaling_factor": 2.5}))
+    result = cli("export-hf", "--checkpoint", out, "--out", tmp_path / "refused")
+    assert result.returncode == 2 and "routed_scaling_factor=2.5 is not supported" in result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert not (tmp_path / "refused").exists()
