@@ -113,19 +113,7 @@ def choose_resume(
     tag = layout.tag_for(step)
     saved = read_train_state(run_dir, tag)
     universal = saved["world_size"] != env.world_size or saved.get("expert_parallel", 1) != expert_parallel
-    if universal and (expert_parallel > 1 or has_experts(run_dir, tag)):
-        raise UserError(
-            f"{tag} holds a model with experts saved on {saved['world_size']} processes at parallel.expert="
-            f"{saved.get('expert_parallel', 1)}; resuming it at another world size or parallel.expert is "
-            "not supported yet: resume with the same"
-        )
     return Resume(tag, saved, universal)
-
-
-def has_experts(run_dir: str | Path, tag: str) -> bool:
-    """Whether checkpoint `tag` holds a model with experts (its run_config.json's `model.moe`)."""
-    path = layout.checkpoints_dir(run_dir) / tag / layout.RUN_CONFIG
-    return path.is_file() and bool(json.loads(path.read_text()).get("model", {}).get("moe"))
 
 
 def never_checkpointed(run_dir: str | Path) -> bool:
@@ -492,6 +480,7 @@ class Checkpointer:
         self._load_weights(engine, load_dir, resume.tag)
         if resume.universal:
             universal.load_momentum(engine.optimizer, load_dir / resume.tag)
+            universal.load_buffers(engine.module, load_dir / resume.tag)
         else:
             rng.restore(json.loads((self.root / resume.tag / rng.rng_file(self.env.rank)).read_text()))
         self.last_tag = resume.tag
