@@ -32,22 +32,22 @@ def moe_model(qk_norm: bool, bias_scale: float = 0.0, head_dim: int | None = Non
     return model
 
 
-CASES = {  # id: (class, qk_norm, bias scale, model.moe)
-    "qwen3-moe": ("Qwen3MoeForCausalLM", True, 0.0, {"router": "softmax", "balance": "aux_loss"}),
+CASES = {  # id: (class, qk_norm, bias scale, model.moe and head_dim)
+    # 4 heads × 16 on d_model 32: wider than d_model / heads, as Qwen3-30B-A3B's 32 × 128 on 2048; a
+    # bias still all zeros (balance both) chooses as none
+    "qwen3-moe-wide-heads-zero-bias": (
+        "Qwen3MoeForCausalLM",
+        True,
+        0.0,
+        {"router": "softmax", "balance": "both", "head_dim": 16},
+    ),
     "qwen3-moe-dense-unnormalized": (
         "Qwen3MoeForCausalLM",
         True,
         0.0,
         {"router": "softmax", "balance": "aux_loss", "dense_layers": 1, "normalize_top_k": False},
     ),
-    "qwen3-moe-zero-bias": ("Qwen3MoeForCausalLM", True, 0.0, {"router": "softmax", "balance": "both"}),
     "mixtral": ("MixtralForCausalLM", False, 0.0, {"router": "softmax", "balance": "aux_loss"}),
-    "qwen3-moe-wide-heads": (  # 4 heads × 16 on d_model 32: Qwen3-30B-A3B's kind (32 × 128 on 2048)
-        "Qwen3MoeForCausalLM",
-        True,
-        0.0,
-        {"router": "softmax", "balance": "aux_loss", "head_dim": 16},
-    ),
     "glm4-moe-shared-dense-bias": (
         "Glm4MoeForCausalLM",
         False,
