@@ -18,7 +18,7 @@ and bias are the saved ones and the next step is E = 2's.
 In bf16, one real `pretrain train` job of the packaged tiny-moe (shrunk as tests/helpers.py's FAST):
 2 processes at parallel.expert=2, 3 steps, a checkpoint at step 2: the experts' metrics, the
 bias moved, the checkpoint recording its split, read whole outside training, fine-tuned in one
-process.
+process; a gradient bit flipped on rank 1 at step 3, which the replay finds.
 
 Run by pytest, this file launches itself: `python -m torch.distributed.run --nproc_per_node 2
 -m tests.integration.test_experts OUT_DIR` runs `worker()` on each rank, which writes
@@ -429,6 +429,7 @@ def tiny_moe_run(tmp_path_factory, train_data) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny_moe") / "run"
     command = [*torchrun(2), "--config", "tiny-moe", f"run.dir={run_dir}", f"data.dir={train_data}", *FAST]
     command += ["parallel.expert=2", "train.steps=3", "checkpoint.every=2", "eval.every=0"]
+    command += ["faults.flip_step=3", "faults.flip_rank=1"]  # (a machine fault for the replay)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return run_dir
@@ -454,6 +455,19 @@ def test_tiny_moe_trains_at_e_2_reports_its_experts_loads_and_checkpoints_its_sp
     # moved by ±bias_rate (1e-3) after each of the 2 steps: each expert's sum of two signs
     assert bias.dtype == torch.float32 and bias.abs().max() > 0
     assert torch.allclose(bias / 1e-3, (bias / 1e-3).round(), atol=1e-4) and bias.abs().max() <= 2e-3 + 1e-9
+
+
+def test_the_replay_tells_a_flipped_gradient_bit_at_e_2_from_the_data(tiny_moe_run):
+    """monitor.replay (on by default) replays step 3 through the all-to-all on both ranks: rank 1's
+    gradient changed (a machine fault), the update skipped."""
+    from monitoring.protocol import MachineFault, read_events
+    from tests.integration.runs import metrics
+
+    (fault,) = [e for e in read_events(tiny_moe_run) if isinstance(e, MachineFault)]
+    assert fault.step == 3 and fault.ranks == [1]
+    assert float(fault.first[0][1]) > 1e6 * float(fault.replay[0][1])  # its gradient norm: the flip, then not
+    per_step = metrics(tiny_moe_run)
+    assert per_step[2]["train/skipped_steps"] == 0 and per_step[3]["train/skipped_steps"] == 1
 
 
 def test_a_checkpoint_with_split_experts_is_read_whole_outside_training(tiny_moe_run):
