@@ -511,5 +511,31 @@ def test_fine_tuning_starts_from_the_checkpoint_saved_at_e_2(tiny_moe_run, tmp_p
     assert steps and all(record["moe/load_max"] >= 1.0 for record in steps.values())
 
 
+def test_the_checkpoint_saved_at_e_2_exports_as_glm4_moe_with_its_logits(tiny_moe_run, tmp_path):
+    """`pretrain export-hf`'s path (load_trained, export_trained) on tiny-moe (sigmoid, a shared
+    expert, a dense block, its trained bias): transformers' Glm4-MoE computes the checkpoint's
+    logits (fp32), and our commands read the export back equal."""
+    import torch
+    import transformers
+
+    from pretrain.evaluation.inference import export_trained, load_trained
+
+    trained = load_trained(tiny_moe_run)  # (one universal conversion: the experts were split)
+    assert trained.model.layers[1].mlp.router.bias.abs().max() > 0  # trained: the bias moved
+    out = export_trained(trained, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "Glm4MoeForCausalLM"
+    ids = torch.randint(0, trained.model.cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    bias = trained.model.layers[1].mlp.router.bias
+    with torch.no_grad():
+        ours = trained.model(ids).logits
+        kept, _ = bias.clone(), bias.zero_()
+        unbiased = trained.model(ids).logits  # these tokens' choice depends on the trained bias
+        bias.copy_(kept)
+        assert (ours - unbiased).abs().max().item() > 1e-4
+        assert (theirs(ids).logits - ours).abs().max().item() <= 1e-5  # (seen: 0.0; bias dropped: 0.027)
+        assert torch.equal(load_trained(out).model(ids).logits, ours)
+
+
 if __name__ == "__main__":
     worker()
