@@ -18,8 +18,11 @@ FINDINGS = (
     "divergence",
     "grad_norm_spike",
     "instability_precursor",
+    "expert_collapse",
 )
 RESPONSES = ("ignore", "warn", "rollback", "stop")  # what a finding may do, least to most drastic
+# monitor.on_expert_collapse: a collapse is a precursor, never a rollback or a stop by itself
+EXPERT_COLLAPSE_RESPONSES = ("ignore", "warn")
 REPEAT_STAGES = ("quarantine", "lower_lr", "stop")  # monitor.on_repeat: what a repeated rollback adds
 
 
@@ -67,7 +70,39 @@ class SupervisorConfig:
 
 
 @dataclass(kw_only=True)
-class ServiceConfig:
+class ExpertCollapseSettings:
+    """When the service warns that a mixture of experts' routing collapsed (monitoring/experts.py;
+    docs/monitoring.md, Experts): in one MoE layer, an expert whose tokens are below
+    expert_collapse_load × the layer's mean load, or one expert chosen by at least
+    expert_collapse_share of the layer's tokens, in expert_collapse_steps reports in a row. One
+    warning per such episode; never a rollback (what rebalances is the model's balancing)."""
+
+    on_expert_collapse: str = "warn"  # warn | ignore
+    expert_collapse_load: float = 0.05  # starved: its load (tokens over the layer's mean) below this
+    expert_collapse_share: float = 0.5  # dominant: this share of the layer's tokens choose one expert
+    expert_collapse_steps: int = 20  # reports in a row where either holds
+
+    def check_expert_collapse(self) -> None:
+        if self.on_expert_collapse not in EXPERT_COLLAPSE_RESPONSES:
+            raise SettingError(
+                f"monitor.on_expert_collapse={self.on_expert_collapse!r} must be warn or ignore: an "
+                "expert collapse is a warning, never a rollback by itself (it rebalances through model.moe)"
+            )
+        load, share, steps = self.expert_collapse_load, self.expert_collapse_share, self.expert_collapse_steps
+        if not (math.isfinite(load) and 0 < load < 1):
+            raise SettingError(
+                f"monitor.expert_collapse_load={load} must be in (0, 1): a fraction of the mean load"
+            )
+        if not (math.isfinite(share) and 0 < share <= 1):
+            raise SettingError(
+                f"monitor.expert_collapse_share={share} must be in (0, 1]: a share of a layer's tokens"
+            )
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise SettingError(f"monitor.expert_collapse_steps={steps!r} must be an integer >= 1")
+
+
+@dataclass(kw_only=True)
+class ServiceConfig(ExpertCollapseSettings):
     """The monitoring service's settings (`pretrain monitor`: its policy and detectors, where it
     listens). Read from the run config's `monitor:` section (see `MonitorConfig`)."""
 
@@ -120,6 +155,7 @@ class ServiceConfig:
             )
         for key in ("grad_norm_sigma", "loss_sigma", "lr_scale", "grad_norm_surge_ratio", "loss_spike_ratio"):
             check_positive(f"monitor.{key}", getattr(self, key))
+        self.check_expert_collapse()  # (before the loop: its own, narrower choice)
         for finding in FINDINGS:
             check_choice(f"monitor.on_{finding}", getattr(self, f"on_{finding}"), RESPONSES)
         check_positive("monitor.min_rel_std", self.min_rel_std, allow_zero=True)

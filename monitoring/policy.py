@@ -4,7 +4,8 @@ Pure: a step's metrics and the run's complete checkpoints in, a `Verdict` out; n
 clock. What the service shows, the pins it writes and the events it appends are
 `monitoring/service.py`'s, from the verdicts.
 
-Each finding of the detector (`monitoring.detectors`) maps to a response by `monitor.on_<finding>`:
+Each finding of the detector (`monitoring.detectors`), and of the experts' watch
+(`monitoring.experts`: a collapsed routing), maps to a response by `monitor.on_<finding>`:
 `ignore`, `warn` (recorded, counted, shown; no action), `rollback` or `stop`. The most drastic
 response of a step's findings is the step's verdict.
 
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from monitoring.config import RESPONSES, ServiceConfig
 from monitoring.detectors import Detector, Finding
+from monitoring.experts import ExpertWatch
 from monitoring.protocol import (
     CONTINUE,
     Action,
@@ -74,6 +76,7 @@ class Policy:
     config: ServiceConfig
     base_seed: int = 0
     detector: Detector = field(init=False)
+    experts: ExpertWatch = field(init=False)  # a model with experts: whether its routing collapsed
     decisions: list[Rollback] = field(default_factory=list)  # every rollback decided
     pending: Rollback | None = None  # decided, its outcome not yet reported
     cancelled: set[int] = field(default_factory=set)  # decisions that were not applied
@@ -87,6 +90,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         self.detector = Detector.of(self.config)
+        self.experts = ExpertWatch(self.config)
 
     # ------------------------------------------------------------------------------ judging
 
@@ -109,6 +113,7 @@ class Policy:
     def _judge(self, metrics: StepMetrics, checkpoints: Sequence[str]) -> Verdict:
         findings = self.detector.findings(metrics.loss, metrics.grad_norm)
         findings += self.detector.precursor_findings(metrics.precursors)
+        findings += self.experts.findings(metrics.step, metrics.experts)
         if self.manual is not None:
             findings.insert(0, Finding("operator", "operator", float("nan")))
         responses = ["rollback" if f.kind == "operator" else self.config_response(f.kind) for f in findings]

@@ -40,6 +40,11 @@ PRECURSORS = ("attn_logit_max", "logit_lse_max", "logit_abs_max", "update_ratio_
 # per step over it (`StepMetrics.ranks`): every rank of a job up to this many, else the slowest.
 MAX_RANKS_REPORTED = 64
 RANK_KEYS = ("rank", "host", "step_seconds", "factor", "straggler")
+# A model with experts: each step's report carries, per MoE layer, its least loaded expert (its
+# tokens over the layer's mean) and the share of the layer's tokens its most chosen expert takes
+# (`StepMetrics.experts`), judged by monitoring/experts.py.
+EXPERT_KEYS = ("layer", "load_min", "min_expert", "top_share", "top_expert")
+MAX_EXPERT_LAYERS = 1024
 
 MONITOR_DIR = "monitor"
 ENDPOINT_FILE = "endpoint.json"
@@ -111,6 +116,8 @@ class StepMetrics:
     # median forward seconds per step over the window), factor (over the other ranks' median),
     # straggler (true: named at this step)}
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    # with experts: per MoE layer {layer, load_min, min_expert, top_share, top_expert} (EXPERT_KEYS)
+    experts: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return strict_json(asdict(self))
@@ -149,6 +156,7 @@ class StepMetrics:
         if not isinstance(skipped, bool):
             raise ProtocolError(f"'update_skipped' must be true or false, got {skipped!r}")
         return cls(
+            experts=_expert_loads(payload.get("experts") or []),
             ranks=_rank_times(payload.get("ranks") or []),
             precursors=precursors,
             update_skipped=skipped,
@@ -187,6 +195,30 @@ def _rank_times(ranks: Any) -> list[dict[str, Any]]:
         if not isinstance(straggler, bool):
             raise ProtocolError(f"'ranks.straggler' must be true or false, got {straggler!r}")
         checked.append({"rank": rank, "host": host, **numbers} | ({"straggler": True} if straggler else {}))
+    return checked
+
+
+def _expert_loads(layers: Any) -> list[dict[str, Any]]:
+    """StepMetrics.experts, checked: at most MAX_EXPERT_LAYERS objects of every EXPERT_KEYS, the
+    layer and expert indices non-negative integers, the load and share finite numbers >= 0."""
+    if not isinstance(layers, list) or len(layers) > MAX_EXPERT_LAYERS:
+        raise ProtocolError(f"'experts' must be a list of at most {MAX_EXPERT_LAYERS} objects")
+    checked = []
+    for entry in layers:
+        entry = _object(entry, "experts", EXPERT_KEYS)
+        record = {}
+        for key in EXPERT_KEYS:
+            value, number = entry.get(key), key in ("load_min", "top_share")
+            if number:
+                value = _number(entry, key)
+                ok = math.isfinite(value) and value >= 0
+            else:
+                ok = not isinstance(value, bool) and isinstance(value, int) and 0 <= value < MAX_INT
+            if not ok:
+                kind = "a finite number" if number else "an integer"
+                raise ProtocolError(f"'experts.{key}' must be {kind} >= 0, got {value!r:.80}")
+            record[key] = value
+        checked.append(record)
     return checked
 
 

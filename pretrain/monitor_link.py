@@ -256,17 +256,24 @@ class MonitorLink:
         self.device = device
         self.run_dir = Path(run_dir)
         self.ranks: tuple[int, list[dict]] | None = None  # (step, StepMetrics.ranks) for that step's report
+        self.experts: tuple[int, list[dict]] | None = None  # (step, StepMetrics.experts) likewise
 
     def note_ranks(self, step: int, ranks: list[dict]) -> None:
         """Rank 0, before the report of logging step `step`: every rank's forward time over the
         straggler window that ends there (the straggler hook's), which that report carries."""
         self.ranks = (step, ranks)
 
+    def note_experts(self, step: int, layers: list[dict]) -> None:
+        """Before the report of step `step`: its MoE layers' loads (the experts' hook's), which
+        that report carries."""
+        self.experts = (step, layers)
+
     def report(self, step: int, metrics: dict[str, float | None], tokens: int) -> None:
         """Rank 0 hands the step's metrics (the trainer's `train/*` values) to the reporter; no wait."""
         if self.reporter is None:
             return
         ranks = self.ranks[1] if self.ranks is not None and self.ranks[0] == step else []
+        experts = self.experts[1] if self.experts is not None and self.experts[0] == step else []
         grad_norm = metrics["train/grad_norm"]
         layers = {
             k.removeprefix("train/grad_norm/"): v
@@ -286,6 +293,7 @@ class MonitorLink:
                 update_skipped=bool(metrics.get("train/update_skipped")),
                 precursors={k: metrics[f"stability/{k}"] for k in PRECURSORS if f"stability/{k}" in metrics},
                 ranks=ranks,
+                experts=experts,
             )
         )
 

@@ -482,6 +482,11 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
     run_dir, env, engine, writer = Path(cfg.run.dir), parts.env, parts.engine, parts.writer
     faults = FaultInjector(cfg.faults, run_dir, env.rank)
     hooks: list[StepHook] = [InjectedFaults(faults, engine)]
+    monitor = (
+        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
+        if cfg.monitor.enabled
+        else None
+    )
     if cfg.logging.data_trace:
         hooks.append(DataTrace(run_dir, env.rank))
     if cfg.logging.precursors_every:
@@ -490,17 +495,13 @@ def step_hooks(cfg: RunConfig, cadence: Cadence, parts: RunParts) -> list[StepHo
                 engine, cfg.logging.precursors_every, cfg.logging.precursor_tokens, writer, cadence.logged
             )
         )
-    hooks += expert_balance(parts, cadence)  # (with experts: their loads, and the balancing bias's step)
+    # (with experts: their loads, for the service too, and the balancing bias's step)
+    hooks += expert_balance(parts, cadence, link=monitor)
     if cfg.monitor.skip_step:
         guard = SkipGuard.for_run(
             cfg.monitor.skip_ratio, cfg.monitor.skip_window, grad_norm_ratio=cfg.monitor.skip_grad_norm_ratio
         )
         hooks.append(SkipBadUpdates(guard, engine, env, run_dir, writer))
-    monitor = (
-        MonitorLink(run_dir, cfg.monitor.timeout, env, engine.device, cfg.train.steps)
-        if cfg.monitor.enabled
-        else None
-    )
     link = monitor if env.is_main else None  # (rank 0 tells the service what became of a rollback)
     rollbacks = Rollbacks(
         env, run_dir, engine, parts.task, parts.checkpointer, link, writer, cfg.monitor.quarantine

@@ -7,7 +7,8 @@ sides alike:
   masters, the all-gather), alternated.
 * `--check replay` (`monitor.replay`): training steps with the replay's gradient tally
   (`GradientTally`: each rank's own gradient norm, kept on the device) and without it, in the
-  order A B B A, so that drift falls on both.
+  order A B B A, so that drift falls on both; and the share of a tallied step spent in the
+  tally's hooks, which noise between steps does not hide.
 
     python -m torch.distributed.run --nproc_per_node 2 scripts/stability_costs.py --check replay \
         [--zero 2] [--d-model 192] [--layers 4] [--seq-len 512] [--micro-batch 8] [--repeats 20]
@@ -106,23 +107,42 @@ def replica_costs(args, env, engine, batches) -> dict:
     }
 
 
+class TimedTally(GradientTally):
+    """The tally, with the time its hooks take (on a CPU the kernels run in the call: the whole
+    cost; on a GPU the host's part, the launches)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.seconds = 0.0
+
+    def _seen(self, grad: torch.Tensor) -> None:
+        started = time.perf_counter()
+        super()._seen(grad)
+        self.seconds += time.perf_counter() - started
+
+
 def replay_costs(args, env, engine, batches) -> dict:
-    """Steps with the tally and without it, A B B A: (median without, median with, the share)."""
+    """Steps with the tally and without it, A B B A: (median without, median with, the share); and
+    the time inside the tally's hooks, which a busy machine's noise between steps does not hide."""
     times: dict[bool, list[float]] = {False: [], True: []}
+    in_hooks = []
     for repeat, tokens in enumerate(batches):
         tallied = repeat % 4 in (1, 2)
-        tally = GradientTally(engine.module) if tallied else None
+        tally = TimedTally(engine.module) if tallied else None
         step = timed_step(engine, tokens)
         if tally is not None:
             tally.take()  # (what a rejected step reads; on a clean step the norms are dropped)
             tally.remove()
         if repeat >= WARMUP:
             times[tallied].append(step)
+            if tally is not None:
+                in_hooks.append(tally.seconds / step)
     without, with_tally = statistics.median(times[False]), statistics.median(times[True])
     return {
         "median_step_ms": round(1e3 * without, 2),
         "median_step_with_tally_ms": round(1e3 * with_tally, 2),
         "tally_share_of_a_step": round(with_tally / without - 1, 5),
+        "share_in_the_tallys_hooks": round(statistics.median(in_hooks), 6),
         "steps_each": len(times[False]),
     }
 

@@ -36,6 +36,7 @@ from pretrain.checkpoint import background, integrity, layout, retention, rng, u
 from pretrain.checkpoint.mirror import Mirror
 from pretrain.config import CheckpointConfig, FaultsConfig
 from pretrain.errors import ExitCode, UserError
+from pretrain.optim.muon import LR_SCALE
 from pretrain.parallel.distributed import DistEnv, all_gather_objects, all_reduce_sum, barrier, broadcast_int
 from pretrain.tokenizer import copy_tokenizer, stored_name, write_special_tokens
 
@@ -113,19 +114,7 @@ def choose_resume(
     tag = layout.tag_for(step)
     saved = read_train_state(run_dir, tag)
     universal = saved["world_size"] != env.world_size or saved.get("expert_parallel", 1) != expert_parallel
-    if universal and (expert_parallel > 1 or has_experts(run_dir, tag)):
-        raise UserError(
-            f"{tag} holds a model with experts saved on {saved['world_size']} processes at parallel.expert="
-            f"{saved.get('expert_parallel', 1)}; resuming it at another world size or parallel.expert is "
-            "not supported yet: resume with the same"
-        )
     return Resume(tag, saved, universal)
-
-
-def has_experts(run_dir: str | Path, tag: str) -> bool:
-    """Whether checkpoint `tag` holds a model with experts (its run_config.json's `model.moe`)."""
-    path = layout.checkpoints_dir(run_dir) / tag / layout.RUN_CONFIG
-    return path.is_file() and bool(json.loads(path.read_text()).get("model", {}).get("moe"))
 
 
 def never_checkpointed(run_dir: str | Path) -> bool:
@@ -492,6 +481,7 @@ class Checkpointer:
         self._load_weights(engine, load_dir, resume.tag)
         if resume.universal:
             universal.load_momentum(engine.optimizer, load_dir / resume.tag)
+            universal.load_buffers(engine.module, load_dir / resume.tag)
         else:
             rng.restore(json.loads((self.root / resume.tag / rng.rng_file(self.env.rank)).read_text()))
         self.last_tag = resume.tag
@@ -519,10 +509,16 @@ class Checkpointer:
     def _load_weights(self, engine, directory: Path, tag: str) -> None:
         """DeepSpeed's load; with experts split across ranks, each rank's experts then put back from
         its own fp32 partitions (ZeRO's `update_lp_params`, as a step does): the module file every
-        rank reads is rank 0's, which holds rank 0's experts only."""
+        rank reads is rank 0's, which holds rank 0's experts only. Each parameter group's learning-
+        rate scale stays the config's (torch's load_state_dict puts the saved groups' keys in place:
+        a changed optim.muon_lr, or a checkpoint saved before groups carried one)."""
+        scales = [group.get(LR_SCALE) for group in engine.optimizer.param_groups]
         engine.load_checkpoint(
             str(directory), tag=tag, load_module_strict=True, load_lr_scheduler_states=False
         )
+        for group, scale in zip(engine.optimizer.param_groups, scales, strict=True):
+            if scale is not None:
+                group[LR_SCALE] = scale
         if self.expert_parallel > 1:
             engine.optimizer.update_lp_params()
 

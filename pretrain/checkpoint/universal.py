@@ -20,12 +20,25 @@ whole on both; `stage_1_and_2.py`, `get_flat_partition`). The converter stops at
   back in the layout ZeRO-1/2 keeps for this rank's partition.
 
 Nothing is recomputed or rounded: the resumed run's momentum is the one saved, bit for bit.
+
+Experts split across ranks (`parallel.expert: E`, pretrain/parallel/experts.py) are in the optimizer
+groups DeepSpeed marks `moe` (named `ep_size_E`), each rank's file holding its own experts'
+fragments (rank r: experts of expert-parallel position r % E, partitioned over the ranks r // E of
+its expert-data-parallel group). `_extract_fragments` files them under the index
+(r % E)·(W / E) + r // E, so DeepSpeed's merge, which concatenates in index order, lays them out in
+the global experts' order; `_merge_whole_experts` gives the merge their whole shapes (E times the
+first dimension); and `mark_experts` marks each such tensor as DeepSpeed's loader expects an
+expert parameter (`is_expert_param`, `ep_num_experts`), so that a run at any E takes its
+`[ep_rank·n/E, …)` slice (DeepSpeed's `load_hp_checkpoint_state`) and a run at E = 1 the whole.
+The model's buffers (the balancing bias), which DeepSpeed's universal load leaves as they are,
+`load_buffers` puts back from the module file's copy (every rank holds the same).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 from pathlib import Path
 
@@ -52,7 +65,10 @@ def convert(source: Path, target: Path) -> None:
         strict=True,
         inject_missing_state=False,
     )
-    extract, converter.extract_zero_shards = converter.extract_zero_shards, _extract_fragments
+    experts: dict[str, int] = {}  # each expert parameter's expert-parallel size, as saved
+    extract, merge = converter.extract_zero_shards, converter._merge_tp_slice_files
+    converter.extract_zero_shards = functools.partial(_extract_fragments, experts=experts)
+    converter._merge_tp_slice_files = functools.partial(_merge_whole_experts, merge, experts)
     output = io.StringIO()
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
@@ -62,13 +78,17 @@ def convert(source: Path, target: Path) -> None:
             f"converting {source} to a universal checkpoint failed: {exc!r}\n{output.getvalue()[-2000:]}"
         ) from exc
     finally:
-        converter.extract_zero_shards = extract
+        converter.extract_zero_shards, converter._merge_tp_slice_files = extract, merge
+    mark_experts(target, experts)
 
 
-def _extract_fragments(temp_dir: str, ds_checkpoint, indices: tuple[int, int, int]) -> None:
+def _extract_fragments(
+    temp_dir: str, ds_checkpoint, indices: tuple[int, int, int], experts: dict[str, int] | None = None
+) -> None:
     """ds_to_universal's `extract_zero_shards` for one rank's file of a ZeRO-1/2 checkpoint (no
     pipeline or tensor parallelism here): each parameter's fragment of each state its group holds,
-    for DeepSpeed's merge; and each Muon matrix's momentum, whole, from the first rank holding it.
+    for DeepSpeed's merge (split experts' in the global order: module docstring, their names and
+    E added to `experts`); and each Muon matrix's momentum, whole, from the first rank holding it.
     The file is read as saved (`strip_tensor_paddings=False`): the fragments never reach a group's
     padding, and the momentum, which has none, keeps its last matrix."""
     from deepspeed.checkpoint import ds_to_universal as converter
@@ -86,17 +106,85 @@ def _extract_fragments(temp_dir: str, ds_checkpoint, indices: tuple[int, int, in
     )[OPTIMIZER_STATE_DICT]
     states = optim[BASE_OPTIMIZER_STATE]["state"]
     shapes = ds_checkpoint.model_state_metadata[0][1][PARAM_SHAPES]  # every parameter's, by name
+    settings = optim[BASE_OPTIMIZER_STATE]["param_groups"]
     for group, mapping in enumerate(optim[PARAM_SLICE_MAPPINGS]):
         state = states.get(group, {})
         flat = {key: state[key] for key in ADAM_STATES if key in state}
         flat["fp32"] = optim[SINGLE_PARTITION_OF_FP32_GROUPS][group]
+        size = expert_parallel_size(settings[group])
+        index = dp_index if size == 1 else expert_order(dp_index, size, ds_checkpoint.dp_degree)
+        if size > 1 and experts is not None:
+            experts.update(dict.fromkeys(mapping, size))
         for name, fragment in mapping.items():
             for key, value in flat.items():
                 converter.dump_param_fragment(
-                    temp_dir, tp_index, dp_index, key, value, name, fragment.start, fragment.numel
+                    temp_dir, tp_index, index, key, value, name, fragment.start, fragment.numel
                 )
         if MOMENTUM in state:
             _write_momentum(state[MOMENTUM], mapping, shapes, Path(temp_dir).parent / MOMENTUM_DIR)
+
+
+def expert_parallel_size(group: dict) -> int:
+    """E of an optimizer group of split experts (DeepSpeed's `moe` groups, named `ep_size_E`), else 1."""
+    if not group.get("moe"):
+        return 1
+    return int(str(group["name"]).removeprefix("ep_size_"))
+
+
+def expert_order(rank: int, size: int, world_size: int) -> int:
+    """Where rank `rank`'s fragment of a split expert parameter goes among every rank's: its
+    expert-parallel position first (which experts), then its place in its expert-data-parallel group."""
+    return (rank % size) * (world_size // size) + rank // size
+
+
+def _merge_whole_experts(
+    merge, experts: dict[str, int], args, uc_info, tp_degree, slice_shapes, *rest, **kwargs
+):
+    """DeepSpeed's merge with the split experts' whole shapes (E × the saved first dimension)."""
+    whole = {
+        name: [
+            None if shape is None else torch.Size((shape[0] * experts[name], *shape[1:])) for shape in shapes
+        ]
+        if name in experts
+        else shapes
+        for name, shapes in slice_shapes.items()
+    }
+    return merge(args, uc_info, tp_degree, whole, *rest, **kwargs)
+
+
+def mark_experts(target: Path, experts: dict[str, int]) -> None:
+    """Each split expert parameter's universal files marked as DeepSpeed's loader reads an expert
+    parameter: `is_expert_param`, and its experts, `ep_num_experts` (the first dimension)."""
+    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+
+    for name in experts:
+        for path in (Path(target) / "zero" / name).glob("*.pt"):
+            saved = torch.load(path, weights_only=False)
+            if isinstance(saved, dict) and PARAM in saved:
+                saved |= {EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: saved[PARAM].shape[0]}
+                torch.save(saved, path)
+
+
+def load_buffers(module, checkpoint: Path) -> None:
+    """Every rank, after DeepSpeed's universal load (which restores parameters only): the module's
+    persistent buffers (the experts' balancing bias) from the checkpoint's module file."""
+    from deepspeed.checkpoint.constants import PARAM
+
+    for name, buffer in module.named_buffers():
+        path = Path(checkpoint) / "zero" / name / "fp32.pt"
+        if path.is_file():
+            buffer.copy_(torch.load(path, weights_only=False)[PARAM])
+
+
+def universal_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights (and persistent buffers) of a universal checkpoint, whole, by name."""
+    from deepspeed.checkpoint.constants import PARAM
+
+    folder = Path(checkpoint) / "zero"
+    return {
+        path.parent.relative_to(folder).as_posix(): torch.load(path, weights_only=False)[PARAM]
+        for path in sorted(folder.glob("*/fp32.pt"))
+    }
 
 
 def _write_momentum(buffer: torch.Tensor, mapping: dict, shapes: dict, folder: Path) -> None:

@@ -785,6 +785,20 @@ class RunConfig:
                 "monitor.skip_step=true needs engine.one_host_read=true: the skip guard decides "
                 "inside the step's one host read (pretrain/parallel/norm_gate.py)"
             )
+        self.check_expert_collapse_share()
+
+    def check_expert_collapse_share(self) -> None:
+        """A dominant expert takes more of the tokens than a perfect balance gives each one."""
+        moe, monitor = self.model.moe, self.monitor
+        if moe is None or not monitor.enabled or monitor.on_expert_collapse == "ignore":
+            return
+        balanced = moe.top_k / moe.experts
+        if monitor.expert_collapse_share <= balanced:
+            raise ConfigError(
+                f"monitor.expert_collapse_share={monitor.expert_collapse_share} is at or below the share "
+                f"of the tokens every expert gets in a perfect balance (model.moe.top_k / experts = "
+                f"{balanced:g}): set it above, or monitor.on_expert_collapse=ignore"
+            )
 
 
 RUN_SECTIONS = tuple(f.name for f in fields(RunConfig))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +46,8 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, dict[str, torch.Tenso
     the fp32 weights consolidated from any ZeRO stage's shards."""
     directory = checkpoint.find_checkpoint(path)
     run_config = json.loads((directory / checkpoint.RUN_CONFIG).read_text())
-    split = json.loads((directory / checkpoint.TRAIN_STATE).read_text()).get("expert_parallel", 1)
-    if split > 1:  # (each rank's files hold its own experts: zero_to_fp32 cannot put them together)
-        raise UserError(
-            f"{directory}: its experts were split across ranks (parallel.expert={split}); reading such a "
-            "checkpoint outside training is not supported yet: train with parallel.expert=1 to read it"
-        )
+    if json.loads((directory / checkpoint.TRAIN_STATE).read_text()).get("expert_parallel", 1) > 1:
+        return directory, run_config, split_experts_weights(directory)
     with silenced_stdout():  # DeepSpeed reports its progress on stdout
         from deepspeed.utils import zero_to_fp32
 
@@ -60,6 +57,18 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict, dict[str, torch.Tenso
             str(directory.parent), tag=directory.name
         )
     return directory, run_config, state
+
+
+def split_experts_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint whose experts were split across ranks (`parallel.expert`),
+    whole: each rank's file holds its own experts, which zero_to_fp32 cannot put together (it
+    merges every group over all ranks); DeepSpeed's universal conversion can (with ours for the
+    experts: pretrain/checkpoint/universal.py), into a temporary directory."""
+    from pretrain.checkpoint import universal
+
+    with tempfile.TemporaryDirectory() as folder, silenced_stdout():
+        universal.convert(directory, Path(folder) / directory.name)
+        return universal.universal_weights(Path(folder) / directory.name)
 
 
 def task_of(run_config: dict) -> str:

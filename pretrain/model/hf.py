@@ -33,6 +33,7 @@ from sentencepiece import sentencepiece_model_pb2
 from pretrain import atomic
 from pretrain.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from pretrain.errors import ConfigError, UserError
+from pretrain.model import hf_moe
 from pretrain.model.transformer import Transformer
 from pretrain.tokenizer import MODEL_FILE, HFTokenizer, Tokenizer
 
@@ -46,11 +47,8 @@ LLAMA_REQUIREMENTS = {  # field: (value Llama has, what to set)
 
 def check_llama_compatible(cfg: ModelConfig) -> None:
     """What export needs: Llama's blocks (with `qk_norm`, Qwen3's: the same blocks and QK-norm)."""
-    if cfg.moe is not None:  # (issue 58: the MoE classes, Qwen3-MoE and Glm4-MoE, are not written yet)
-        raise UserError(
-            "model.moe: exporting a model with experts to Hugging Face is not supported yet; "
-            "evaluate or sample it from its checkpoint (pretrain eval, pretrain sample)"
-        )
+    if cfg.moe is not None:
+        hf_moe.moe_architecture(cfg)  # refuses a routing no transformers class computes
     for field_name, (required, fix) in LLAMA_REQUIREMENTS.items():
         value = getattr(cfg, field_name)
         if value != required:
@@ -61,7 +59,10 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """The transformers architecture a model is exported as: Qwen3 with QK-norm, else Llama."""
+    """The transformers architecture a model is exported as: with experts, their class
+    (`hf_moe.moe_architecture`); else Qwen3 with QK-norm, Llama without."""
+    if cfg.moe is not None:
+        return hf_moe.moe_architecture(cfg)
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
@@ -95,7 +96,9 @@ def llama_config_dict(
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if cfg.qk_norm:
+    if cfg.moe is not None:
+        config = hf_moe.moe_config_dict(cfg, config)
+    elif cfg.qk_norm:
         del config["mlp_bias"]  # Qwen3's MLP has no bias switch
         config |= {
             "use_sliding_window": False,
@@ -154,7 +157,6 @@ def to_llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         q, k, v = layer.attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
-        gate, up = layer.mlp.in_proj.weight.chunk(2, dim=0)
         out |= {
             prefix + "input_layernorm.weight": layer.attn_norm.weight,
             prefix + "self_attn.q_proj.weight": q,
@@ -162,10 +164,16 @@ def to_llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
             prefix + "self_attn.v_proj.weight": v,
             prefix + "self_attn.o_proj.weight": layer.attn.o_proj.weight,
             prefix + "post_attention_layernorm.weight": layer.mlp_norm.weight,
-            prefix + "mlp.gate_proj.weight": gate,
-            prefix + "mlp.up_proj.weight": up,
-            prefix + "mlp.down_proj.weight": layer.mlp.out_proj.weight,
         }
+        if layer.routed:
+            out |= hf_moe.expert_tensors(cfg, layer.mlp, prefix)
+        else:
+            gate, up = layer.mlp.in_proj.weight.chunk(2, dim=0)
+            out |= {
+                prefix + "mlp.gate_proj.weight": gate,
+                prefix + "mlp.up_proj.weight": up,
+                prefix + "mlp.down_proj.weight": layer.mlp.out_proj.weight,
+            }
         if cfg.qk_norm:
             out[prefix + "self_attn.q_norm.weight"] = layer.attn.q_norm.weight
             out[prefix + "self_attn.k_norm.weight"] = layer.attn.k_norm.weight
@@ -184,10 +192,11 @@ def save_hf(
     """Write a Llama (with `qk_norm`, Qwen3) `config.json` + `model.safetensors` into out_dir
     (created; files replaced atomically)."""
     check_llama_compatible(model.cfg)
+    hf_moe.check_bias_exportable(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
-        name: t.detach().to(dtype or t.dtype).contiguous().cpu()
+        name: t.detach().to(hf_moe.file_dtype(name, dtype or t.dtype)).contiguous().cpu()
         for name, t in to_llama_state_dict(model).items()
     }
     dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
@@ -431,33 +440,24 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_lengt
 # --------------------------------------------------------------------------- loading
 
 
+DENSE_MODEL_TYPES = ("llama", "qwen3")
+
+
 def model_config_from_llama(config: dict, source: str = "config.json") -> ModelConfig:
-    """Our ModelConfig for a Llama config.json, or a Qwen3 one (QK-norm) without sliding windows."""
+    """Our ModelConfig for a Llama config.json, a Qwen3 one (QK-norm) without sliding windows, or
+    one of the mixture-of-experts classes we export to (`hf_moe.moe_from_config`)."""
     model_type = config.get("model_type")
-    if model_type not in ("llama", "qwen3"):
+    if model_type not in (*DENSE_MODEL_TYPES, *hf_moe.MODEL_TYPES.values()):
         raise UserError(
-            f"{source}: model_type is {model_type!r}, not 'llama' (or 'qwen3'): "
-            "only Llama and Qwen3 checkpoints can be loaded"
+            f"{source}: model_type is {model_type!r}, not 'llama' (or 'qwen3', 'qwen3_moe', 'glm4_moe', "
+            "'mixtral'): only Llama, Qwen3 and these mixture-of-experts checkpoints can be loaded"
         )
-    qwen3 = model_type == "qwen3"
-    layer_types = config.get("layer_types") or []
-    if qwen3 and (config.get("use_sliding_window") or any(t != "full_attention" for t in layer_types)):
-        raise UserError(
-            f"{source}: Qwen3 with sliding-window attention is not supported; only full attention is"
-        )
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise UserError(f"{source}: hidden_act={act!r}; only SiLU-gated (SwiGLU) Llama models are supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise UserError(f"{source}: {key}=true; biased Llama variants are not supported")
+    moe, qk_norm = (None, model_type == "qwen3")
+    if model_type not in DENSE_MODEL_TYPES:
+        moe, qk_norm = hf_moe.moe_from_config(config, source)
+    check_loadable(config, source)
     rope_theta, rope_scaling = rope_scaling_from_llama(config, source)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise UserError(
-            f"{source}: head_dim={head_dim} × {heads} heads != hidden_size={hidden}; not supported"
-        )
     return ModelConfig(
         preset=None,
         vocab_size=config["vocab_size"],
@@ -465,6 +465,7 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
         n_layers=config["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,  # (Qwen3's are wider: 32 × 128 on 2048)
         d_ff=config["intermediate_size"],
         max_seq_len=config.get("max_position_embeddings", 2048),
         norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -472,8 +473,23 @@ def model_config_from_llama(config: dict, source: str = "config.json") -> ModelC
         rope_scaling=rope_scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         init_std=config.get("initializer_range", 0.02),
-        qk_norm=qwen3,
+        qk_norm=qk_norm,
+        moe=moe,
     )
+
+
+def check_loadable(config: dict, source: str) -> None:
+    """What our blocks cannot compute: sliding windows, another activation, biases."""
+    layer_types = config.get("layer_types") or []
+    windowed = config.get("use_sliding_window") or any(t != "full_attention" for t in layer_types)
+    if windowed or (config.get("model_type") == "mixtral" and config.get("sliding_window")):
+        raise UserError(f"{source}: sliding-window attention is not supported; only full attention is")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{source}: hidden_act={act!r}; only SiLU-gated (SwiGLU) Llama models are supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise UserError(f"{source}: {key}=true; biased Llama variants are not supported")
 
 
 def _read_llama_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -510,11 +526,14 @@ def from_llama_state_dict(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) ->
             ),
             dst + "attn.o_proj.weight": take(src + "self_attn.o_proj.weight"),
             dst + "mlp_norm.weight": take(src + "post_attention_layernorm.weight"),
-            dst + "mlp.in_proj.weight": torch.cat(
-                [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]
-            ),
-            dst + "mlp.out_proj.weight": take(src + "mlp.down_proj.weight"),
         }
+        if cfg.moe is not None and i >= cfg.moe.dense_layers:
+            out |= hf_moe.read_experts(cfg, take, src, dst)
+        else:
+            out[dst + "mlp.in_proj.weight"] = torch.cat(
+                [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]
+            )
+            out[dst + "mlp.out_proj.weight"] = take(src + "mlp.down_proj.weight")
         if cfg.qk_norm:
             out[dst + "attn.q_norm.weight"] = take(src + "self_attn.q_norm.weight")
             out[dst + "attn.k_norm.weight"] = take(src + "self_attn.k_norm.weight")

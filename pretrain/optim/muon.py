@@ -63,7 +63,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5  # DeepSpeed 0.19.8 calls muon_update with its default everywhere
 NS_EPS = 1e-7
 GRAM_RESTART = 2  # the Gram form starts again from X at this iteration (half-precision drift)
-LR_RATIOS = "pretrain_lr_ratios"  # the optimizer's attribute: each group's lr / optim.lr
+LR_SCALE = "lr_scale"  # each parameter group's learning rate over optim.lr (engine.set_lr)
 PROVEN_STAGES = (1, 2)
 # Why not ZeRO-3 (docs/training.md, Optimizers): its Muon matches the reference (with reduce_scatter
 # off, which it requires), but stage3.py's step() updates the momentum before the gradient-norm
@@ -104,7 +104,9 @@ def shape_factor(rule: str, shape: tuple[int, ...]) -> float:
 def muon_groups(model: nn.Module, optim: OptimConfig, adamw_groups: list[dict]) -> list[dict]:
     """`MuonWithAuxAdam`'s parameter groups: the Muon matrices (one group per shape factor), then
     `adamw_groups` (weight decay as `engine.param_groups` decides) less those matrices. Every
-    parameter is tagged `use_muon`, which DeepSpeed's ZeRO optimizer reads."""
+    parameter is tagged `use_muon`, which DeepSpeed's ZeRO optimizer reads. Each group carries its
+    learning rate over `optim.lr` (`LR_SCALE`: Muon's muon_lr / lr times its shape factor, AdamW's 1),
+    which `engine.set_lr` multiplies the schedule by."""
     chosen = muon_parameters(model)
     if not chosen:
         raise ConfigError("optim.name=muon: the model has no block matrices for Muon; use optim.name=adamw")
@@ -118,6 +120,7 @@ def muon_groups(model: nn.Module, optim: OptimConfig, adamw_groups: list[dict]) 
             "params": params,
             "use_muon": True,
             "lr": optim.muon_lr * factor,
+            LR_SCALE: optim.muon_lr * factor / optim.lr,
             "momentum": optim.muon_momentum,
             "weight_decay": optim.weight_decay / factor,
             "ns_method": optim.muon_ns_method,
@@ -129,15 +132,11 @@ def muon_groups(model: nn.Module, optim: OptimConfig, adamw_groups: list[dict]) 
         if rest:
             groups.append(
                 group
-                | {"params": rest, "use_muon": False, "lr": optim.lr, "betas": (optim.beta1, optim.beta2)}
+                | {"params": rest, "use_muon": False, "lr": optim.lr, LR_SCALE: 1.0}
+                | {"betas": (optim.beta1, optim.beta2)}
                 | {"eps": optim.eps}
             )
     return groups
-
-
-def lr_ratios(groups: list[dict], optim: OptimConfig) -> list[float]:
-    """Each group's learning rate over `optim.lr`: what `engine.set_lr` multiplies the schedule by."""
-    return [group["lr"] / optim.lr for group in groups]
 
 
 # --------------------------------------------------------------------------- DeepSpeed's module

@@ -23,7 +23,7 @@ from pretrain.config import EngineConfig, OptimConfig, RunSection, TrainConfig, 
 from pretrain.errors import ConfigError
 from pretrain.model.transformer import Transformer, prefer_attention
 from pretrain.optim import muon as optimizers
-from pretrain.optim.muon import LR_RATIOS
+from pretrain.optim.muon import LR_SCALE
 from pretrain.parallel.deepspeed_ops import announced_builds
 from pretrain.parallel.distributed import DistEnv, configure_determinism, init_distributed, say_once_per_node
 from pretrain.parallel.experts import expert_param_groups, split_experts
@@ -240,8 +240,8 @@ def make_optimizer(
     model: nn.Module, optim: OptimConfig, ds: dict[str, Any], on_gpu: bool | None = None
 ) -> torch.optim.Optimizer:
     """`optim.name`'s optimizer. AdamW: `_adamw_class`'s. Muon: DeepSpeed's `MuonWithAuxAdam` on
-    `pretrain.optim.muon.muon_groups`, its AdamW half `_adamw_class`'s, each group's learning-rate
-    ratio kept for `set_lr`. `on_gpu`: where the parameters will train (default: on a GPU when
+    `pretrain.optim.muon.muon_groups`, its AdamW half `_adamw_class`'s, each group carrying its
+    learning rate over optim.lr for `set_lr`. `on_gpu`: where the parameters will train (default: on a GPU when
     there is one)."""
     groups = expert_param_groups(param_groups(model, optim.weight_decay))
     adamw, adamw_kwargs = _adamw_class(ds, on_gpu)
@@ -249,11 +249,9 @@ def make_optimizer(
         return adamw(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **adamw_kwargs)
     groups = optimizers.muon_groups(model, optim, groups)
     optimizers.compile_muon_kernels(torch.cuda.is_available() if on_gpu is None else on_gpu)
-    muon = optimizers.deepspeed_muon_optimizer()(
+    return optimizers.deepspeed_muon_optimizer()(
         groups, adam_optimizer=adamw, adam_optimizer_kwargs=adamw_kwargs, adam_w_mode=True
     )
-    setattr(muon, LR_RATIOS, optimizers.lr_ratios(muon.param_groups, optim))
-    return muon
 
 
 def check_optimizer(optim: OptimConfig, ds: dict[str, Any]) -> None:
@@ -340,24 +338,20 @@ def initialize(
     with announced_builds(say_once_per_node(DistEnv.from_environ())):  # fused / CPU Adam: a JIT build
         optimizers.import_deepspeed_muon_compiling_lazily()
         optimizer = make_optimizer(model, optim, ds)
-        ratios = getattr(optimizer, LR_RATIOS, None)
         wrapped, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=mpu)
     if ds.get("bf16", {}).get("check_grad_overflow") is False:  # (deepspeed_config: gated)
         NormGate.arm(wrapped)  # the scan is off: the gate decides, or nothing would
     # DeepSpeed's MoE checkpoint files name experts after its own layer's modules and leave ours out
     # of the model file: ours are saved as a dense model's are (pretrain/checkpoint/universal.py)
     wrapped.has_moe_layers = False
-    if ratios is not None:
-        setattr(optimizer, LR_RATIOS, ratios)  # on DeepSpeed's ZeRO optimizer, which set_lr is given
     if optim.name == "muon" and ds.get("gradient_clipping"):
         optimizers.clip_adamw_half_only(optimizer)  # (Muon's matrices are never clipped)
     return wrapped, optimizer
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The step's learning rate: `lr` (optim.lr's schedule, times the hooks' factors) on AdamW's
-    groups, times each group's ratio on Muon's (`optim.muon_lr` / `optim.lr`, and the shape rule's
-    factor)."""
-    ratios = getattr(optimizer, LR_RATIOS, None) or [1.0] * len(optimizer.param_groups)
-    for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
-        group["lr"] = lr * ratio
+    """The step's learning rate: `lr` (optim.lr's schedule, times the hooks' factors) times each
+    parameter group's own scale (`LR_SCALE`: Muon's muon_lr / lr and its shape factor; 1 for
+    AdamW and for groups without one)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get(LR_SCALE, 1.0)

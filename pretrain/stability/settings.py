@@ -43,11 +43,12 @@ class SkipSettings:
 class ReplaySettings:
     """Was it the data or the machine (docs/monitoring.md, "Replay and replica checks")? replay: a
     step whose update did not land is run again on every rank, and a rank whose loss or gradient
-    norm changes is a machine fault (off by default: the gradient tally costs 1-7% of a step on
-    CPU). A host with machine_faults_to_exclude of them (from the replay or the replica check) is
-    moved off at a restart."""
+    norm changes is a machine fault (on by default: on a clean step its gradient tally is one norm
+    per gradient on the device, no host read, no collective; measured in docs/performance.md). A
+    host with machine_faults_to_exclude of them (from the replay or the replica check) is moved off
+    at a restart."""
 
-    replay: bool = False
+    replay: bool = True
     machine_faults_to_exclude: int = 2
 
     def check_replay(self) -> None:

@@ -17,12 +17,17 @@ micro-batches: E numbers and one per block), and on the agreed counts, on the de
   overloaded expert's down, an underloaded one's up. Only when the step's update landed (a step
   DeepSpeed or the skip guard skipped leaves the bias as it was); every rank moves it alike. The
   bias is a module buffer: every checkpoint holds it and every load (a resume, a rollback) puts it back.
+- for the monitor (rank 0, with the service on): per block its least loaded expert and the share of
+  its tokens its most chosen expert takes, with their indices (`StepMetrics.experts`; the service
+  warns when an expert collapses, monitoring/experts.py), computed on the host from the agreed
+  counts the step's one host read already brought (`expert_loads`): no read of its own.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pretrain.monitor_link import MonitorLink
 from pretrain.train.hooks import CONTINUE, Answer, StepHook
 
 PREFIX = "moe/"
@@ -31,8 +36,10 @@ PREFIX = "moe/"
 class ExpertBalance(StepHook):
     priority = 25  # before the monitor's: its report carries the loads (pretrain/train/hooks.py)
 
-    def __init__(self, engine, writer, logged, world_size: int, grad_accum: int) -> None:
-        self.engine, self.writer, self.logged = engine, writer, logged
+    def __init__(
+        self, engine, writer, logged, world_size: int, grad_accum: int, link: MonitorLink | None = None
+    ) -> None:
+        self.engine, self.writer, self.logged, self.link = engine, writer, logged, link
         self.blocks = {i: block.mlp for i, block in enumerate(engine.module.layers) if block.routed}
         moe = next(iter(self.blocks.values())).moe
         self.experts, self.top_k = moe.experts, moe.top_k
@@ -82,14 +89,40 @@ class ExpertBalance(StepHook):
             for n, i in enumerate(self.blocks):
                 load = counts[n] / counts[n].mean().clamp(min=1e-9)
                 self.writer.histogram(f"{PREFIX}loads/layer_{i}", load, step)
+        if self.link is not None:  # (the vote: host numbers already)
+            self.link.note_experts(step, expert_loads(vote, list(self.blocks), self.experts, self.top_k))
         return CONTINUE
 
 
-def expert_balance(parts, cadence) -> list[StepHook]:
+def expert_loads(vote: list[float], layers: list[int], experts: int, top_k: int) -> list[dict]:
+    """The monitor's `StepMetrics.experts` from the agreed vote (per block its E token counts, then
+    its auxiliary loss sum): per block its least loaded expert's tokens over the block's mean
+    (`moe/load_min` is the smallest over blocks) and its most chosen expert's share of the block's
+    tokens (`moe/top_share` the largest), each with the expert's index (the first, on a tie).
+    Plain Python on the host numbers: no tensor is read."""
+    out = []
+    for n, layer in enumerate(layers):
+        counts = vote[n * (experts + 1) : n * (experts + 1) + experts]
+        low = min(range(experts), key=counts.__getitem__)
+        high = max(range(experts), key=counts.__getitem__)
+        mean, tokens = max(sum(counts) / experts, 1e-9), max(sum(counts) / top_k, 1.0)
+        out.append(
+            {
+                "layer": layer,
+                "load_min": counts[low] / mean,
+                "min_expert": low,
+                "top_share": counts[high] / tokens,
+                "top_expert": high,
+            }
+        )
+    return out
+
+
+def expert_balance(parts, cadence, link: MonitorLink | None = None) -> list[StepHook]:
     """The hook for a run's parts (`RunParts`: engine, writer, env) as pretraining and fine-tuning
-    build them; none for a dense model."""
+    build them (`link`: the monitor's, when the service is on); none for a dense model."""
     engine = parts.engine
     if not any(block.routed for block in engine.module.layers):
         return []
     grad_accum = engine.gradient_accumulation_steps()
-    return [ExpertBalance(engine, parts.writer, cadence.logged, parts.env.world_size, grad_accum)]
+    return [ExpertBalance(engine, parts.writer, cadence.logged, parts.env.world_size, grad_accum, link)]

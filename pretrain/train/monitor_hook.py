@@ -88,9 +88,13 @@ class Monitored(StepHook):
 
     def chart_verdicts(self) -> None:
         """Rank 0: what the monitor judged (every step, at the step it judged): the series with
-        its band, and warnings and rollbacks as marks (1 at their step, 0 elsewhere)."""
+        its band, and warnings and rollbacks as marks (1 at their step, 0 elsewhere); an expert
+        collapse's warning also on the console."""
         for judgement in self.link.judged():
             step, scalars = judgement.step, monitor_scalars(judgement)
+            for finding in judgement.findings:  # (once per episode: monitoring/experts.py)
+                if finding.get("kind") == "expert_collapse" and judgement.level == "warn":
+                    self.writer.message(f"monitor: warning at step {step}: {finding.get('reason')}")
             if step <= self.charted_to:  # a step run again after a rollback: keep the marks it had
                 scalars = {k: v for k, v in scalars.items() if k not in MARK_TAGS or v}
             self.charted_to = max(self.charted_to, step)

@@ -12,11 +12,13 @@ split over the 2 ranks under ZeRO-2 (softmax router, the data-parallel balancing
 z-loss, a shared expert) and ZeRO-1 (sigmoid, the bias, DeepSeek-V3's sequence-wise loss), and
 every expert on both ranks (parallel.expert 1). Then a checkpoint at E = 2: the loop's rollback
 load gives the saved weights, bias and optimizer states back, and the step trained again is the
-first bit for bit.
+first bit for bit; resumed at E = 1 and E = 2 through DeepSpeed's universal format, the weights
+and bias are the saved ones and the next step is E = 2's.
 
 In bf16, one real `pretrain train` job of the packaged tiny-moe (shrunk as tests/helpers.py's FAST):
 2 processes at parallel.expert=2, 3 steps, a checkpoint at step 2: the experts' metrics, the
-bias moved, the checkpoint recording its split.
+bias moved, the checkpoint recording its split, read whole outside training, fine-tuned in one
+process; a gradient bit flipped on rank 1 at step 3, which the replay finds.
 
 Run by pytest, this file launches itself: `python -m torch.distributed.run --nproc_per_node 2
 -m tests.integration.test_experts OUT_DIR` runs `worker()` on each rank, which writes
@@ -272,8 +274,9 @@ def checkpoint_case(env, run_dir: Path) -> dict:
     with torch.no_grad():  # (a balancing step's worth, as the hook moves it)
         engine.module.layers[1].mlp.router.bias.add_(torch.tensor([1e-3, -1e-3, 1e-3, -1e-3]))
     tag = checkpointer.save(engine, TrainState(step=1), None)
-    saved = held(engine)
+    saved, whole = held(engine), whole_model(engine)
     first = [train_once(engine, 2), held(engine)]
+    whole_after = whole_model(engine)
     _, matches = checkpointer.load(engine, tag)
     loaded = held(engine)
     again = [train_once(engine, 2), held(engine)]
@@ -284,7 +287,68 @@ def checkpoint_case(env, run_dir: Path) -> dict:
         "again_differ": [n for n in first[1] if not torch.equal(first[1][n], again[1][n])],
         "moved_by_step_2": [n for n in saved if not torch.equal(saved[n], first[1][n])],
         "losses": [first[0], again[0]],
+        "universal": universal_case(env, checkpointer, cfg, tag, whole, (first[0], whole_after)),
     }
+
+
+def whole_model(engine) -> dict:
+    """The module's weights and buffers, each split expert tensor gathered whole from the ranks
+    (rank r holds experts [r·n/E, (r+1)·n/E): E = the world size here)."""
+    import torch
+    import torch.distributed as dist
+
+    found = {}
+    for name, tensor in engine.module.state_dict().items():
+        param = dict(engine.module.named_parameters()).get(name)
+        if param is not None and getattr(param, "held_experts", None) is not None:
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, tensor.detach().contiguous())
+            tensor = torch.cat(parts)
+        found[name] = tensor.detach().clone()
+    return found
+
+
+def universal_case(env, saver, cfg, tag: str, whole: dict, after: tuple) -> dict:
+    """The E = 2 checkpoint resumed through DeepSpeed's universal format (the conversion:
+    pretrain/checkpoint/universal.py) at E = 1 and at E = 2 (each rank taking its experts' slice
+    of the whole), both ranks: the converted weights, and the loaded weights and bias gathered
+    whole, against the saved ones (bit for bit); then step 2 against step 2 at E = 2 (its loss, and
+    the weights its update gave: the optimizer states came along)."""
+    import torch
+    from deepspeed.utils import groups
+
+    from pretrain.checkpoint import universal
+    from pretrain.checkpoint.checkpointer import Checkpointer, Resume, read_train_state
+    from pretrain.config import CheckpointConfig
+    from pretrain.model.transformer import Transformer
+
+    resume = Resume(tag, read_train_state(saver.run_dir, tag), universal=True)
+    found = {}
+    for size in (1, E):
+        # (the E = 2 engine's groups: a run resumed at E = 1 is a new process that never made them,
+        # and DeepSpeed's universal load slices experts by the largest expert group there is)
+        groups._EXPERT_PARALLEL_GROUP.clear()
+        checkpointer = Checkpointer(
+            saver.run_dir, env, CheckpointConfig(), run_config={}, tokenizer=saver.tokenizer,
+            config_hash="", expert_parallel=size,
+        )  # fmt: skip
+        torch.manual_seed(5)  # (other initial weights and bias: the load must set every one)
+        engine, _ = engine_of(Transformer(cfg), 2, size, resume.deepspeed_config(deepspeed_json(2)))
+        checkpointer.restore(engine, resume)
+        converted = universal.universal_weights(checkpointer.root / "universal" / tag)
+        loaded = whole_model(engine)
+        loss = train_once(engine, 2)
+        stepped = whole_model(engine)
+        engine.destroy()
+        found[f"E={size}"] = {
+            "converted_differ": [
+                n for n in whole if n not in converted or not torch.equal(converted[n], whole[n])
+            ],
+            "loaded_differ": [n for n in whole if not torch.equal(loaded[n], whole[n])],
+            "losses": [loss, after[0]],
+            "stepped_error": max(relative(stepped[n], after[1][n]) for n in after[1]),
+        }
+    return found
 
 
 # ---------------------------------------------------------------------------------------- the tests
@@ -337,6 +401,14 @@ def test_each_rank_holds_the_optimizer_states_of_its_own_experts_only(fp32_job):
             assert held == own == whole // E, case
 
 
+def test_an_e_2_checkpoint_resumes_at_e_1_and_e_2_with_its_weights_bias_and_states(fp32_job):
+    for found in (case for rank in fp32_job for case in rank["checkpoints"]["universal"].values()):
+        assert found["converted_differ"] == [] and found["loaded_differ"] == []
+        loss, expected = found["losses"]
+        assert abs(loss - expected) <= TOLERANCE * abs(expected)
+        assert found["stepped_error"] <= TOLERANCE  # (measured: see the report)
+
+
 def test_a_rollback_at_e_2_gives_the_checkpoints_weights_bias_and_states_and_the_same_step(fp32_job):
     for found in (rank["checkpoints"] for rank in fp32_job):
         assert found["matches_checkpoint"] is True
@@ -357,6 +429,7 @@ def tiny_moe_run(tmp_path_factory, train_data) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny_moe") / "run"
     command = [*torchrun(2), "--config", "tiny-moe", f"run.dir={run_dir}", f"data.dir={train_data}", *FAST]
     command += ["parallel.expert=2", "train.steps=3", "checkpoint.every=2", "eval.every=0"]
+    command += ["faults.flip_step=3", "faults.flip_rank=1"]  # (a machine fault for the replay)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return run_dir
@@ -382,6 +455,86 @@ def test_tiny_moe_trains_at_e_2_reports_its_experts_loads_and_checkpoints_its_sp
     # moved by ±bias_rate (1e-3) after each of the 2 steps: each expert's sum of two signs
     assert bias.dtype == torch.float32 and bias.abs().max() > 0
     assert torch.allclose(bias / 1e-3, (bias / 1e-3).round(), atol=1e-4) and bias.abs().max() <= 2e-3 + 1e-9
+
+
+def test_the_replay_tells_a_flipped_gradient_bit_at_e_2_from_the_data(tiny_moe_run):
+    """monitor.replay (on by default) replays step 3 through the all-to-all on both ranks: rank 1's
+    gradient changed (a machine fault), the update skipped."""
+    from monitoring.protocol import MachineFault, read_events
+    from tests.integration.runs import metrics
+
+    (fault,) = [e for e in read_events(tiny_moe_run) if isinstance(e, MachineFault)]
+    assert fault.step == 3 and fault.ranks == [1]
+    assert float(fault.first[0][1]) > 1e6 * float(fault.replay[0][1])  # its gradient norm: the flip, then not
+    per_step = metrics(tiny_moe_run)
+    assert per_step[2]["train/skipped_steps"] == 0 and per_step[3]["train/skipped_steps"] == 1
+
+
+def test_a_checkpoint_with_split_experts_is_read_whole_outside_training(tiny_moe_run):
+    """What eval, sample, export and fine-tuning read (pretrain/evaluation/inference.py): every
+    expert, in the global order: rank 0's half rounds to the module file's (rank 0's) bf16 experts."""
+    import torch
+
+    from pretrain.evaluation.inference import read_checkpoint
+
+    tag = tiny_moe_run / "checkpoints" / "step_00000002"
+    _, run_config, weights = read_checkpoint(tag)
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    experts = run_config["model"]["moe"]["experts"]
+    assert set(weights) == set(module)
+    for name, held in module.items():
+        whole = weights[name]
+        if ".experts." in name:
+            assert whole.shape == (experts, *held.shape[1:]) and held.shape[0] == experts // E
+            whole = whole[: experts // E]
+        assert torch.equal(whole.to(held.dtype), held), name
+
+
+def test_fine_tuning_starts_from_the_checkpoint_saved_at_e_2(tiny_moe_run, tmp_path):
+    """Classification from the E = 2 checkpoint in one process (every expert on it): the model
+    read whole, its experts trained and balanced as in pretraining."""
+    from pretrain.cli import main as cli_main
+    from tests.finetune_data import CLASSIFICATION, TINY_FT, sentiment_rows, write_csv
+    from tests.integration.runs import metrics
+
+    train_csv = write_csv(tmp_path / "train.csv", sentiment_rows(32, 1))
+    val_csv = write_csv(tmp_path / "val.csv", sentiment_rows(16, 2))
+    run_dir = tmp_path / "run"
+    data = [f"finetune.init={tiny_moe_run}", f"data.train={train_csv}", f"data.validation={val_csv}"]
+    code = cli_main(
+        ["finetune", "--config", CLASSIFICATION, *data, f"run.dir={run_dir}", "train.steps=3", *TINY_FT]
+    )
+    assert code == 0
+    results = json.loads((run_dir / "eval_results.json").read_text())
+    assert results["task"] == "classification" and results["examples"] == 16
+    steps = metrics(run_dir)
+    assert steps and all(record["moe/load_max"] >= 1.0 for record in steps.values())
+
+
+def test_the_checkpoint_saved_at_e_2_exports_as_glm4_moe_with_its_logits(tiny_moe_run, tmp_path):
+    """`pretrain export-hf`'s path (load_trained, export_trained) on tiny-moe (sigmoid, a shared
+    expert, a dense block, its trained bias): transformers' Glm4-MoE computes the checkpoint's
+    logits (fp32), and our commands read the export back equal."""
+    import torch
+    import transformers
+
+    from pretrain.evaluation.inference import export_trained, load_trained
+
+    trained = load_trained(tiny_moe_run)  # (one universal conversion: the experts were split)
+    assert trained.model.layers[1].mlp.router.bias.abs().max() > 0  # trained: the bias moved
+    out = export_trained(trained, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "Glm4MoeForCausalLM"
+    ids = torch.randint(0, trained.model.cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    bias = trained.model.layers[1].mlp.router.bias
+    with torch.no_grad():
+        ours = trained.model(ids).logits
+        kept, _ = bias.clone(), bias.zero_()
+        unbiased = trained.model(ids).logits  # these tokens' choice depends on the trained bias
+        bias.copy_(kept)
+        assert (ours - unbiased).abs().max().item() > 1e-4
+        assert (theirs(ids).logits - ours).abs().max().item() <= 1e-5  # (seen: 0.0; bias dropped: 0.027)
+        assert torch.equal(load_trained(out).model(ids).logits, ours)
 
 
 if __name__ == "__main__":

@@ -306,7 +306,7 @@ def reference(variant: str, clipped: bool = True) -> dict:
     own norm and Muon's never."""
     import torch
 
-    from pretrain.optim.muon import lr_ratios, muon_groups
+    from pretrain.optim.muon import LR_SCALE, muon_groups
     from pretrain.parallel.engine import param_groups
     from tests.muon_reference import reference_optimizers
 
@@ -314,7 +314,7 @@ def reference(variant: str, clipped: bool = True) -> dict:
     model = start_weights(bf16)
     optim = optim_config(scale)
     groups = muon_groups(model, optim, param_groups(model, optim.weight_decay))
-    ratios = lr_ratios(groups, optim)
+    ratios = [group[LR_SCALE] for group in groups]
     optimizers = reference_optimizers(groups, None if bf16 else torch.float32)
     by_group = [g for o in optimizers for g in o.param_groups]  # muon groups first, as muon_groups orders
     first = None

@@ -222,11 +222,10 @@ def test_resuming_finds_the_checkpoint_and_knows_when_the_world_size_changed(tmp
     }
 
 
-def test_a_model_with_experts_resumes_only_at_the_layout_it_was_saved_at(tmp_path):
-    """Another world size or parallel.expert would go through the universal conversion, which does
-    not yet put split experts (or the balancing bias) back: refused in one line."""
+def test_a_model_with_experts_resumes_at_another_layout_through_the_universal_format(tmp_path):
+    """Another world size or parallel.expert: the universal conversion, which puts split experts
+    and the balancing bias back (proven in tests/integration/test_experts.py)."""
     from pretrain.checkpoint.checkpointer import TrainState, choose_resume
-    from pretrain.errors import UserError
     from pretrain.parallel.distributed import DistEnv
     from tests.unit.fakes import ONE_PROCESS
 
@@ -235,24 +234,8 @@ def test_a_model_with_experts_resumes_only_at_the_layout_it_was_saved_at(tmp_pat
     saver.save(engine, TrainState(3), {"consumed": 3})
     run_dir = tmp_path / "run"
     assert not choose_resume(run_dir, "auto", ONE_PROCESS).universal
-    with pytest.raises(UserError, match="at another world size or parallel.expert is not supported yet"):
-        choose_resume(run_dir, "auto", DistEnv(0, 0, 2))
-    with pytest.raises(UserError, match=r"parallel.expert=1; resuming it"):
-        choose_resume(run_dir, "auto", DistEnv(0, 0, 2), expert_parallel=2)
-
-
-def test_a_checkpoint_with_experts_split_across_ranks_is_not_read_outside_training(tmp_path):
-    """Each rank's files hold its own experts (zero_to_fp32 would put together a model without
-    them): eval, sample, export and fine-tuning refuse it in one line."""
-    from pretrain.checkpoint.checkpointer import TrainState
-    from pretrain.errors import UserError
-    from pretrain.evaluation.inference import read_checkpoint
-
-    engine, saver = checkpointer(tmp_path)
-    saver.expert_parallel = 2
-    saver.save(engine, TrainState(3), {"consumed": 3})
-    with pytest.raises(UserError, match=r"split across ranks \(parallel.expert=2\).*not supported yet"):
-        read_checkpoint(tmp_path / "run")
+    assert choose_resume(run_dir, "auto", DistEnv(0, 0, 2)).universal
+    assert choose_resume(run_dir, "auto", ONE_PROCESS, expert_parallel=2).universal
 
 
 def test_resuming_from_an_older_checkpoint_moves_the_newer_timeline_aside(tmp_path):
@@ -411,3 +394,22 @@ def test_a_checkpoint_from_before_the_monitors_hook_kept_the_lr_scale_still_give
     old = Resume("step_00000007", {"step": 7, "tokens": 70, "lr_scale": 0.25}, universal=False)
     assert old.state.hooks == {"monitor": {"lr": {"scale": 0.25}}}
     assert Resume("step_00000007", {"step": 7, "lr_scale": 1.0}, universal=False).state.hooks == {}
+
+
+def test_a_load_keeps_each_groups_learning_rate_scale_from_the_config(tmp_path):
+    """torch's load_state_dict puts the saved parameter groups' keys in place: the scale of each
+    group's learning rate (Muon's muon_lr / lr) stays the config's, also when optim.muon_lr changed
+    or the checkpoint was saved before groups carried one."""
+    from pretrain.checkpoint.checkpointer import TrainState
+    from pretrain.optim.muon import LR_SCALE
+
+    engine, saver = checkpointer(tmp_path, keep=3)
+    group = engine.optimizer.param_groups
+    group[0][LR_SCALE] = 20.0
+    saved_with_20 = saver.save(engine, TrainState(3), {"consumed": 3})
+    del group[0][LR_SCALE]
+    saved_without = saver.save(engine, TrainState(4), {"consumed": 4})
+    engine.optimizer.param_groups[0][LR_SCALE] = 30.0  # (the config now: optim.muon_lr raised)
+    for tag in (saved_with_20, saved_without):
+        saver.load(engine, tag)
+        assert engine.optimizer.param_groups[0][LR_SCALE] == 30.0, tag

@@ -89,15 +89,6 @@ def test_non_llama_models_are_refused(tmp_path, field, value):
     assert not (tmp_path / "out" / "config.json").exists()
 
 
-def test_a_model_with_experts_is_refused_until_its_export_exists(tmp_path):
-    from pretrain.config import MoEConfig
-
-    model = Transformer(small_model_config(moe=MoEConfig(experts=4, top_k=2)))
-    with pytest.raises(UserError, match="model.moe: exporting a model with experts .* not supported yet"):
-        save_hf(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_load_hf_refusals(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
         load_hf(tmp_path)

@@ -1,6 +1,7 @@
 """The experts' step hook (pretrain/train/moe_hook.py): the loads it reports against the counts,
 the balancing bias's step (its sign, its size, never on a skipped update), and the same in the
-loop with a stand-in engine (metrics.jsonl, TensorBoard's histograms, the checkpointed bias)."""
+loop with a stand-in engine (metrics.jsonl, TensorBoard's histograms, the checkpointed bias, the
+monitor's warning of a collapsed expert over HTTP, one host read per step)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pretrain.train.moe_hook import ExpertBalance
 from tests.helpers import FAST, TINY
 from tests.helpers import metrics_by_step as records
 from tests.unit.fakes import pretraining_trainer
+from tests.unit.test_host_reads import host_reads  # noqa: F401 (a fixture)
 
 
 class Writer:
@@ -80,13 +82,26 @@ def test_a_skipped_update_leaves_the_bias_and_without_the_bias_nothing_moves():
     assert model.layers[1].mlp.router.bias is None and values["moe/aux_loss"] > 0
 
 
-def test_the_loop_reports_the_experts_and_checkpoints_the_bias(tmp_path, train_data):
-    """Three steps of a model with experts, with the stand-in engine: every step's moe/ metrics,
-    the histograms in TensorBoard's own reader, and the bias the step left in the checkpoint."""
+def test_the_loop_reports_the_experts_checkpoints_the_bias_and_the_monitor_warns_of_a_collapse(
+    tmp_path,
+    train_data,
+    host_reads,  # noqa: F811 (the fixture imported above)
+    capsys,
+):
+    """Three steps of a model with experts, with the stand-in engine, reporting to the real service
+    over HTTP (its server on a thread): every step's moe/ metrics, the histograms in TensorBoard's
+    own reader, and the bias the step left in the checkpoint. Expert 0 of layer 1 is never chosen
+    (its bias far below the others'), so after monitor.expert_collapse_steps (2) reports the
+    service warns, once, and the trainer says so on the console; still one host read per step."""
+    import threading
+
     from safetensors.torch import load_file
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from monitoring.protocol import read_events
+    from monitoring.service import serve
     from pretrain.reporting.metrics import tensorboard_dir
+    from pretrain.train.hooks import StepHook
 
     moe = [
         "model.moe.experts=4",
@@ -94,18 +109,52 @@ def test_the_loop_reports_the_experts_and_checkpoints_the_bias(tmp_path, train_d
         "model.moe.expert_ffn_dim=64",
         "model.moe.dense_layers=1",
     ]
+    monitor = ["monitor.enabled=true", "monitor.expert_collapse_steps=2", "monitor.expert_collapse_share=0.9"]
     cfg = load_config(
         TINY,
-        [*FAST, *moe, f"run.dir={tmp_path}", f"data.dir={train_data}", "train.steps=3", "eval.every=0"],
+        [
+            *FAST,
+            *moe,
+            *monitor,
+            f"run.dir={tmp_path}",
+            f"data.dir={train_data}",
+            "train.steps=3",
+            "eval.every=0",
+        ],
     )
+    server, _ = serve(tmp_path, cfg.monitor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     trainer = pretraining_trainer(cfg)
-    trainer.train()
+    with torch.no_grad():
+        trainer.engine.module.layers[1].mlp.router.bias[0] = -100.0  # (it moves by ±bias_rate: 1e-3)
+    began: dict[int, int] = {}  # step → host reads made before it began
+
+    class Mark(StepHook):
+        priority = -1
+
+        def before_step(self, step):
+            began[step] = len(host_reads)
+
+    trainer.hooks.insert(0, Mark())
+    try:
+        trainer.train()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [began[step + 1] - began[step] for step in (1, 2)] == [1, 1], host_reads
     rows = records(tmp_path)
     assert all({"moe/load_max", "moe/aux_loss", "moe/load_max/layer_1"} <= set(rows[s]) for s in (1, 2, 3))
-    assert all(rows[s]["moe/load_max"] >= 1.0 for s in (1, 2, 3))
+    assert all(rows[s]["moe/load_max"] >= 1.0 and rows[s]["moe/load_min"] == 0.0 for s in (1, 2, 3))
     events = EventAccumulator(str(tensorboard_dir(tmp_path)), size_guidance={"histograms": 0})
     events.Reload()
     assert [e.step for e in events.Histograms("moe/loads/layer_1")] == [1, 2, 3]
     saved = load_file(tmp_path / "checkpoints" / "step_00000003" / "model.safetensors")
     bias = trainer.engine.module.layers[1].mlp.router.bias
     assert bias.abs().sum() > 0 and torch.equal(saved["layers.1.mlp.router.bias"], bias)
+    (warning,) = [e for e in read_events(tmp_path) if e.type == "warning"]
+    assert warning.step == 2 and warning.findings == ["expert_collapse"]
+    assert warning.reason.startswith(
+        "experts of layer 1 collapsed: expert 0 starved (least load 0x the mean)"
+    )
+    assert not [e for e in read_events(tmp_path) if e.type == "rollback"]
+    assert f"monitor: warning at step 2: {warning.reason}" in capsys.readouterr().out
