@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 # The Hub is out of reach for tests (and for this machine): fail fast instead of retrying the network.
@@ -102,6 +103,32 @@ def _stop_signals_restored():
     yield
     for signum, handler in saved.items():
         signal.signal(signum, handler)
+
+
+@dataclass
+class Result:
+    """What `pretrain ARGS...` ended with (the `cli` fixture)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """`pretrain ARGS...` run in this process: its exit status and what it printed."""
+    from pretrain.cli import main
+
+    def run(*args: str) -> Result:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit:  # argparse's usage errors and --help
+            code = exit.code
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
 
 
 def small_model_config(**overrides) -> ModelConfig:

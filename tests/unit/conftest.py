@@ -1,32 +1,6 @@
 """The unit tier: no process group and no subprocess; everything runs in this Python process."""
 
-from dataclasses import dataclass
-
 import pytest
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(capsys):
-    """`pretrain ARGS...` run in this process: its exit status and what it printed."""
-    from pretrain.cli import main
-
-    def run(*args: str) -> Result:
-        capsys.readouterr()
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as exit:  # argparse's usage errors and --help
-            code = exit.code
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
 
 
 @pytest.fixture(scope="package", autouse=True)
