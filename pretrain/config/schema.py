@@ -828,6 +828,9 @@ class FinetuneSection:
     # classification: micro-batches of examples of like length (each padded to its longest), the order
     # still shuffled, by groups (docs/finetuning.md)
     group_by_length: bool = True
+    # classification: λ in GPT-1's loss, cross-entropy + λ × the next-token loss over the example's
+    # own tokens (Radford et al. 2018, sec. 3.2); 0: the head's loss alone, the LM head dropped
+    lm_loss_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.task not in FINETUNE_TASKS:
@@ -837,6 +840,15 @@ class FinetuneSection:
             raise ConfigError(f"finetune.max_length={self.max_length} must be at least 2")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"finetune.pooling={self.pooling!r}: choose one of {', '.join(POOLINGS)}")
+        if not (math.isfinite(self.lm_loss_weight) and self.lm_loss_weight >= 0):
+            raise ConfigError(
+                f"finetune.lm_loss_weight={self.lm_loss_weight!r}: use a finite weight >= 0 (0: off)"
+            )
+        if self.lm_loss_weight and self.task != "classification":
+            raise ConfigError(
+                f"finetune.lm_loss_weight={self.lm_loss_weight:g} is for classification; "
+                f"finetune.task={self.task} trains the language model already: set it to 0"
+            )
 
 
 @dataclass(kw_only=True)

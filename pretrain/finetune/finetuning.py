@@ -44,13 +44,18 @@ class FinetuneInputs:
     lr: float  # optim.lr, or the checkpoint's default (InitialModel.learning_rate)
     lr_source: str  # where `lr` comes from, for the first line
     pooling: str  # classification: finetune.pooling
+    lm_loss_weight: float = 0.0  # classification: finetune.lm_loss_weight
     probe: Probe | None = None  # the linear probe's head, once `first_model` has fitted it
 
     def model(self) -> torch.nn.Module:
         """The model with the checkpoint's weights (and, for classification, a random head)."""
         model = self.initial.load_model()
         labels = self.examples.labels
-        return model if labels is None else SequenceClassifier(model, len(labels), pooling=self.pooling)
+        if labels is None:
+            return model
+        return SequenceClassifier(
+            model, len(labels), pooling=self.pooling, lm_loss_weight=self.lm_loss_weight
+        )
 
 
 def first_model(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan) -> torch.nn.Module:
@@ -92,6 +97,7 @@ def check_inputs(cfg: FinetuneConfig, plan: BatchPlan) -> FinetuneInputs:
         lr=lr,
         lr_source=lr_source,
         pooling=cfg.finetune.pooling,
+        lm_loss_weight=cfg.finetune.lm_loss_weight,
     )
 
 
@@ -236,12 +242,17 @@ def head_line(inputs: FinetuneInputs, resumed: bool) -> str:
         if inputs.pooling == "mean"
         else "the last token's final hidden state"
     )
-    probe = inputs.probe
+    probe, weight = inputs.probe, inputs.lm_loss_weight
+    loss = (
+        f"; loss: cross-entropy + {weight:g} x the next-token loss on the example (finetune.lm_loss_weight)"
+        if weight
+        else ""
+    )
     if probe is None:
         start = "the checkpoint's" if resumed else "random (finetune.linear_probe=false)"
-        return f"the head reads {pooled}; it starts {start}"
+        return f"the head reads {pooled}; it starts {start}{loss}"
     return (
         f"the head reads {pooled}; linear probe: fitted on the frozen model's features of the "
         f"{len(inputs.examples.train.ids):,} training examples in {probe.seconds:.1f} s (L2 {probe.l2:g}, "
-        f"{probe.held_out_accuracy:.4f} on a held-out fifth), then everything trains"
+        f"{probe.held_out_accuracy:.4f} on a held-out fifth), then everything trains{loss}"
     )

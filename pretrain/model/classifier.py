@@ -2,8 +2,11 @@
 sequence, pooled: their mean over the sequence's tokens (`mean`), or the last token's, the
 end-of-sequence token that closes every example (`last`, GPT-1's).
 
-The language-model head is dropped: fine-tuning trains the backbone and the head only, and a
-classification checkpoint holds `backbone.*` (the decoder without `lm_head`) and `score.weight`.
+With `lm_loss_weight` λ > 0 the training loss is GPT-1's (Radford et al. 2018, sec. 3.2): the
+classification loss plus λ × the language model's next-token loss over the example's own tokens,
+which keeps the features predictive of the text while the head fits a small training split; the
+language-model head stays and trains. With λ = 0 it is dropped: a classification checkpoint holds
+`backbone.*` (without `lm_head`) and `score.weight`, and prediction never reads `lm_head`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import POOLINGS, ModelConfig
+from pretrain.model.loss import IGNORE_INDEX
 from pretrain.model.transformer import Transformer
 
 
@@ -25,14 +29,21 @@ class ClassifierOutput(NamedTuple):
 
 class SequenceClassifier(nn.Module):
     def __init__(
-        self, backbone: Transformer, num_labels: int, init_std: float | None = None, pooling: str = "last"
+        self,
+        backbone: Transformer,
+        num_labels: int,
+        init_std: float | None = None,
+        pooling: str = "last",
+        lm_loss_weight: float = 0.0,
     ):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r}")
-        backbone.lm_head = nn.Identity()  # unused; a tied head's weight stays as the embeddings
+        if not lm_loss_weight:
+            backbone.lm_head = nn.Identity()  # unused; a tied head's weight stays as the embeddings
         self.backbone = backbone
         self.pooling = pooling
+        self.lm_loss_weight = lm_loss_weight
         self.score = nn.Linear(backbone.cfg.d_model, num_labels, bias=False)
         nn.init.normal_(self.score.weight, std=init_std or backbone.cfg.init_std)
 
@@ -43,17 +54,36 @@ class SequenceClassifier(nn.Module):
     def forward(
         self, tokens: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor | None = None
     ) -> ClassifierOutput:
-        """tokens (B, T), right-padded; lengths (B,) the real lengths; labels (B,) class ids."""
-        logits = self.score(self.features(tokens, lengths)).float()
-        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        """tokens (B, T), right-padded; lengths (B,) the real lengths; labels (B,) class ids. The
+        loss, given labels: cross-entropy, plus λ × `language_model_loss` while training."""
+        hidden, _ = self.backbone.hidden_states(tokens)  # (B, T, d)
+        logits = self.score(self.pool(hidden, lengths)).float()
+        if labels is None:
+            return ClassifierOutput(logits, None)
+        loss = F.cross_entropy(logits, labels)
+        if self.lm_loss_weight and self.training:
+            loss = loss + self.lm_loss_weight * self.language_model_loss(hidden, tokens, lengths)
         return ClassifierOutput(logits, loss)
+
+    def language_model_loss(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The mean next-token loss over each example's real tokens (the padding left out)."""
+        targets = tokens[:, 1:].clone()
+        positions = torch.arange(targets.shape[1], device=tokens.device)[None, :]
+        targets[positions >= lengths[:, None] - 1] = IGNORE_INDEX
+        return self.backbone.lm_head(hidden[:, :-1], targets, kernel=self.backbone.loss_kernel)
 
     def features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """What the head reads: (B, d) in the hidden states' dtype (a mean summed in fp32)."""
         hidden, _ = self.backbone.hidden_states(tokens)  # (B, T, d)
+        return self.pool(hidden, lengths)
+
+    def pool(self, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (B, T, d) → one vector per example, as `pooling` says."""
         if self.pooling == "last":
-            return hidden[torch.arange(tokens.shape[0], device=tokens.device), lengths - 1]
-        real = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]  # (B, T)
+            return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+        real = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]  # (B, T)
         total = (hidden.float() * real[..., None]).sum(dim=1)
         return (total / lengths[:, None]).to(hidden.dtype)
 
@@ -66,9 +96,11 @@ class SequenceClassifier(nn.Module):
         dtype: torch.dtype = torch.float32,
         pooling: str = "last",
     ) -> SequenceClassifier:
-        """Rebuild a fine-tuned classifier from its consolidated weights (`pooling`: its run's)."""
+        """Rebuild a fine-tuned classifier from its consolidated weights (`pooling`: its run's); the
+        language-model head a run with `lm_loss_weight` > 0 trained is not needed to predict."""
         with torch.device("meta"):
             model = cls(Transformer(cfg), num_labels, pooling=pooling)
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
+        kept = {k: v.to(dtype) for k, v in state.items() if not k.startswith("backbone.lm_head.")}
+        model.load_state_dict(kept, assign=True, strict=True)
         model.backbone.init_buffers()
         return model

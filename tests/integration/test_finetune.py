@@ -154,6 +154,7 @@ def test_pair_classification_under_accelerate(tmp_path, pretrained):
             "train.steps=6",
             "finetune.linear_probe=true",
             "finetune.pooling=mean",
+            "finetune.lm_loss_weight=0.5",
             *TINY_FT[1:],
         ],
         capture_output=True,
@@ -168,6 +169,7 @@ def test_pair_classification_under_accelerate(tmp_path, pretrained):
     # The head fitted on the two processes' features, gathered (each process has half).
     probe = "the head reads the mean of the final hidden states; linear probe: fitted on the frozen model's features of the 96 training examples"
     assert result.stdout.count(probe) == 1, result.stdout[-3000:]
+    assert "loss: cross-entropy + 0.5 x the next-token loss on the example" in result.stdout
 
 
 def test_sft_lowers_the_validation_loss_and_the_checkpoint_generates(tmp_path, pretrained):

@@ -1,6 +1,8 @@
 """Fine-tuning's pieces: truncation, batches, metrics, and every bad input (refused in this process,
 before anything is written)."""
 
+import re
+
 import pytest
 import torch
 
@@ -412,3 +414,52 @@ def test_an_unknown_pooling_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="finetune.pooling='max': choose one of mean, last"):
         FinetuneSection(pooling="max")
+
+
+def test_the_auxiliary_language_model_loss_is_added_as_gpt1_does():
+    """finetune.lm_loss_weight λ: the training loss is cross-entropy + λ × the next-token loss over
+    each example's real tokens, computed here by hand (padding, whatever its ids, left out); in
+    evaluation and with λ = 0 it is the cross-entropy alone, and λ = 0 drops the language-model head."""
+    import torch.nn.functional as F
+
+    from pretrain.model.classifier import SequenceClassifier
+    from pretrain.model.transformer import Transformer
+    from tests.conftest import small_model_config
+
+    torch.manual_seed(0)
+    backbone = Transformer(small_model_config(vocab_size=32))
+    model = SequenceClassifier(backbone, 3, lm_loss_weight=0.5)
+    tokens = torch.tensor([[1, 5, 6, 7, 2, 9, 9], [1, 8, 2, 3, 3, 3, 3]])
+    lengths, labels = torch.tensor([5, 3]), torch.tensor([2, 0])
+    out = model(tokens, lengths, labels)
+    hidden, _ = backbone.hidden_states(tokens)
+    next_token = [
+        F.cross_entropy(backbone.lm_head(hidden[i, : n - 1]), tokens[i, 1:n], reduction="sum")
+        for i, n in enumerate(lengths.tolist())
+    ]
+    by_hand = F.cross_entropy(out.logits, labels) + 0.5 * sum(next_token) / (lengths - 1).sum()
+    assert torch.allclose(out.loss, by_hand, atol=1e-5), (out.loss, by_hand)
+    assert torch.allclose(model.eval()(tokens, lengths, labels).loss, F.cross_entropy(out.logits, labels))
+    # Prediction rebuilds the classifier without the language-model head it trained.
+    rebuilt = SequenceClassifier.from_state_dict(backbone.cfg, 3, model.state_dict())
+    assert torch.equal(rebuilt(tokens, lengths).logits, model(tokens, lengths).logits)
+    plain = SequenceClassifier(Transformer(small_model_config(vocab_size=32)), 3, lm_loss_weight=0.0)
+    assert isinstance(plain.backbone.lm_head, torch.nn.Identity)
+    out = plain(tokens, lengths, labels)
+    assert torch.equal(out.loss, F.cross_entropy(out.logits, labels))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"lm_loss_weight": -0.5}, "finetune.lm_loss_weight=-0.5: use a finite weight >= 0 (0: off)"),
+        ({"lm_loss_weight": float("nan")}, "finetune.lm_loss_weight=nan: use a finite weight >= 0"),
+        ({"lm_loss_weight": 0.5, "task": "sft"}, "is for classification; finetune.task=sft trains"),
+    ],
+)
+def test_the_language_model_loss_weight_is_checked(settings, message):
+    from pretrain.config.schema import FinetuneSection
+    from pretrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        FinetuneSection(**settings)
