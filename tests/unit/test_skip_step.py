@@ -216,7 +216,9 @@ def test_the_run_configs_two_ratios_reach_the_guard_each_in_its_place(tmp_path):
     def guard(*overrides):
         settings = [f"run.dir={tmp_path}", "monitor.skip_step=true", "logging.precursors_every=0"]
         cfg = load_config(TINY, [*settings, *overrides])
-        dense = SimpleNamespace(module=SimpleNamespace(layers=[]))  # (no experts: no balancing hook)
+        dense = SimpleNamespace(  # (no experts: no balancing hook; the replay asks its accumulation)
+            module=SimpleNamespace(layers=[]), gradient_accumulation_steps=lambda: 1
+        )
         parts = SimpleNamespace(env=ONE_PROCESS, engine=dense, writer=None, task=None, checkpointer=None)
         cadence = SimpleNamespace(logged=lambda step: True)
         (hook,) = [h for h in step_hooks(cfg, cadence, parts) if isinstance(h, SkipBadUpdates)]
