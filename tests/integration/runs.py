@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,13 @@ def train(command, run_dir, data_dir, *overrides, check=True) -> subprocess.Comp
     if check:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
+
+
+def copy_checkpoint(source_run, run_dir, step: int) -> None:
+    """Checkpoint `step` of another run into `run_dir`, as its newest: a resume starts there."""
+    tag = f"step_{step:08d}"
+    shutil.copytree(source_run / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
 
 
 def worker_results(nproc: int, module: str, out: Path) -> list[dict]:

@@ -470,6 +470,24 @@ def test_the_replay_tells_a_flipped_gradient_bit_at_e_2_from_the_data(tiny_moe_r
     assert per_step[2]["train/skipped_steps"] == 0 and per_step[3]["train/skipped_steps"] == 1
 
 
+def test_the_e_2_checkpoint_resumes_in_one_process(tiny_moe_run, tmp_path, train_data):
+    """2 processes at E = 2 → 1 process (E = 1, grad_accum 2 keeping the global batch) through the
+    universal conversion: step 3's loss, on the same windows, is the 2-process run's."""
+    import subprocess
+
+    from tests.integration.runs import FAST, copy_checkpoint, metrics, torchrun
+
+    copy_checkpoint(tiny_moe_run, tmp_path, 2)
+    command = [*torchrun(1), "--config", "tiny-moe", f"run.dir={tmp_path}", f"data.dir={train_data}", *FAST]
+    command += ["train.steps=3", "train.grad_accum=2", "checkpoint.resume=auto", "eval.every=0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "resumed from step_00000002" in result.stdout
+    assert (tmp_path / "checkpoints" / "universal" / "step_00000002" / "complete.json").is_file()
+    ours, theirs = metrics(tmp_path)[3]["train/loss"], metrics(tiny_moe_run)[3]["train/loss"]
+    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
+
+
 def test_a_checkpoint_with_split_experts_is_read_whole_outside_training(tiny_moe_run):
     """What eval, sample, export and fine-tuning read (pretrain/evaluation/inference.py): every
     expert, in the global order: rank 0's half rounds to the module file's (rank 0's) bf16 experts."""

@@ -5,7 +5,6 @@ SIGTERM, TensorBoard, export, the two-"node" launcher mode. Most read the one go
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,17 @@ import pytest
 from pretrain.config import REPO_CONFIG_DIR
 from pretrain.parallel.distributed import free_port
 from tests.integration.golden import OVERRIDES as GOLDEN
-from tests.integration.runs import FAST, TINY, events, launcher, metrics, torchrun, train, train_state
+from tests.integration.runs import (
+    FAST,
+    TINY,
+    copy_checkpoint,
+    events,
+    launcher,
+    metrics,
+    torchrun,
+    train,
+    train_state,
+)
 
 
 def assert_learns(run_dir, last_step: int):
@@ -68,12 +77,6 @@ def test_zero3_learns_and_a_rollback_restores_the_checkpoints_weights(tmp_path, 
     assert assert_learns(tmp_path, 8)["zero_stage"] == 3
     (applied,) = [e for e in events(tmp_path) if e["type"] == "rollback_applied"]
     assert applied["tag"] == "step_00000004" and applied["matches_checkpoint"] is True
-
-
-def copy_checkpoint(golden_run, run_dir, step: int) -> None:
-    tag = f"step_{step:08d}"
-    shutil.copytree(golden_run / "checkpoints" / tag, run_dir / "checkpoints" / tag)
-    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, golden_run, train_data):
