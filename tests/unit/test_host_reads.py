@@ -49,6 +49,20 @@ def host_reads(monkeypatch):
     return seen
 
 
+def step_starts(trainer, host_reads: list) -> dict[int, int]:
+    """Step → the host reads made before it began, filled by a hook the trainer calls first."""
+    began: dict[int, int] = {}
+
+    class Mark(StepHook):  # (first: before any other hook's work of the step)
+        priority = -1
+
+        def before_step(self, step):
+            began[step] = len(host_reads)
+
+    trainer.hooks.insert(0, Mark())
+    return began
+
+
 def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
     """Steps 1-5 (no evaluation, no checkpoint), reported to a real monitoring service (on a thread
     here): one read each, also at steps 2 and 4, whose per-layer norms
@@ -68,15 +82,7 @@ def test_a_training_step_reads_the_host_once(tmp_path, train_data, host_reads):
         ],
     )
     trainer = pretraining_trainer(cfg)
-    began: dict[int, int] = {}  # step → reads made before it began
-
-    class Mark(StepHook):  # (first: before any other hook's work of the step)
-        priority = -1
-
-        def before_step(self, step):
-            began[step] = len(host_reads)
-
-    trainer.hooks.insert(0, Mark())
+    began = step_starts(trainer, host_reads)
     try:
         trainer.train()
     finally:

@@ -16,7 +16,7 @@ from pretrain.train.moe_hook import ExpertBalance
 from tests.helpers import FAST, TINY
 from tests.helpers import metrics_by_step as records
 from tests.unit.fakes import pretraining_trainer
-from tests.unit.test_host_reads import host_reads  # noqa: F401 (a fixture)
+from tests.unit.test_host_reads import host_reads, step_starts  # noqa: F401 (a fixture)
 
 
 class Writer:
@@ -101,7 +101,6 @@ def test_the_loop_reports_the_experts_checkpoints_the_bias_and_the_monitor_warns
     from monitoring.protocol import read_events
     from monitoring.service import serve
     from pretrain.reporting.metrics import tensorboard_dir
-    from pretrain.train.hooks import StepHook
 
     moe = [
         "model.moe.experts=4",
@@ -127,15 +126,7 @@ def test_the_loop_reports_the_experts_checkpoints_the_bias_and_the_monitor_warns
     trainer = pretraining_trainer(cfg)
     with torch.no_grad():
         trainer.engine.module.layers[1].mlp.router.bias[0] = -100.0  # (it moves by ±bias_rate: 1e-3)
-    began: dict[int, int] = {}  # step → host reads made before it began
-
-    class Mark(StepHook):
-        priority = -1
-
-        def before_step(self, step):
-            began[step] = len(host_reads)
-
-    trainer.hooks.insert(0, Mark())
+    began = step_starts(trainer, host_reads)
     try:
         trainer.train()
     finally:
