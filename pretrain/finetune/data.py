@@ -11,7 +11,12 @@ import torch
 
 from pretrain.config import FinetuneConfig, FinetuneDataConfig
 from pretrain.errors import UserError
-from pretrain.finetune.baselines import bag_of_words_accuracy
+from pretrain.finetune.baselines import (
+    BagOfWords,
+    bag_of_words_accuracy,
+    calibrated_weight,
+    cross_fitted_log_posteriors,
+)
 from pretrain.model.loss import IGNORE_INDEX
 from pretrain.tokenizer import Tokenizer
 
@@ -83,6 +88,7 @@ class Encoded:
     labels: list[int] | None  # classification: class ids (None: unlabelled rows to predict)
     prompt_lengths: list[int] | None  # sft: tokens of the start token + prompt
     truncated: int
+    prior: np.ndarray | None = None  # classification with a bag of words: log P(label | text) (N, labels)
 
 
 def fit_pair(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
@@ -158,6 +164,8 @@ def collate(encoded: Encoded, indices: list[int], pad_id: int, device) -> dict[s
         batch = {"tokens": tokens.to(device), "lengths": torch.tensor([len(r) for r in rows], device=device)}
         if encoded.labels is not None:
             batch["labels"] = torch.tensor([encoded.labels[i] for i in indices], device=device)
+        if encoded.prior is not None:
+            batch["prior"] = torch.from_numpy(encoded.prior[indices]).to(device)
         return batch
     width = max(map(len, rows)) - 1
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -227,12 +235,15 @@ class ExampleOrder:
 @dataclass
 class Examples:
     """A run's encoded splits and label set (None for sft); for classification with a validation
-    split, the bag-of-words baseline's accuracy on it (`pretrain/finetune/baselines.py`)."""
+    split, the bag-of-words baseline's accuracy on it (`pretrain/finetune/baselines.py`); with
+    finetune.bag_of_words, the bag of words the head adds and its starting weight (`with_prior`)."""
 
     train: Encoded
     validation: Encoded | None
     labels: list | None
     bag_of_words: float | None = None
+    prior_model: BagOfWords | None = None
+    prior_weight: float | None = None
 
 
 def raw_texts(dataset, data: FinetuneDataConfig) -> list[str]:
@@ -268,13 +279,32 @@ def load_examples(cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: int) ->
             )
     encode = lambda ds: encode_classification(ds, cfg, tokenizer, max_length, labels)  # noqa: E731
     train, validation = encode(train_set), encode(val_set) if val_set is not None else None
+    train_texts = raw_texts(train_set, cfg.data)
+    val_texts = raw_texts(val_set, cfg.data) if val_set is not None else None
     bag_of_words = None
     if validation is not None:
         bag_of_words = bag_of_words_accuracy(
-            raw_texts(train_set, cfg.data),
-            train.labels,
-            raw_texts(val_set, cfg.data),
-            validation.labels,
-            len(labels),
+            train_texts, train.labels, val_texts, validation.labels, len(labels)
         )
-    return Examples(train, validation, labels, bag_of_words)
+    examples = Examples(train, validation, labels, bag_of_words)
+    return (
+        with_prior(examples, train_texts, val_texts, cfg.run.seed) if cfg.finetune.bag_of_words else examples
+    )
+
+
+def with_prior(
+    examples: Examples, train_texts: list[str], val_texts: list[str] | None, seed: int
+) -> Examples:
+    """The bag of words the head adds (finetune.bag_of_words): each training example's prior from
+    the bag of words of the other folds (`cross_fitted_log_posteriors`), the validation split's
+    from the one trained on the whole training split, which predictions use too; the weight starts
+    where the out-of-fold priors alone fit the training labels best."""
+    num_labels = len(examples.labels)
+    model = BagOfWords(train_texts, examples.train.labels, num_labels)
+    train_prior = cross_fitted_log_posteriors(train_texts, examples.train.labels, num_labels, seed=seed)
+    examples.train.prior = train_prior
+    if examples.validation is not None:
+        examples.validation.prior = model.log_posteriors(val_texts)
+    examples.prior_model = model
+    examples.prior_weight = calibrated_weight(train_prior, examples.train.labels)
+    return examples

@@ -54,7 +54,11 @@ class FinetuneInputs:
         if labels is None:
             return model
         return SequenceClassifier(
-            model, len(labels), pooling=self.pooling, lm_loss_weight=self.lm_loss_weight
+            model,
+            len(labels),
+            pooling=self.pooling,
+            lm_loss_weight=self.lm_loss_weight,
+            prior_weight=self.examples.prior_weight,
         )
 
 
@@ -123,6 +127,7 @@ def identity(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
             "finetune.labels": inputs.examples.labels,
             "finetune.max_length": inputs.max_length,
             **({"finetune.pooling": inputs.pooling} if inputs.examples.labels else {}),
+            **({"finetune.bag_of_words": True} if inputs.examples.prior_model else {}),
         }
     )
 
@@ -153,6 +158,8 @@ def run_plan(cfg: FinetuneConfig, env: DistEnv) -> RunPlan:
             "model": asdict(initial.model_cfg),
             "labels": examples.labels,
             "init_source": initial.source,
+            # the bag of words the head adds: `pretrain predict` scores new text with it
+            **({"bag_of_words": examples.prior_model.state()} if examples.prior_model else {}),
         },
         make_model=functools.partial(first_model, trained, inputs, plan),
         make_resumed_model=inputs.model,  # (the checkpoint's weights replace it: no probe)
@@ -243,6 +250,11 @@ def head_line(inputs: FinetuneInputs, resumed: bool) -> str:
         else "the last token's final hidden state"
     )
     probe, weight = inputs.probe, inputs.lm_loss_weight
+    if inputs.examples.prior_model is not None:
+        pooled += (
+            f" plus a bag of words' log-probabilities x a learned weight (from {inputs.examples.prior_weight:g}; "
+            "finetune.bag_of_words: out-of-fold on 5 folds of the training split, on half the training examples)"
+        )
     loss = (
         f"; loss: cross-entropy + {weight:g} x the next-token loss on the example (finetune.lm_loss_weight)"
         if weight

@@ -15,11 +15,13 @@ import torch
 from pretrain import atomic
 from pretrain.config import FinetuneConfig, FinetuneDataConfig, ModelConfig, finetune_config_from_dict
 from pretrain.errors import UserError
+from pretrain.finetune.baselines import BagOfWords
 from pretrain.finetune.data import (
     check_columns,
     collate,
     encode_classification,
     padding_id,
+    raw_texts,
     read_split,
     required_columns,
 )
@@ -64,7 +66,10 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
             model = SequenceClassifier.from_state_dict(
                 model_cfg, len(run_config["labels"]), state, pooling=pooling
             ).eval()
-            records = _labels(model, texts, cfg, tokenizer, max_length, run_config["labels"])
+            prior_model = (
+                BagOfWords.from_state(run_config["bag_of_words"]) if "bag_of_words" in run_config else None
+            )
+            records = _labels(model, texts, cfg, tokenizer, max_length, run_config["labels"], prior_model)
             nothing = {"prediction": None, "probabilities": None}
         else:
             model = Transformer.from_state_dict(model_cfg, state).eval()
@@ -97,19 +102,29 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
 
 
 def _labels(
-    model, rows, cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: int, labels: list
+    model,
+    rows,
+    cfg: FinetuneConfig,
+    tokenizer: Tokenizer,
+    max_length: int,
+    labels: list,
+    prior_model: BagOfWords | None = None,
 ) -> list[dict]:
     # A labelled input is predicted like any other (its labels stay in the output).
     if cfg.data.label_column in rows.column_names:
         rows = rows.remove_columns(cfg.data.label_column)
     encoded = encode_classification(rows, cfg, tokenizer, max_length, labels)
+    if prior_model is not None:  # the head adds the training split's bag of words
+        encoded.prior = prior_model.log_posteriors(raw_texts(rows, cfg.data))
     pad_id, records = padding_id(tokenizer), [None] * len(encoded.ids)
     by_length = sorted(range(len(encoded.ids)), key=lambda i: len(encoded.ids[i]))  # (less padding)
     for start in range(0, len(by_length), 32):
         chunk = by_length[start : start + 32]
         batch = collate(encoded, chunk, pad_id, "cpu")
         for i, p in zip(
-            chunk, model(batch["tokens"], batch["lengths"]).logits.softmax(-1).tolist(), strict=True
+            chunk,
+            model(batch["tokens"], batch["lengths"], prior=batch.get("prior")).logits.softmax(-1).tolist(),
+            strict=True,
         ):
             best = max(range(len(labels)), key=p.__getitem__)
             records[i] = {

@@ -7,6 +7,10 @@ classification loss plus λ × the language model's next-token loss over the exa
 which keeps the features predictive of the text while the head fits a small training split; the
 language-model head stays and trains. With λ = 0 it is dropped: a classification checkpoint holds
 `backbone.*` (without `lm_head`) and `score.weight`, and prediction never reads `lm_head`.
+
+With `prior_weight` w (finetune.bag_of_words) the logits are the head's plus w × log-probabilities
+of each label that the caller computed from the text (a bag of words' log P(label | text)); w is
+a parameter and trains. An example given a prior of zeros is scored by the network alone.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pretrain.model.transformer import Transformer
 class ClassifierOutput(NamedTuple):
     logits: torch.Tensor  # (B, num_labels), fp32
     loss: torch.Tensor | None
+    network_logits: torch.Tensor | None = None  # with a prior: the head's alone (B, num_labels)
 
 
 class SequenceClassifier(nn.Module):
@@ -35,6 +40,7 @@ class SequenceClassifier(nn.Module):
         init_std: float | None = None,
         pooling: str = "last",
         lm_loss_weight: float = 0.0,
+        prior_weight: float | None = None,
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -46,24 +52,37 @@ class SequenceClassifier(nn.Module):
         self.lm_loss_weight = lm_loss_weight
         self.score = nn.Linear(backbone.cfg.d_model, num_labels, bias=False)
         nn.init.normal_(self.score.weight, std=init_std or backbone.cfg.init_std)
+        # (shape (1,): DeepSpeed broadcasts parameters as bytes, which a 0-d tensor cannot be viewed as)
+        self.prior_weight = (
+            None if prior_weight is None else nn.Parameter(torch.tensor([float(prior_weight)]))
+        )
 
     @property
     def layers(self) -> nn.ModuleList:  # for activation checkpointing and compile, as on the decoder
         return self.backbone.layers
 
     def forward(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        prior: torch.Tensor | None = None,
     ) -> ClassifierOutput:
-        """tokens (B, T), right-padded; lengths (B,) the real lengths; labels (B,) class ids. The
-        loss, given labels: cross-entropy, plus λ × `language_model_loss` while training."""
+        """tokens (B, T), right-padded; lengths (B,) the real lengths; labels (B,) class ids; prior
+        (B, num_labels) log-probabilities, with `prior_weight`. The loss, given labels:
+        cross-entropy, plus λ × `language_model_loss` while training."""
         hidden, _ = self.backbone.hidden_states(tokens)  # (B, T, d)
-        logits = self.score(self.pool(hidden, lengths)).float()
+        network = logits = self.score(self.pool(hidden, lengths)).float()
+        if self.prior_weight is not None:
+            if prior is None:
+                raise ValueError("this classifier adds a prior (prior_weight): pass one per example")
+            logits = network + self.prior_weight.float() * prior.float()
         if labels is None:
-            return ClassifierOutput(logits, None)
+            return ClassifierOutput(logits, None, network)
         loss = F.cross_entropy(logits, labels)
         if self.lm_loss_weight and self.training:
             loss = loss + self.lm_loss_weight * self.language_model_loss(hidden, tokens, lengths)
-        return ClassifierOutput(logits, loss)
+        return ClassifierOutput(logits, loss, network)
 
     def language_model_loss(
         self, hidden: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor
@@ -96,10 +115,12 @@ class SequenceClassifier(nn.Module):
         dtype: torch.dtype = torch.float32,
         pooling: str = "last",
     ) -> SequenceClassifier:
-        """Rebuild a fine-tuned classifier from its consolidated weights (`pooling`: its run's); the
-        language-model head a run with `lm_loss_weight` > 0 trained is not needed to predict."""
+        """Rebuild a fine-tuned classifier from its consolidated weights (`pooling`: its run's; a
+        `prior_weight` among them: it adds a prior); the language-model head a run with
+        `lm_loss_weight` > 0 trained is not needed to predict."""
         with torch.device("meta"):
-            model = cls(Transformer(cfg), num_labels, pooling=pooling)
+            prior = 0.0 if "prior_weight" in state else None
+            model = cls(Transformer(cfg), num_labels, pooling=pooling, prior_weight=prior)
         kept = {k: v.to(dtype) for k, v in state.items() if not k.startswith("backbone.lm_head.")}
         model.load_state_dict(kept, assign=True, strict=True)
         model.backbone.init_buffers()

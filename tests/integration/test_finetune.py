@@ -81,14 +81,17 @@ def test_classification_under_deepspeed_beats_the_majority_baseline(tmp_path, pr
     )
     assert results["accuracy"] >= 0.85 and results["macro_f1"] >= 0.85, results
     # The head starts random (the defaults), and the run ends with the verdict.
-    assert result.stdout.count("the head reads the last token's final hidden state; it starts random") == 1
+    # (and adds the bag of words: finetune.bag_of_words, on by default)
+    head = "the head reads the last token's final hidden state plus a bag of words' log-probabilities"
+    assert result.stdout.count(head) == 1 and "; it starts random" in result.stdout
     assert results["over_bag_of_words"] == pytest.approx(results["accuracy"] - 1.0)
     verdict = (
         "ties the bag of words (1.0000)"
         if results["accuracy"] == 1.0
         else "short of the bag of words (1.0000)"
     )
-    assert result.stdout.count(f"accuracy {results['accuracy']:.4f}: ") == 1 and verdict in result.stdout
+    said = f"accuracy {results['accuracy']:.4f} (the network alone {results['network_accuracy']:.4f}): "
+    assert result.stdout.count(said) == 1 and verdict in result.stdout
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 96  # 4 epochs × 192 / (4 × 2)
     accuracy = events(run_dir, "eval/accuracy")
@@ -167,8 +170,9 @@ def test_pair_classification_under_accelerate(tmp_path, pretrained):
     results = json.loads((run_dir / "eval_results.json").read_text())
     assert set(results) >= {"accuracy", "macro_f1"}
     # The head fitted on the two processes' features, gathered (each process has half).
-    probe = "the head reads the mean of the final hidden states; linear probe: fitted on the frozen model's features of the 96 training examples"
-    assert result.stdout.count(probe) == 1, result.stdout[-3000:]
+    head = "the head reads the mean of the final hidden states plus a bag of words' log-probabilities"
+    probe = "; linear probe: fitted on the frozen model's features of the 96 training examples"
+    assert result.stdout.count(head) == 1 and result.stdout.count(probe) == 1, result.stdout[-3000:]
     assert "loss: cross-entropy + 0.5 x the next-token loss on the example" in result.stdout
 
 

@@ -233,6 +233,9 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert results["step"] == 6 and results["examples"] == 64 and results["majority_baseline"] == 0.5
     assert results["bag_of_words_baseline"] == 1.0  # one keyword decides the label
+    # finetune.bag_of_words (on by default): the head adds it from the start, the network's own
+    # accuracy reported beside
+    assert summary["eval"][0]["accuracy"] == 1.0 and 0 <= results["network_accuracy"] <= 1
     assert results["accuracy"] == summary["eval"][-1]["accuracy"] and 0 <= results["macro_f1"] <= 1
     state = json.loads((tmp_path / "checkpoints" / "step_00000006" / "train_state.json").read_text())
     assert state["data"] == {"examples": 6 * 4} and state["tokens"] > 0
@@ -240,6 +243,7 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     assert run_config["labels"] == ["negative", "positive"] and run_config["init_source"].startswith(
         "Hugging Face"
     )
+    assert set(run_config["bag_of_words"]) == {"num_labels", "examples", "counts"}
     # Run again, a complete run says so and trains nothing; killed after its last save but before
     # its summary was written, it is resumed at its last step and still reports its final evaluation.
     again = finetune_config(*run, "train.steps=6", "checkpoint.resume=auto")
@@ -402,6 +406,9 @@ def test_the_run_says_by_how_much_the_bag_of_words_was_beaten_or_not():
     assert beaten_or_not(won) == "accuracy 0.9500: beats the bag of words (0.9304) by 2.0 points"
     tied = {"accuracy": 0.9304, "bag_of_words_baseline": 0.9304, "over_bag_of_words": -1e-9}
     assert beaten_or_not(tied) == "accuracy 0.9304: ties the bag of words (0.9304)"
+    assert beaten_or_not(won | {"network_accuracy": 0.91}) == (
+        "accuracy 0.9500 (the network alone 0.9100): beats the bag of words (0.9304) by 2.0 points"
+    )
     lost = {"accuracy": 0.788, "bag_of_words_baseline": 0.935, "over_bag_of_words": 0.788 - 0.935}
     assert beaten_or_not(lost).startswith(
         "accuracy 0.7880: falls 14.7 points short of the bag of words (0.9350)"
