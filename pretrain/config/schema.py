@@ -831,8 +831,9 @@ class FinetuneSection:
     # classification: λ in GPT-1's loss, cross-entropy + λ × the next-token loss over the example's
     # own tokens (Radford et al. 2018, sec. 3.2); 0: the head's loss alone, the LM head dropped
     lm_loss_weight: float = 0.0
-    # classification: the logits add a bag of words' log P(label | text) × a learned weight, trained
-    # on out-of-fold scores and left out of half the training examples (docs/finetuning.md)
+    # classification with a validation split: answers blend the network's logits with a bag of
+    # words' log P(label | text), weighted as fits a tenth of the training split held out from
+    # training (pretrain/finetune/blend.py, docs/finetuning.md)
     bag_of_words: bool = True
 
     def __post_init__(self) -> None:

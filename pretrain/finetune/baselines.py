@@ -54,6 +54,9 @@ class BagOfWords:
         scores = self.scores(text)
         return max(range(self.num_labels), key=scores.__getitem__)
 
+    def accuracy(self, texts: Sequence[str], labels: Sequence[int]) -> float:
+        return sum(self.predict(t) == y for t, y in zip(texts, labels, strict=True)) / len(labels)
+
     def log_posteriors(self, texts: Sequence[str]) -> np.ndarray:
         """log P(label | text) for each text: (len(texts), num_labels), float32."""
         if not texts:
@@ -77,50 +80,3 @@ class BagOfWords:
         examples = Counter(dict(enumerate(state["examples"])))
         model._fit([Counter(c) for c in state["counts"]], examples, state["num_labels"])
         return model
-
-
-def cross_fitted_log_posteriors(
-    texts: Sequence[str], labels: Sequence[int], num_labels: int, folds: int = 5, seed: int = 0
-) -> np.ndarray:
-    """Each training example's log P(label | text) from a bag of words trained on the other folds
-    (out-of-fold, as in stacking, Wolpert 1992): its own words do not vote for its label, so the
-    scores are as wrong on the training split as on unseen text."""
-    out = np.zeros((len(texts), num_labels), np.float32)
-    order = np.random.default_rng([seed, 7]).permutation(len(texts))
-    for held_out in np.array_split(order, min(folds, len(texts))):
-        rest = np.setdiff1d(order, held_out)
-        if len(rest) == 0:
-            continue
-        model = BagOfWords([texts[i] for i in rest], [labels[i] for i in rest], num_labels)
-        out[held_out] = model.log_posteriors([texts[i] for i in held_out])
-    return out
-
-
-def calibrated_weight(log_posteriors: np.ndarray, labels: Sequence[int]) -> float:
-    """The weight w of the grid 0.01 … 1 for which w × the (out-of-fold) log-posteriors have the
-    lowest cross-entropy on their labels: naive Bayes is overconfident (its words counted as
-    independent), so its log-posteriors are tempered before they meet the network's logits."""
-    rows = np.arange(len(labels))
-
-    def loss(w: float) -> float:
-        scaled = w * log_posteriors.astype(np.float64)
-        top = scaled.max(axis=1, keepdims=True)
-        log_norm = top[:, 0] + np.log(np.exp(scaled - top).sum(axis=1))
-        return float(np.mean(log_norm - scaled[rows, np.asarray(labels)]))
-
-    return min(WEIGHT_GRID, key=loss)
-
-
-WEIGHT_GRID = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-
-
-def bag_of_words_accuracy(
-    train_texts: Sequence[str],
-    train_labels: Sequence[int],
-    texts: Sequence[str],
-    labels: Sequence[int],
-    num_labels: int,
-) -> float:
-    """The accuracy on (texts, labels) of the bag of words trained on the training split."""
-    model = BagOfWords(train_texts, train_labels, num_labels)
-    return sum(model.predict(t) == y for t, y in zip(texts, labels, strict=True)) / len(labels)

@@ -11,12 +11,8 @@ import torch
 
 from pretrain.config import FinetuneConfig, FinetuneDataConfig
 from pretrain.errors import UserError
-from pretrain.finetune.baselines import (
-    BagOfWords,
-    bag_of_words_accuracy,
-    calibrated_weight,
-    cross_fitted_log_posteriors,
-)
+from pretrain.finetune.baselines import BagOfWords
+from pretrain.finetune.blend import held_out
 from pretrain.model.loss import IGNORE_INDEX
 from pretrain.tokenizer import Tokenizer
 
@@ -88,7 +84,9 @@ class Encoded:
     labels: list[int] | None  # classification: class ids (None: unlabelled rows to predict)
     prompt_lengths: list[int] | None  # sft: tokens of the start token + prompt
     truncated: int
-    prior: np.ndarray | None = None  # classification with a bag of words: log P(label | text) (N, labels)
+    prior: np.ndarray | None = (
+        None  # examples to blend (finetune.bag_of_words): log P(label | text) (N, labels)
+    )
 
 
 def fit_pair(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:
@@ -235,15 +233,20 @@ class ExampleOrder:
 @dataclass
 class Examples:
     """A run's encoded splits and label set (None for sft); for classification with a validation
-    split, the bag-of-words baseline's accuracy on it (`pretrain/finetune/baselines.py`); with
-    finetune.bag_of_words, the bag of words the head adds and its starting weight (`with_prior`)."""
+    split, the bag-of-words baseline's accuracy on it (`pretrain/finetune/baselines.py`) and, with
+    finetune.bag_of_words, the bag of words and the held-out examples the blend is fitted on
+    (`pretrain/finetune/blend.py`)."""
 
-    train: Encoded
+    train: Encoded  # what the network trains on (with a blend: all but the held-out tenth)
     validation: Encoded | None
     labels: list | None
     bag_of_words: float | None = None
-    prior_model: BagOfWords | None = None
-    prior_weight: float | None = None
+    prior_model: BagOfWords | None = None  # the bag of words of the whole training split
+    blend: Encoded | None = None  # the held-out tenth, each with the prior of the rest's bag of words
+
+    def train_truncated(self) -> int:
+        """Examples of the training split (held-out ones too) cut to the example length."""
+        return self.train.truncated + (self.blend.truncated if self.blend else 0)
 
 
 def raw_texts(dataset, data: FinetuneDataConfig) -> list[str]:
@@ -278,33 +281,22 @@ def load_examples(cfg: FinetuneConfig, tokenizer: Tokenizer, max_length: int) ->
                 f"{' ...' if len(unseen) > 5 else ''}: the head cannot predict them; fix the splits"
             )
     encode = lambda ds: encode_classification(ds, cfg, tokenizer, max_length, labels)  # noqa: E731
-    train, validation = encode(train_set), encode(val_set) if val_set is not None else None
-    train_texts = raw_texts(train_set, cfg.data)
-    val_texts = raw_texts(val_set, cfg.data) if val_set is not None else None
-    bag_of_words = None
-    if validation is not None:
-        bag_of_words = bag_of_words_accuracy(
-            train_texts, train.labels, val_texts, validation.labels, len(labels)
-        )
-    examples = Examples(train, validation, labels, bag_of_words)
-    return (
-        with_prior(examples, train_texts, val_texts, cfg.run.seed) if cfg.finetune.bag_of_words else examples
-    )
-
-
-def with_prior(
-    examples: Examples, train_texts: list[str], val_texts: list[str] | None, seed: int
-) -> Examples:
-    """The bag of words the head adds (finetune.bag_of_words): each training example's prior from
-    the bag of words of the other folds (`cross_fitted_log_posteriors`), the validation split's
-    from the one trained on the whole training split, which predictions use too; the weight starts
-    where the out-of-fold priors alone fit the training labels best."""
-    num_labels = len(examples.labels)
-    model = BagOfWords(train_texts, examples.train.labels, num_labels)
-    train_prior = cross_fitted_log_posteriors(train_texts, examples.train.labels, num_labels, seed=seed)
-    examples.train.prior = train_prior
-    if examples.validation is not None:
-        examples.validation.prior = model.log_posteriors(val_texts)
-    examples.prior_model = model
-    examples.prior_weight = calibrated_weight(train_prior, examples.train.labels)
-    return examples
+    if val_set is None:
+        return Examples(encode(train_set), None, labels)
+    index = {label: i for i, label in enumerate(labels)}
+    train_texts, val_texts = raw_texts(train_set, cfg.data), raw_texts(val_set, cfg.data)
+    train_labels = [index[v] for v in train_set[cfg.data.label_column]]
+    validation = encode(val_set)
+    whole = BagOfWords(train_texts, train_labels, len(labels))
+    bag_of_words = whole.accuracy(val_texts, validation.labels)
+    if not cfg.finetune.bag_of_words or len(train_set) < 2:
+        return Examples(encode(train_set), validation, labels, bag_of_words)
+    # the blend: the network trains on nine tenths; the tenth held out is scored by the bag of
+    # words of those nine tenths (words it never counted), the validation split by the whole's
+    trains, blends = held_out(len(train_set), cfg.run.seed)
+    blend = encode(train_set.select(blends))
+    blend.prior = BagOfWords(
+        [train_texts[i] for i in trains], [train_labels[i] for i in trains], len(labels)
+    ).log_posteriors([train_texts[i] for i in blends])
+    validation.prior = whole.log_posteriors(val_texts)
+    return Examples(encode(train_set.select(trains)), validation, labels, bag_of_words, whole, blend)

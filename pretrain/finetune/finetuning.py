@@ -58,7 +58,7 @@ class FinetuneInputs:
             len(labels),
             pooling=self.pooling,
             lm_loss_weight=self.lm_loss_weight,
-            prior_weight=self.examples.prior_weight,
+            blend=self.examples.blend is not None,
         )
 
 
@@ -194,6 +194,7 @@ def make_task(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, env:
         **common,
         num_labels=len(examples.labels),
         bag_of_words=examples.bag_of_words,
+        blend=examples.blend,
         group_by_length=cfg.finetune.group_by_length,
     )
 
@@ -205,9 +206,10 @@ def summary(cfg: FinetuneConfig, inputs: FinetuneInputs) -> dict:
         "task": cfg.finetune.task,
         "steps": inputs.steps,
         "train_examples": len(train_data.ids),
-        "train_truncated": train_data.truncated,
+        "train_truncated": inputs.examples.train_truncated(),
         "validation_examples": len(val_data.ids) if val_data else 0,
         "validation_truncated": val_data.truncated if val_data else 0,
+        "blend_examples": len(inputs.examples.blend.ids) if inputs.examples.blend else 0,
     }
 
 
@@ -215,10 +217,12 @@ def first_lines(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, pa
     """What the run says before its first step: what trains on what, how many steps and why, the
     learning rate and where it comes from, and (classification) the baselines it must beat."""
     train_data, val_data, labels = inputs.examples.train, inputs.examples.validation, inputs.examples.labels
+    blend = inputs.examples.blend
+    held = f"; {len(blend.ids):,} held out to fit the blend" if blend else ""
     lines = [
         f"fine-tuning ({cfg.finetune.task}) from {inputs.initial.source} on {parts.env.world_size} process(es), "
-        f"ZeRO-{parts.zero} bf16: {len(train_data.ids):,} examples "
-        f"({train_data.truncated:,} truncated to {inputs.max_length} tokens)"
+        f"ZeRO-{parts.zero} bf16: {len(train_data.ids) + (len(blend.ids) if blend else 0):,} examples "
+        f"({inputs.examples.train_truncated():,} truncated to {inputs.max_length} tokens{held})"
         + (f", {len(labels)} labels" if labels else "")
         + f", global batch {plan.global_batch_size}, steps {parts.state.step + 1}..{inputs.steps}"
         + (f" (resumed from {parts.resume.tag})" if parts.resume else ""),
@@ -238,6 +242,12 @@ def first_lines(cfg: FinetuneConfig, inputs: FinetuneInputs, plan: BatchPlan, pa
         )
     if labels:
         lines.append(head_line(inputs, resumed=parts.resume is not None))
+    if inputs.examples.blend is not None:
+        lines.append(
+            "answers blend the network's logits with the bag of words' log-probabilities, weighted as fits "
+            f"best the {len(inputs.examples.blend.ids):,} training examples held out from training "
+            "(finetune.bag_of_words)"
+        )
     return lines
 
 
@@ -250,11 +260,6 @@ def head_line(inputs: FinetuneInputs, resumed: bool) -> str:
         else "the last token's final hidden state"
     )
     probe, weight = inputs.probe, inputs.lm_loss_weight
-    if inputs.examples.prior_model is not None:
-        pooled += (
-            f" plus a bag of words' log-probabilities x a learned weight (from {inputs.examples.prior_weight:g}; "
-            "finetune.bag_of_words: out-of-fold on 5 folds of the training split, on half the training examples)"
-        )
     loss = (
         f"; loss: cross-entropy + {weight:g} x the next-token loss on the example (finetune.lm_loss_weight)"
         if weight

@@ -61,14 +61,7 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
     texts = rows.select([i for i in range(len(rows)) if i not in empty])
     with torch.no_grad():
         if task == "classification":
-            # (a checkpoint written before finetune.pooling existed read the last token)
-            pooling = (run_config.get("finetune") or {}).get("pooling", "last")
-            model = SequenceClassifier.from_state_dict(
-                model_cfg, len(run_config["labels"]), state, pooling=pooling
-            ).eval()
-            prior_model = (
-                BagOfWords.from_state(run_config["bag_of_words"]) if "bag_of_words" in run_config else None
-            )
+            model, prior_model = _classifier(run_config, model_cfg, state)
             records = _labels(model, texts, cfg, tokenizer, max_length, run_config["labels"], prior_model)
             nothing = {"prediction": None, "probabilities": None}
         else:
@@ -101,6 +94,17 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
     return Predicted(rows=len(table), skipped=len(empty), labelled=len(labelled), accuracy=accuracy)
 
 
+def _classifier(
+    run_config: dict, model_cfg: ModelConfig, state: dict
+) -> tuple[SequenceClassifier, BagOfWords | None]:
+    """The fine-tuned classifier, and the bag of words its head adds (finetune.bag_of_words)."""
+    # (a checkpoint written before finetune.pooling existed read the last token)
+    pooling = (run_config.get("finetune") or {}).get("pooling", "last")
+    model = SequenceClassifier.from_state_dict(model_cfg, len(run_config["labels"]), state, pooling=pooling)
+    prior_model = BagOfWords.from_state(run_config["bag_of_words"]) if "bag_of_words" in run_config else None
+    return model.eval(), prior_model
+
+
 def _labels(
     model,
     rows,
@@ -114,7 +118,7 @@ def _labels(
     if cfg.data.label_column in rows.column_names:
         rows = rows.remove_columns(cfg.data.label_column)
     encoded = encode_classification(rows, cfg, tokenizer, max_length, labels)
-    if prior_model is not None:  # the head adds the training split's bag of words
+    if prior_model is not None:  # blended with the training split's bag of words
         encoded.prior = prior_model.log_posteriors(raw_texts(rows, cfg.data))
     pad_id, records = padding_id(tokenizer), [None] * len(encoded.ids)
     by_length = sorted(range(len(encoded.ids)), key=lambda i: len(encoded.ids[i]))  # (less padding)

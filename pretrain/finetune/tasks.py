@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pretrain import atomic
+from pretrain.finetune.blend import fit_blend
 from pretrain.finetune.data import Encoded, ExampleOrder, collate
 from pretrain.model.loss import IGNORE_INDEX
 from pretrain.parallel.distributed import DistEnv, all_reduce_sum
@@ -65,12 +66,15 @@ class FinetuneTask:
         self.examples = state["examples"]
 
     def _my_validation_examples(self) -> list[int]:
-        """This rank's share of the validation examples (rank, rank + world, ...), shortest first:
-        a micro-batch is padded to its longest example, so examples of like length batched together
+        return self._my_examples(self.validation)
+
+    def _my_examples(self, examples: Encoded) -> list[int]:
+        """This rank's share of the examples (rank, rank + world, ...), shortest first: a
+        micro-batch is padded to its longest example, so examples of like length batched together
         leave little padding (on short texts with a few long ones, a third of the tokens of a
         shuffled batch were real)."""
-        mine = range(self.env.rank, len(self.validation.ids), self.env.world_size)
-        return sorted(mine, key=lambda i: len(self.validation.ids[i]))
+        mine = range(self.env.rank, len(examples.ids), self.env.world_size)
+        return sorted(mine, key=lambda i: len(examples.ids[i]))
 
     def finish(self, summary: dict) -> str | None:
         if not summary["completed"]:
@@ -85,57 +89,65 @@ class FinetuneTask:
         return f"done: {summary['step']} steps; validation {json.dumps(results) if results else 'not run (no data.validation)'}"
 
 
-def prior_kept(seed: int, position: int) -> bool:
-    """Whether the example at `position` of the stream trains with its prior (finetune.bag_of_words):
-    half of them, drawn from (seed, position), so the same at any restart and world size; the others
-    train the network alone, which otherwise learns little where the prior is already right."""
-    return bool(np.random.default_rng([seed, 11, position]).random() < 0.5)
-
-
 class Classification(FinetuneTask):
-    def __init__(self, *, num_labels: int, bag_of_words: float | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        num_labels: int,
+        bag_of_words: float | None = None,
+        blend: Encoded | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.num_labels = num_labels
         self.bag_of_words = bag_of_words  # the baseline's accuracy on the validation split
-
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        start = self.examples + self.env.rank * self.micro_batch_size
-        batch = super().next_batch()
-        if "prior" in batch:
-            kept = [prior_kept(self.seed, start + i) for i in range(len(self.last))]
-            batch["prior"] *= torch.tensor(kept, dtype=batch["prior"].dtype, device=self.device)[:, None]
-        return batch
+        self.blend = blend  # held-out training examples with their priors (finetune.bag_of_words)
 
     @torch.no_grad()
     def evaluate(self, engine) -> dict:
-        """Accuracy and macro-F1: every rank predicts its share, the predictions are summed; with a
-        prior, also the accuracy of the network alone (`network_accuracy`)."""
+        """Accuracy and macro-F1: every rank scores its share, the logits are summed. With a blend,
+        (t, a) are fitted first on the held-out examples and kept in the model's `blend` buffer,
+        and `network_accuracy` says what the network alone answers."""
         engine.eval()
-        count = len(self.validation.ids)
         try:
-            predictions = torch.full((2, count), -1, dtype=torch.long, device=self.device)
-            mine = self._my_validation_examples()
-            for start in range(0, len(mine), self.micro_batch_size):
-                chunk = mine[start : start + self.micro_batch_size]
-                batch = collate(self.validation, chunk, self.pad_id, self.device)
-                out = engine(batch["tokens"], batch["lengths"], prior=batch.get("prior"))
-                predictions[:, torch.tensor(chunk, device=self.device)] = torch.stack(
-                    [out.logits.argmax(-1), out.network_logits.argmax(-1)]
+            logits = self._network_logits(engine, self.validation)
+            results = {}
+            answers = logits
+            if self.blend is not None:
+                scale, weight = fit_blend(
+                    self._network_logits(engine, self.blend),
+                    torch.from_numpy(self.blend.prior),
+                    torch.tensor(self.blend.labels),
                 )
+                engine.module.blend.copy_(torch.tensor([scale, weight]))
+                scale, weight = engine.module.blend.float().tolist()  # (as saved: bf16 under the engine)
+                answers = scale * logits + weight * torch.from_numpy(self.validation.prior)
+                results = {"blend_network": scale, "blend_bag_of_words": weight}
         finally:
             engine.train()
-        predictions += 1  # -1 → 0 where another rank scored the example; sum over ranks
-        all_reduce_sum(predictions)
-        predictions -= 1
-        metrics = classification_metrics(predictions[0].tolist(), self.validation.labels, self.num_labels)
-        if self.validation.prior is not None:
-            metrics["network_accuracy"] = float(
-                np.mean(predictions[1].cpu().numpy() == np.asarray(self.validation.labels))
-            )
+        labels = self.validation.labels
+        metrics = classification_metrics(answers.argmax(-1).tolist(), labels, self.num_labels)
+        if self.blend is not None:
+            metrics["network_accuracy"] = float(np.mean(logits.argmax(-1).numpy() == np.asarray(labels)))
+        metrics |= results
         if self.bag_of_words is not None:
             metrics["bag_of_words_baseline"] = self.bag_of_words
             metrics["over_bag_of_words"] = metrics["accuracy"] - self.bag_of_words
         return metrics
+
+    def _network_logits(self, engine, examples: Encoded) -> torch.Tensor:
+        """The head's logits (N, labels) of every example, on the host: each rank scores a share
+        (`_my_examples`), the others' rows are zeros, and the sum over ranks is the whole."""
+        logits = torch.zeros(len(examples.ids), self.num_labels, dtype=torch.float32, device=self.device)
+        mine = self._my_examples(examples)
+        for start in range(0, len(mine), self.micro_batch_size):
+            chunk = mine[start : start + self.micro_batch_size]
+            batch = collate(examples, chunk, self.pad_id, self.device)
+            logits[torch.tensor(chunk, device=self.device)] = engine(
+                batch["tokens"], batch["lengths"]
+            ).network_logits
+        all_reduce_sum(logits)
+        return logits.cpu()
 
     def finish(self, summary: dict) -> str | None:
         """The closing line, then by how much the bag of words was beaten, or not."""

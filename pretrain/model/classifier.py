@@ -8,9 +8,11 @@ which keeps the features predictive of the text while the head fits a small trai
 language-model head stays and trains. With λ = 0 it is dropped: a classification checkpoint holds
 `backbone.*` (without `lm_head`) and `score.weight`, and prediction never reads `lm_head`.
 
-With `prior_weight` w (finetune.bag_of_words) the logits are the head's plus w × log-probabilities
-of each label that the caller computed from the text (a bag of words' log P(label | text)); w is
-a parameter and trains. An example given a prior of zeros is scored by the network alone.
+With `blend` (finetune.bag_of_words), a forward given a prior — log-probabilities of each label
+that the caller computed from the text, a bag of words' log P(label | text) — answers
+t × the head's logits + a × the prior, (t, a) the `blend` buffer that evaluation fits
+(`pretrain/finetune/blend.py`) and checkpoints keep; training passes no prior: the network learns
+alone.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from pretrain.model.transformer import Transformer
 class ClassifierOutput(NamedTuple):
     logits: torch.Tensor  # (B, num_labels), fp32
     loss: torch.Tensor | None
-    network_logits: torch.Tensor | None = None  # with a prior: the head's alone (B, num_labels)
+    network_logits: torch.Tensor | None = (
+        None  # the head's alone (B, num_labels): given a prior, not `logits`
+    )
 
 
 class SequenceClassifier(nn.Module):
@@ -40,7 +44,7 @@ class SequenceClassifier(nn.Module):
         init_std: float | None = None,
         pooling: str = "last",
         lm_loss_weight: float = 0.0,
-        prior_weight: float | None = None,
+        blend: bool = False,
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -52,10 +56,11 @@ class SequenceClassifier(nn.Module):
         self.lm_loss_weight = lm_loss_weight
         self.score = nn.Linear(backbone.cfg.d_model, num_labels, bias=False)
         nn.init.normal_(self.score.weight, std=init_std or backbone.cfg.init_std)
-        # (shape (1,): DeepSpeed broadcasts parameters as bytes, which a 0-d tensor cannot be viewed as)
-        self.prior_weight = (
-            None if prior_weight is None else nn.Parameter(torch.tensor([float(prior_weight)]))
-        )
+        # (t, a): the network alone until an evaluation fits them
+        if blend:
+            self.register_buffer("blend", torch.tensor([1.0, 0.0]))
+        else:
+            self.blend = None
 
     @property
     def layers(self) -> nn.ModuleList:  # for activation checkpointing and compile, as on the decoder
@@ -69,14 +74,15 @@ class SequenceClassifier(nn.Module):
         prior: torch.Tensor | None = None,
     ) -> ClassifierOutput:
         """tokens (B, T), right-padded; lengths (B,) the real lengths; labels (B,) class ids; prior
-        (B, num_labels) log-probabilities, with `prior_weight`. The loss, given labels:
+        (B, num_labels) log-probabilities, to blend with (`blend`). The loss, given labels:
         cross-entropy, plus λ × `language_model_loss` while training."""
         hidden, _ = self.backbone.hidden_states(tokens)  # (B, T, d)
         network = logits = self.score(self.pool(hidden, lengths)).float()
-        if self.prior_weight is not None:
-            if prior is None:
-                raise ValueError("this classifier adds a prior (prior_weight): pass one per example")
-            logits = network + self.prior_weight.float() * prior.float()
+        if prior is not None:
+            if self.blend is None:
+                raise ValueError("this classifier blends no prior (built without blend)")
+            scale, weight = self.blend.float()
+            logits = scale * network + weight * prior.float()
         if labels is None:
             return ClassifierOutput(logits, None, network)
         loss = F.cross_entropy(logits, labels)
@@ -116,11 +122,10 @@ class SequenceClassifier(nn.Module):
         pooling: str = "last",
     ) -> SequenceClassifier:
         """Rebuild a fine-tuned classifier from its consolidated weights (`pooling`: its run's; a
-        `prior_weight` among them: it adds a prior); the language-model head a run with
+        `blend` among them: it blends a prior); the language-model head a run with
         `lm_loss_weight` > 0 trained is not needed to predict."""
         with torch.device("meta"):
-            prior = 0.0 if "prior_weight" in state else None
-            model = cls(Transformer(cfg), num_labels, pooling=pooling, prior_weight=prior)
+            model = cls(Transformer(cfg), num_labels, pooling=pooling, blend="blend" in state)
         kept = {k: v.to(dtype) for k, v in state.items() if not k.startswith("backbone.lm_head.")}
         model.load_state_dict(kept, assign=True, strict=True)
         model.backbone.init_buffers()

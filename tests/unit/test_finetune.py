@@ -72,7 +72,7 @@ def test_the_bag_of_words_baseline_predicts_as_scikit_learns_naive_bayes():
     from sklearn.feature_extraction.text import CountVectorizer
     from sklearn.naive_bayes import MultinomialNB
 
-    from pretrain.finetune.baselines import BagOfWords, bag_of_words_accuracy
+    from pretrain.finetune.baselines import BagOfWords
 
     rng = random.Random(0)
     vocabulary = [f"w{i}" for i in range(200)]
@@ -90,7 +90,7 @@ def test_the_bag_of_words_baseline_predicts_as_scikit_learns_naive_bayes():
     reference = MultinomialNB(alpha=1.0).fit(words.transform(texts), labels)
     expected = reference.predict(words.transform([t for t, _ in test])).tolist()
     assert [ours.predict(t) for t, _ in test] == expected
-    accuracy = bag_of_words_accuracy(texts, labels, [t for t, _ in test], [y for _, y in test], 3)
+    accuracy = ours.accuracy([t for t, _ in test], [y for _, y in test])
     assert accuracy == pytest.approx(
         sum(p == y for p, (_, y) in zip(expected, test, strict=True)) / len(test)
     )
@@ -228,14 +228,17 @@ def test_classification_runs_through_the_loop_and_writes_its_results(tmp_path, h
     cfg = finetune_config(*run, "train.steps=6", "eval.every=3", "checkpoint.every=3")
     summary = finetuning_trainer(cfg).train()
     assert summary["completed"] and summary["task"] == "classification" and summary["steps"] == 6
-    assert summary["train_examples"] == 192 and summary["validation_examples"] == 64
+    # a tenth of the 192 training examples held out to fit the blend (finetune.bag_of_words, the default)
+    assert summary["train_examples"] == 173 and summary["blend_examples"] == 19
+    assert summary["validation_examples"] == 64
     assert [e["step"] for e in summary["eval"]] == [0, 3, 6]
     results = json.loads((tmp_path / "eval_results.json").read_text())
     assert results["step"] == 6 and results["examples"] == 64 and results["majority_baseline"] == 0.5
     assert results["bag_of_words_baseline"] == 1.0  # one keyword decides the label
-    # finetune.bag_of_words (on by default): the head adds it from the start, the network's own
-    # accuracy reported beside
-    assert summary["eval"][0]["accuracy"] == 1.0 and 0 <= results["network_accuracy"] <= 1
+    # the blend: from the start the answers are at least the bag of words' (the random head weighs
+    # nothing), the network's own accuracy reported beside
+    assert summary["eval"][0]["accuracy"] == 1.0 and summary["eval"][0]["blend_network"] == 0.0
+    assert 0 <= results["network_accuracy"] <= 1 and results["blend_bag_of_words"] > 0
     assert results["accuracy"] == summary["eval"][-1]["accuracy"] and 0 <= results["macro_f1"] <= 1
     state = json.loads((tmp_path / "checkpoints" / "step_00000006" / "train_state.json").read_text())
     assert state["data"] == {"examples": 6 * 4} and state["tokens"] > 0
