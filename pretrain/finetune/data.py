@@ -84,9 +84,8 @@ class Encoded:
     labels: list[int] | None  # classification: class ids (None: unlabelled rows to predict)
     prompt_lengths: list[int] | None  # sft: tokens of the start token + prompt
     truncated: int
-    prior: np.ndarray | None = (
-        None  # examples to blend (finetune.bag_of_words): log P(label | text) (N, labels)
-    )
+    # examples to blend (finetune.bag_of_words): the bag of words' log P(label | text), (N, labels)
+    prior: np.ndarray | None = None
 
 
 def fit_pair(a: list[int], b: list[int], budget: int) -> tuple[list[int], list[int]]:

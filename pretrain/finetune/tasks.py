@@ -158,7 +158,7 @@ class Classification(FinetuneTask):
 
 def beaten_or_not(results: dict) -> str:
     """ "accuracy 0.9494: beats the bag of words (0.9304) by 1.9 points", or falls short by; with
-    the network's own accuracy where the head adds the bag of words."""
+    the network's own accuracy where the answers blend it with the bag of words."""
     margin, bag = 100 * results["over_bag_of_words"], results["bag_of_words_baseline"]
     accuracy = f"accuracy {results['accuracy']:.4f}"
     if "network_accuracy" in results:
