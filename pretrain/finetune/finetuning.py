@@ -158,7 +158,7 @@ def run_plan(cfg: FinetuneConfig, env: DistEnv) -> RunPlan:
             "model": asdict(initial.model_cfg),
             "labels": examples.labels,
             "init_source": initial.source,
-            # the bag of words the head adds: `pretrain predict` scores new text with it
+            # the bag of words the answers blend in: `pretrain predict` scores new text with it
             **({"bag_of_words": examples.prior_model.state()} if examples.prior_model else {}),
         },
         make_model=functools.partial(first_model, trained, inputs, plan),

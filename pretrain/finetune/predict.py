@@ -97,7 +97,7 @@ def predict(checkpoint_path: str, input_path: str, out_path: str, max_new_tokens
 def _classifier(
     run_config: dict, model_cfg: ModelConfig, state: dict
 ) -> tuple[SequenceClassifier, BagOfWords | None]:
-    """The fine-tuned classifier, and the bag of words its head adds (finetune.bag_of_words)."""
+    """The fine-tuned classifier, and the bag of words its answers blend in (finetune.bag_of_words)."""
     # (a checkpoint written before finetune.pooling existed read the last token)
     pooling = (run_config.get("finetune") or {}).get("pooling", "last")
     model = SequenceClassifier.from_state_dict(model_cfg, len(run_config["labels"]), state, pooling=pooling)

@@ -65,9 +65,6 @@ class FinetuneTask:
     def load_state_dict(self, state: dict) -> None:
         self.examples = state["examples"]
 
-    def _my_validation_examples(self) -> list[int]:
-        return self._my_examples(self.validation)
-
     def _my_examples(self, examples: Encoded) -> list[int]:
         """This rank's share of the examples (rank, rank + world, ...), shortest first: a
         micro-batch is padded to its longest example, so examples of like length batched together
@@ -180,7 +177,7 @@ class SFT(FinetuneTask):
         engine.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, target tokens
         try:
-            mine = self._my_validation_examples()
+            mine = self._my_examples(self.validation)
             for start in range(0, len(mine), self.micro_batch_size):
                 batch = collate(
                     self.validation, mine[start : start + self.micro_batch_size], self.pad_id, self.device

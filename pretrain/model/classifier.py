@@ -31,9 +31,8 @@ from pretrain.model.transformer import Transformer
 class ClassifierOutput(NamedTuple):
     logits: torch.Tensor  # (B, num_labels), fp32
     loss: torch.Tensor | None
-    network_logits: torch.Tensor | None = (
-        None  # the head's alone (B, num_labels): given a prior, not `logits`
-    )
+    # the head's alone (B, num_labels): `logits` too, unless a prior was blended in
+    network_logits: torch.Tensor | None = None
 
 
 class SequenceClassifier(nn.Module):
